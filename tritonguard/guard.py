@@ -1,0 +1,240 @@
+"""The ``guard`` Python-based backend: validate a whole batch, call the target once, split.
+
+Two placements of the same pipeline:
+- ``bls`` (default): the target is any Triton model or ensemble, reached by one fused BLS call
+  per ``execute()``;
+- ``inprocess``: the target is served by our ``runtime`` backend; the guard loads the same
+  artifact with the same engine code and skips the second stub hop (for small, fast models the
+  hop costs more than the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import repository, triton
+from .config import env_parameters, from_params, model_parameters, split_parameters
+from .engines import EngineConfig, load_engine
+from .errors import ConfigError, InvalidInput, TargetError, TritonGuardError
+from .tensors import ModelSignature, TensorSpec, split
+from .validation import BatchValidator, ValidationConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class TargetConfig:
+    """Top-level guard parameters."""
+
+    target: str = ""
+    target_version: int = -1  # -1: the latest version Triton serves
+    placement: str = "bls"  # bls | inprocess
+    timeout_ms: int = 0  # BLS timeout; 0 = none
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ValueError("parameter 'target' is required (the model or ensemble this guard fronts)")
+        if self.placement not in ("bls", "inprocess"):
+            raise ValueError(f"placement must be 'bls' or 'inprocess', got {self.placement!r}")
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    target: TargetConfig
+    validation: ValidationConfig
+    runtime: EngineConfig
+
+    SECTIONS = ("", "validation", "runtime")
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], model: str) -> GuardConfig:
+        groups = split_parameters(params, cls.SECTIONS, model=model)
+        return cls(
+            target=from_params(TargetConfig, groups[""], model=model),
+            validation=from_params(ValidationConfig, groups["validation"], section="validation", model=model),
+            runtime=from_params(EngineConfig, groups["runtime"], section="runtime", model=model),
+        )
+
+
+def check_signature(guard: ModelSignature, target: ModelSignature, target_name: str) -> None:
+    """The guard's public contract must be the target's: same names, dtypes, dims, batch cap."""
+
+    def fmt(s: TensorSpec) -> str:
+        return f"{s.name}:{s.triton_type}{list(s.dims)}"
+
+    problems = []
+    t_in = {s.name: s for s in target.inputs}
+    for s in guard.inputs:
+        other = t_in.get(s.name)
+        if other is None:
+            problems.append(f"input {s.name} is not an input of the target")
+        elif other.dtype != s.dtype or len(other.dims) != len(s.dims) or any(
+            o != -1 and g != o for g, o in zip(s.dims, other.dims)
+        ):
+            problems.append(f"input {fmt(s)} != target's {fmt(other)}")
+    t_out = {s.name: s for s in target.outputs}
+    for s in guard.outputs:
+        if s.name not in t_out:
+            problems.append(f"output {s.name} is not an output of the target")
+    if target.max_batch_size and guard.max_batch_size > target.max_batch_size:
+        problems.append(f"max_batch_size {guard.max_batch_size} > target's {target.max_batch_size}")
+    if problems:
+        raise ConfigError(f"guard does not match target '{target_name}': " + "; ".join(problems))
+
+
+class BlsTarget:
+    def __init__(self, name: str, version: int, outputs: list[str], max_batch: int, timeout_ms: int):
+        self.name, self.version, self.outputs = name, version, outputs
+        self.max_batch = max_batch
+        self.timeout_us = timeout_ms * 1000
+        self.served_by = f"{name}:{version if version > 0 else 'latest'}"
+
+    def infer(self, fused: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = len(next(iter(fused.values())))
+        if not self.max_batch or rows <= self.max_batch:
+            return triton.bls(self.name, self.version, fused, self.outputs, timeout_us=self.timeout_us)
+        parts = [
+            triton.bls(self.name, self.version, {k: v[i:i + self.max_batch] for k, v in fused.items()},
+                       self.outputs, timeout_us=self.timeout_us)
+            for i in range(0, rows, self.max_batch)
+        ]
+        return {n: np.concatenate([p[n] for p in parts]) for n in self.outputs}
+
+
+class InProcessTarget:
+    def __init__(self, repo: Path, name: str, version: int, cfg: EngineConfig, signature: ModelSignature,
+                 outputs: list[str]):
+        model_dir = repo / name
+        if version <= 0:
+            latest = repository.latest_version(model_dir)
+            if latest is None:
+                raise ConfigError(f"target '{name}' has no version folder in {model_dir}")
+            version = latest
+        self.name, self.version, self.outputs = name, version, outputs
+        self.served_by = f"{name}:{version}"
+        self.engine = load_engine(model_dir / str(version), cfg, [s.name for s in signature.inputs], outputs)
+
+    def infer(self, fused: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            return self.engine.run(fused, self.outputs)
+        except Exception as exc:  # the engine's message may hold paths: keep it in the log
+            log.exception("in-process target %s failed", self.served_by)
+            raise TargetError(f"target '{self.name}' failed to run the batch: {type(exc).__name__}") from None
+
+
+class GuardModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        triton.setup_logging()
+        cfg = triton.model_config(args)
+        self.name = args["model_name"]
+        self.version = args["model_version"]
+        params = {**env_parameters(), **model_parameters(cfg)}
+        self.config = GuardConfig.from_parameters(params, self.name)
+        self.signature = ModelSignature.from_config(cfg)
+        self.config.validation.check_against(self.signature, self.name)
+        self.input_names = [s.name for s in self.signature.inputs]
+        self.output_names = [s.name for s in self.signature.outputs]
+
+        repo = Path(args["model_repository"]).parent
+        tcfg = self.config.target
+        target_dir = repo / tcfg.target
+        target_config = None
+        if (target_dir / repository.CONFIG).exists():
+            target_config = repository.read_config(target_dir)
+            check_signature(self.signature, ModelSignature.from_config(target_config), tcfg.target)
+        elif tcfg.placement == "inprocess":
+            raise ConfigError(f"model '{self.name}': in-process target '{tcfg.target}' not found in {repo}")
+        else:
+            log.warning("guard %s: target %s is not in this repository; validating against the guard's own config",
+                        self.name, tcfg.target)
+
+        if tcfg.placement == "inprocess":
+            if target_config.get("backend") != "runtime":
+                raise ConfigError(f"model '{self.name}': placement 'inprocess' needs a target served by backend "
+                                  f"'runtime', '{tcfg.target}' uses '{target_config.get('backend') or target_config.get('platform')}'")
+            # the target's own runtime parameters, overridden by the guard's runtime.* ones
+            eng_params = {**model_parameters(target_config),
+                          **{k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("runtime.")}}
+            engine_cfg = from_params(EngineConfig, eng_params, model=tcfg.target)
+            self.target: BlsTarget | InProcessTarget = InProcessTarget(
+                repo, tcfg.target, tcfg.target_version, engine_cfg, self.signature, self.output_names)
+        else:
+            self.target = BlsTarget(tcfg.target, tcfg.target_version, self.output_names,
+                                    self.signature.max_batch_size, tcfg.timeout_ms)
+
+        self.validator = BatchValidator(self.signature, self.config.validation)
+        self.metrics = triton.Metrics(self.name, self.version)
+        log.info("guard %s v%s -> %s (%s)", self.name, self.version, self.target.served_by, tcfg.placement)
+
+    # -- serving ----------------------------------------------------------------------
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses: list[Any] = [None] * len(requests)
+        try:
+            self._execute(requests, responses)
+        except Exception:  # noqa: BLE001 - a bug must never fail the server or leak a traceback
+            log.exception("guard %s: internal error", self.name)
+            for i, r in enumerate(responses):
+                if r is None:
+                    responses[i] = triton.error(f"internal error in guard '{self.name}' (details in the server log)")
+        return responses
+
+    def _execute(self, requests: list[Any], responses: list[Any]) -> None:
+        self.metrics.inc("requests", len(requests))
+        inputs = [triton.request_inputs(r, self.input_names) for r in requests]
+        verdict = self.validator.validate(inputs)
+        rejects: dict[str, int] = {}
+        for i, err in enumerate(verdict.errors):
+            if err is not None:
+                responses[i] = triton.error(err)
+                rejects[err.rule] = rejects.get(err.rule, 0) + 1
+        for rule, n in rejects.items():
+            self.metrics.inc("rejects", n, reason=rule)
+        if not verdict.valid:
+            return
+        try:
+            outputs = self._call(verdict.fused)
+        except TargetError as exc:
+            if len(verdict.valid) == 1:
+                responses[verdict.valid[0]] = triton.error(exc)
+                return
+            # isolate: one request that breaks the target must not fail its neighbours
+            self._one_by_one(inputs, verdict.valid, responses)
+            return
+        starts = verdict.starts
+        parts = {n: split(outputs[n], starts) for n in self.output_names}
+        params = {"served_by": self.target.served_by}
+        for k, i in enumerate(verdict.valid):
+            responses[i] = triton.response({n: parts[n][k] for n in self.output_names}, params)
+
+    def _call(self, fused: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
+        try:
+            out = self.target.infer(fused)
+        except TargetError as exc:
+            self.metrics.inc("target_errors", 1, code=exc.code)
+            raise
+        finally:
+            self.metrics.inc("target_calls", 1)
+            self.metrics.observe("latency", time.perf_counter() - t0)
+        return out
+
+    def _one_by_one(self, inputs: list[dict[str, np.ndarray]], valid: list[int], responses: list[Any]) -> None:
+        params = {"served_by": self.target.served_by}
+        for i in valid:
+            try:
+                out = self._call({n: inputs[i][n] for n in self.input_names})
+                responses[i] = triton.response({n: out[n] for n in self.output_names}, params)
+            except TritonGuardError as exc:
+                responses[i] = triton.error(exc)
+
+    def finalize(self) -> None:
+        self.target = None  # type: ignore[assignment]
+
+
+__all__ = ["GuardModel", "GuardConfig", "TargetConfig", "InvalidInput"]

@@ -1,0 +1,76 @@
+"""The on-disk model repository: config.pbtxt (through Triton's own protobuf schema),
+numeric version folders, and the per-version manifest and goldens the exporter writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+GOLDENS = "goldens.npz"
+CONFIG = "config.pbtxt"
+
+
+def _pb():
+    from google.protobuf import json_format, text_format  # noqa: PLC0415
+    from tritonclient.grpc import model_config_pb2  # noqa: PLC0415
+
+    return model_config_pb2, text_format, json_format
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """config.pbtxt -> the same JSON shape Triton hands to ``initialize``."""
+    mc, text_format, json_format = _pb()
+    msg = mc.ModelConfig()
+    text_format.Parse((Path(model_dir) / CONFIG).read_text(), msg)
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+
+
+def render_config(config: dict[str, Any]) -> str:
+    """Validate ``config`` against Triton's ModelConfig schema and render it as pbtxt."""
+    mc, text_format, json_format = _pb()
+    msg = json_format.ParseDict(config, mc.ModelConfig())
+    return text_format.MessageToString(msg)
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_config(model_dir: Path, config: dict[str, Any]) -> Path:
+    path = Path(model_dir) / CONFIG
+    atomic_write(path, render_config(config))
+    return path
+
+
+def versions(model_dir: Path) -> list[int]:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def latest_version(model_dir: Path) -> int | None:
+    vs = versions(model_dir)
+    return vs[-1] if vs else None
+
+
+def read_manifest(version_dir: Path) -> dict[str, Any] | None:
+    path = Path(version_dir) / MANIFEST
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())

@@ -1,0 +1,175 @@
+"""The one adapter to ``triton_python_backend_utils``.
+
+C++-backed names in pb_utils (TritonError, InferenceRequest, MetricFamily) exist only inside a
+running stub, so everything is looked up lazily, never at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import TargetError, TritonGuardError
+
+log = logging.getLogger("tritonguard")
+
+# pb_utils.TritonError integer codes -> names (python_backend pb_error.h order)
+_CODE_NAMES = {0: "UNKNOWN", 1: "INTERNAL", 2: "NOT_FOUND", 3: "INVALID_ARG", 4: "UNAVAILABLE",
+               5: "UNSUPPORTED", 6: "ALREADY_EXISTS", 7: "CANCELLED"}
+
+
+def pb():
+    import triton_python_backend_utils as pb_utils  # noqa: PLC0415
+
+    return pb_utils
+
+
+def setup_logging() -> None:
+    """Library loggers to stderr, which the stub forwards into the server log."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tritonguard %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def model_config(args: Mapping[str, str]) -> dict[str, Any]:
+    return json.loads(args["model_config"])
+
+
+def request_inputs(request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
+    get = pb().get_input_tensor_by_name
+    out = {}
+    for name in names:
+        t = get(request, name)
+        if t is not None:
+            out[name] = t.as_numpy()
+    return out
+
+
+def request_parameters(request: Any) -> dict[str, Any]:
+    try:
+        raw = request.parameters()
+        return json.loads(raw) if raw else {}
+    except (ValueError, AttributeError):
+        return {}
+
+
+def error(exc_or_msg: TritonGuardError | str, code: str | None = None) -> Any:
+    p = pb()
+    if isinstance(exc_or_msg, TritonGuardError):
+        msg, code = str(exc_or_msg), code or exc_or_msg.code
+    else:
+        msg, code = exc_or_msg, code or "INTERNAL"
+    return p.InferenceResponse(output_tensors=[], error=p.TritonError(msg, getattr(p.TritonError, code)))
+
+
+def response(outputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any] | None = None) -> Any:
+    p = pb()
+    tensors = [p.Tensor(name, arr) for name, arr in outputs.items()]
+    if parameters:
+        try:
+            return p.InferenceResponse(output_tensors=tensors, parameters=dict(parameters))
+        except TypeError:  # older python_backend without response parameters
+            pass
+    return p.InferenceResponse(output_tensors=tensors)
+
+
+def bls(
+    model: str,
+    version: int,
+    inputs: Mapping[str, np.ndarray],
+    outputs: Sequence[str],
+    *,
+    trace: Any = None,
+    timeout_us: int = 0,
+) -> dict[str, np.ndarray]:
+    """One synchronous BLS call; a target error raises :class:`TargetError` with its code."""
+    p = pb()
+    kwargs: dict[str, Any] = {
+        "model_name": model,
+        "model_version": int(version),
+        "inputs": [p.Tensor(n, a) for n, a in inputs.items()],
+        "requested_output_names": list(outputs),
+    }
+    if trace is not None:
+        kwargs["trace"] = trace
+    if timeout_us:
+        kwargs["timeout"] = int(timeout_us)
+    resp = p.InferenceRequest(**kwargs).exec()
+    if resp.has_error():
+        err = resp.error()
+        code = _CODE_NAMES.get(err.code(), "INTERNAL") if hasattr(err, "code") else "INTERNAL"
+        raise TargetError(f"target '{model}' failed: {err.message()}", code)
+    result = {}
+    for name in outputs:
+        t = p.get_output_tensor_by_name(resp, name)
+        if t is None:
+            raise TargetError(f"target '{model}' returned no output '{name}'")
+        result[name] = t.as_numpy()
+    return result
+
+
+class Metrics:
+    """Triton custom metrics for one model; every call is fenced so metrics never fail serving."""
+
+    LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+    def __init__(self, model: str, version: str):
+        self.labels = {"model": model, "version": str(version)}
+        self._children: dict[tuple, Any] = {}
+        self._families: dict[str, Any] = {}
+        self.enabled = True
+        try:
+            p = pb()
+            mf = p.MetricFamily
+            self._families = {
+                "requests": mf("tritonguard_requests_total", "Requests seen by the guard", mf.COUNTER),
+                "rejects": mf("tritonguard_rejects_total", "Requests rejected by the guard, by reason", mf.COUNTER),
+                "target_errors": mf("tritonguard_target_errors_total", "Target call failures, by status code", mf.COUNTER),
+                "target_calls": mf("tritonguard_target_calls_total", "Fused target calls (one per execute batch)", mf.COUNTER),
+            }
+            try:
+                self._families["latency"] = mf(
+                    "tritonguard_target_latency_seconds", "Latency of fused target calls", mf.HISTOGRAM
+                )
+            except (AttributeError, TypeError):
+                self._families["latency"] = None
+        except Exception:  # noqa: BLE001 - metrics are optional, serving is not
+            log.exception("custom metrics unavailable; serving without them")
+            self.enabled = False
+
+    def _child(self, family: str, **extra: str) -> Any:
+        key = (family, *sorted(extra.items()))
+        child = self._children.get(key)
+        if child is None:
+            fam = self._families[family]
+            labels = {**self.labels, **extra}
+            if family == "latency":
+                child = fam.Metric(labels=labels, buckets=list(self.LATENCY_BUCKETS))
+            else:
+                child = fam.Metric(labels=labels)
+            self._children[key] = child
+        return child
+
+    def inc(self, family: str, value: float = 1, **labels: str) -> None:
+        if not self.enabled or value <= 0:
+            return
+        try:
+            self._child(family, **labels).increment(value)
+        except Exception:  # noqa: BLE001
+            log.exception("metric %s failed", family)
+
+    def observe(self, family: str, value: float) -> None:
+        if not self.enabled or self._families.get(family) is None:
+            return
+        try:
+            self._child(family).observe(value)
+        except Exception:  # noqa: BLE001
+            log.exception("metric %s failed", family)
