@@ -234,6 +234,7 @@ class GuardModel:
                 responses[i] = triton.error(exc)
 
     def finalize(self) -> None:
+        self.metrics.close()
         self.target = None  # type: ignore[assignment]
 
 

@@ -70,14 +70,20 @@ def error(exc_or_msg: TritonGuardError | str, code: str | None = None) -> Any:
     return p.InferenceResponse(output_tensors=[], error=p.TritonError(msg, getattr(p.TritonError, code)))
 
 
+_RESPONSE_PARAMETERS: bool | None = None  # python_backend >= r25.02 only; probed once
+
+
 def response(outputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any] | None = None) -> Any:
+    global _RESPONSE_PARAMETERS
     p = pb()
     tensors = [p.Tensor(name, arr) for name, arr in outputs.items()]
-    if parameters:
+    if parameters and _RESPONSE_PARAMETERS is not False:
         try:
-            return p.InferenceResponse(output_tensors=tensors, parameters=dict(parameters))
-        except TypeError:  # older python_backend without response parameters
-            pass
+            resp = p.InferenceResponse(output_tensors=tensors, parameters=dict(parameters))
+            _RESPONSE_PARAMETERS = True
+            return resp
+        except TypeError:
+            _RESPONSE_PARAMETERS = False
     return p.InferenceResponse(output_tensors=tensors)
 
 
@@ -117,59 +123,104 @@ def bls(
 
 
 class Metrics:
-    """Triton custom metrics for one model; every call is fenced so metrics never fail serving."""
+    """Triton custom metrics for one model, kept off the serving path.
+
+    ``inc``/``observe`` only touch in-process counters (each call into pb_utils metrics is an
+    IPC round trip to the server: measured ~0.3 ms p50 added at c=1 with three per batch). A
+    daemon thread pushes the deltas every ``interval`` seconds. Latency observations wait in a
+    bounded deque; overflow is counted in ``tritonguard_metric_drops_total``, never blocks.
+    """
 
     LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+    FAMILIES = {
+        "requests": ("tritonguard_requests_total", "Requests seen by the guard"),
+        "rejects": ("tritonguard_rejects_total", "Requests rejected by the guard, by reason"),
+        "target_errors": ("tritonguard_target_errors_total", "Target call failures, by status code"),
+        "target_calls": ("tritonguard_target_calls_total", "Fused target calls (one per execute batch)"),
+        "drops": ("tritonguard_metric_drops_total", "Metric observations dropped (queue full)"),
+    }
 
-    def __init__(self, model: str, version: str):
+    def __init__(self, model: str, version: str, interval: float = 1.0, max_pending: int = 8192):
+        import collections  # noqa: PLC0415
+        import threading  # noqa: PLC0415
+
         self.labels = {"model": model, "version": str(version)}
+        self.interval = interval
         self._children: dict[tuple, Any] = {}
         self._families: dict[str, Any] = {}
+        self._counts: dict[tuple, float] = {}
+        self._lock = threading.Lock()
+        self._observations: collections.deque = collections.deque(maxlen=max_pending)
+        self._dropped = 0
+        self._stop = threading.Event()
         self.enabled = True
         try:
-            p = pb()
-            mf = p.MetricFamily
-            self._families = {
-                "requests": mf("tritonguard_requests_total", "Requests seen by the guard", mf.COUNTER),
-                "rejects": mf("tritonguard_rejects_total", "Requests rejected by the guard, by reason", mf.COUNTER),
-                "target_errors": mf("tritonguard_target_errors_total", "Target call failures, by status code", mf.COUNTER),
-                "target_calls": mf("tritonguard_target_calls_total", "Fused target calls (one per execute batch)", mf.COUNTER),
-            }
+            mf = pb().MetricFamily
+            for key, (name, doc) in self.FAMILIES.items():
+                self._families[key] = mf(name, doc, mf.COUNTER)
             try:
-                self._families["latency"] = mf(
-                    "tritonguard_target_latency_seconds", "Latency of fused target calls", mf.HISTOGRAM
-                )
+                self._families["latency"] = mf("tritonguard_target_latency_seconds",
+                                               "Latency of fused target calls", mf.HISTOGRAM)
             except (AttributeError, TypeError):
                 self._families["latency"] = None
         except Exception:  # noqa: BLE001 - metrics are optional, serving is not
             log.exception("custom metrics unavailable; serving without them")
             self.enabled = False
+            return
+        self._thread = threading.Thread(target=self._run, name=f"metrics-{model}", daemon=True)
+        self._thread.start()
 
-    def _child(self, family: str, **extra: str) -> Any:
-        key = (family, *sorted(extra.items()))
-        child = self._children.get(key)
-        if child is None:
-            fam = self._families[family]
-            labels = {**self.labels, **extra}
-            if family == "latency":
-                child = fam.Metric(labels=labels, buckets=list(self.LATENCY_BUCKETS))
-            else:
-                child = fam.Metric(labels=labels)
-            self._children[key] = child
-        return child
-
+    # -- hot path: no IPC ------------------------------------------------------------
     def inc(self, family: str, value: float = 1, **labels: str) -> None:
         if not self.enabled or value <= 0:
             return
-        try:
-            self._child(family, **labels).increment(value)
-        except Exception:  # noqa: BLE001
-            log.exception("metric %s failed", family)
+        key = (family, *sorted(labels.items()))
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + value
 
     def observe(self, family: str, value: float) -> None:
-        if not self.enabled or self._families.get(family) is None:
+        if not self.enabled:
             return
+        if len(self._observations) == self._observations.maxlen:
+            self._dropped += 1  # a deque with maxlen would silently evict the oldest
+            return
+        self._observations.append((family, value))
+
+    # -- flusher thread --------------------------------------------------------------
+    def _child(self, family: str, labels: tuple) -> Any:
+        key = (family, *labels)
+        child = self._children.get(key)
+        if child is None:
+            fam = self._families[family]
+            all_labels = {**self.labels, **dict(labels)}
+            if family == "latency":
+                child = fam.Metric(labels=all_labels, buckets=list(self.LATENCY_BUCKETS))
+            else:
+                child = fam.Metric(labels=all_labels)
+            self._children[key] = child
+        return child
+
+    def flush(self) -> None:
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        if self._dropped:
+            counts[("drops",)] = counts.get(("drops",), 0) + self._dropped
+            self._dropped = 0
         try:
-            self._child(family).observe(value)
+            for (family, *labels), value in counts.items():
+                self._child(family, tuple(labels)).increment(value)
+            while self._observations:
+                family, value = self._observations.popleft()
+                if self._families.get(family) is not None:
+                    self._child(family, ()).observe(value)
         except Exception:  # noqa: BLE001
-            log.exception("metric %s failed", family)
+            log.exception("flushing metrics failed")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._stop.set()
+            self.flush()

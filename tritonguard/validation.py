@@ -82,11 +82,14 @@ class BatchValidator:
         self.config = config
         self._float_inputs = [s for s in signature.inputs if np.issubdtype(s.dtype, np.floating)]
         self._bytes_inputs = [s for s in signature.inputs if s.is_bytes]
+        self._int_ranges = [n for n in config.range
+                            if not np.issubdtype(signature.input(n).dtype, np.floating)]
 
     # -- per request, structural -------------------------------------------------------
     def _structural(self, inputs: Inputs) -> tuple[InvalidInput | None, int]:
         sig = self.signature
-        batch = None
+        batched = sig.max_batch_size > 0
+        batch = -1
         payload = 0
         for spec in sig.inputs:
             arr = inputs.get(spec.name)
@@ -95,25 +98,25 @@ class BatchValidator:
             if arr.dtype != spec.dtype and not (spec.is_bytes and arr.dtype.kind in "OSU"):
                 return InvalidInput(spec.name, "dtype", f"expected {spec.triton_type}, got {arr.dtype}"), 0
             shape = arr.shape
-            if sig.max_batch_size > 0:
-                if len(shape) < 1:
+            if batched:
+                if not shape:
                     return InvalidInput(spec.name, "shape", "missing batch dimension"), 0
                 n, shape = shape[0], shape[1:]
                 if n < 1 or n > sig.max_batch_size:
                     return InvalidInput(spec.name, "batch_size", f"batch size {n} not in 1..{sig.max_batch_size}"), 0
-                if batch is not None and n != batch:
+                if batch >= 0 and n != batch:
                     return InvalidInput(spec.name, "batch_size", f"batch size {n} differs from other inputs ({batch})"), 0
                 batch = n
-            if not spec.shape_ok(shape):
+            if shape != spec.dims and not spec.shape_ok(shape):
                 want = "[" + ",".join(str(d) for d in spec.dims) + "]"
                 return InvalidInput(spec.name, "shape", f"expected {want} per item, got {list(shape)}"), 0
             if spec.is_bytes:
-                payload += sum(len(x) if isinstance(x, (bytes, str)) else 0 for x in arr.flat)
+                payload += sum(len(x) for x in arr.flat if isinstance(x, (bytes, str)))
             else:
                 payload += arr.nbytes
         if payload > self.config.max_payload_bytes:
             return InvalidInput("*", "max_payload_bytes", f"{payload} bytes > {self.config.max_payload_bytes}"), 0
-        return None, (batch if batch is not None else 1)
+        return None, (batch if batch >= 0 else 1)
 
     def _bytes_errors(self, spec: TensorSpec, arr: np.ndarray) -> InvalidInput | None:
         limit = self.config.max_bytes_length
@@ -170,18 +173,36 @@ class BatchValidator:
     def _value_errors(self, fused: Mapping[str, np.ndarray], sizes: Sequence[int]) -> dict[int, InvalidInput]:
         if not fused:
             return {}
-        starts = offsets(sizes)
-        rows = int(starts[-1])
         bad: dict[int, InvalidInput] = {}
-        if not self.config.allow_non_finite:
-            for spec in self._float_inputs:
-                arr = fused[spec.name].reshape(rows, -1) if rows else fused[spec.name]
-                row_bad = ~np.isfinite(arr).all(axis=1)
-                for pos in np.flatnonzero(rows_any(row_bad, starts)):
+        starts: np.ndarray | None = None
+        for spec in self._float_inputs:
+            arr = fused[spec.name]
+            lo, hi = self.config.range.get(spec.name, (-np.inf, np.inf))
+            check_finite = not self.config.allow_non_finite
+            # Fast path, one pass each over the whole batch: NaN propagates through min/max and
+            # Inf exceeds any finite bound, so a clean batch never reaches the per-row work.
+            mn, mx = arr.min(), arr.max()
+            if (not check_finite or np.isfinite(mn) and np.isfinite(mx)) and lo <= mn and mx <= hi:
+                continue
+            if starts is None:
+                starts = offsets(sizes)
+            rows = arr.reshape(int(starts[-1]), -1)
+            if check_finite:
+                for pos in np.flatnonzero(rows_any(~np.isfinite(rows).all(axis=1), starts)):
                     bad.setdefault(int(pos), InvalidInput(spec.name, "finite", "NaN or Inf values are not allowed"))
-        for name, (lo, hi) in self.config.range.items():
-            arr = fused[name].reshape(rows, -1)
-            row_bad = ((arr < lo) | (arr > hi)).any(axis=1)
-            for pos in np.flatnonzero(rows_any(row_bad, starts)):
+            if spec.name in self.config.range:
+                with np.errstate(invalid="ignore"):
+                    row_bad = ((rows < lo) | (rows > hi)).any(axis=1)
+                for pos in np.flatnonzero(rows_any(row_bad, starts)):
+                    bad.setdefault(int(pos), InvalidInput(spec.name, "range", f"values must lie in [{lo:g}, {hi:g}]"))
+        for name in self._int_ranges:
+            arr = fused[name]
+            lo, hi = self.config.range[name]
+            if lo <= arr.min() and arr.max() <= hi:
+                continue
+            if starts is None:
+                starts = offsets(sizes)
+            rows = arr.reshape(int(starts[-1]), -1)
+            for pos in np.flatnonzero(rows_any(((rows < lo) | (rows > hi)).any(axis=1), starts)):
                 bad.setdefault(int(pos), InvalidInput(name, "range", f"values must lie in [{lo:g}, {hi:g}]"))
         return bad

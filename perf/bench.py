@@ -1,0 +1,237 @@
+"""`make bench`: guarded vs raw vs in-process ceiling, in one run on one machine.
+
+For each model and concurrency the raw and the guarded model are measured back to back with
+perf_analyzer against one tritonserver on loopback; the ceiling is onnxruntime in this process
+at the batch size the dynamic batcher can form at that concurrency. Results go to
+``perf/results/<timestamp>.json`` and ``.png``; the ratio table is printed. Absolute numbers
+drift on a shared 2-core machine: read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tritonguard import repository
+from tritonguard.launcher import resolve_perf_analyzer
+from tritonguard.server import Server
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "perf" / "results"
+TARGETS = {"digits": 0.80, "minilm": 0.95}  # guarded/raw throughput at c=16
+P99_BUDGET_MS = 1.0
+SENTENCE = "Canary releases send a small share of traffic to a new model version first."
+
+
+@dataclass
+class Measurement:
+    model: str
+    variant: str  # guarded | raw | ceiling
+    concurrency: int
+    throughput: float  # inferences/s
+    p50_ms: float
+    p99_ms: float
+
+
+def input_data(model: str, path: Path) -> Path:
+    if model == "digits":
+        from sklearn.datasets import load_digits
+
+        images = load_digits().images[:16].astype(np.float32)
+        data = [{"IMAGE": {"content": img.ravel().tolist(), "shape": [8, 8]}} for img in images]
+    else:
+        data = [{"TEXT": {"content": [SENTENCE], "shape": [1]}}]
+    path.write_text(json.dumps({"data": data}))
+    return path
+
+
+def perf_analyzer(server: Server, model: str, concurrency: int, data: Path, window_ms: int, trials: int) -> Measurement:
+    """One perf_analyzer measurement; on a noisy machine that never settles within 25 %, retry
+    with a longer window and a looser stability bound rather than report nothing."""
+    binary, _, env = resolve_perf_analyzer([])
+    attempts = [(window_ms, 25), (window_ms * 2, 60), (window_ms * 2, 1000)]
+    out = ""
+    for window, stability in attempts:
+        with tempfile.NamedTemporaryFile(suffix=".csv", delete=False) as fh:
+            csv_path = Path(fh.name)
+        cmd = [binary, "-m", model, "-u", server.http_url, "-i", "http", "--input-data", str(data),
+               "--concurrency-range", str(concurrency), "-p", str(window), "--max-trials", str(trials),
+               "-s", str(stability), "-f", str(csv_path)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+        out = proc.stdout[-1500:] + proc.stderr[-1500:]
+        rows = list(csv.DictReader(open(csv_path))) if csv_path.stat().st_size else []
+        csv_path.unlink()
+        if proc.returncode == 0 and rows:
+            row = rows[0]
+            variant = "raw" if model.endswith("_raw") else "guarded"
+            return Measurement(model.removesuffix("_raw"), variant, concurrency, float(row["Inferences/Second"]),
+                               float(row["p50 latency"]) / 1000, float(row["p99 latency"]) / 1000)
+        sys.stderr.write(f"  {model} c={concurrency}: unstable at {stability}% over {window} ms, retrying\n")
+    raise RuntimeError(f"perf_analyzer failed for {model} c={concurrency}:\n{out}")
+
+
+def median_of(ms: list[Measurement]) -> Measurement:
+    """Per-field median over rounds (raw and guarded alternate, so both see the same noise)."""
+    return Measurement(ms[0].model, ms[0].variant, ms[0].concurrency,
+                       float(np.median([m.throughput for m in ms])), float(np.median([m.p50_ms for m in ms])),
+                       float(np.median([m.p99_ms for m in ms])))
+
+
+def ceiling(repo: Path, model: str, batch: int, seconds: float = 3.0) -> Measurement:
+    """onnxruntime in this process at ``batch``: the most a server could approach."""
+    import onnxruntime as ort
+
+    target = "digits_raw" if model == "digits" else "minilm_encoder"
+    cfg = repository.read_config(repo / target)
+    threads = int(cfg.get("parameters", {}).get("intra_op_threads", {}).get("string_value", "1"))
+    version = repository.latest_version(repo / target)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(str(repo / target / str(version) / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+    if model == "digits":
+        from sklearn.datasets import load_digits
+
+        feed = {"IMAGE": np.repeat(load_digits().images[:1].astype(np.float32), batch, axis=0)}
+    else:
+        from transformers import AutoTokenizer
+
+        tok_v = repository.latest_version(repo / "minilm_tokenizer")
+        tok = AutoTokenizer.from_pretrained(str(repo / "minilm_tokenizer" / str(tok_v) / "tokenizer"))
+        enc = tok([SENTENCE] * batch, padding="longest", return_tensors="np")
+        feed = {"input_ids": enc["input_ids"].astype(np.int64), "attention_mask": enc["attention_mask"].astype(np.int64)}
+    sess.run(None, feed)
+    lat = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(lat) < 5:
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        lat.append(time.perf_counter() - t0)
+    lat_ms = np.array(lat) * 1000
+    return Measurement(model, "ceiling", batch, batch * len(lat) / sum(lat), float(np.percentile(lat_ms, 50)),
+                       float(np.percentile(lat_ms, 99)))
+
+
+def ratio_table(results: list[Measurement], concurrencies: list[int]) -> list[dict]:
+    rows = []
+    by = {(m.model, m.variant, m.concurrency): m for m in results}
+    for model in TARGETS:
+        for c in concurrencies:
+            g, r, ceil = by.get((model, "guarded", c)), by.get((model, "raw", c)), by.get((model, "ceiling", c))
+            if not (g and r):
+                continue
+            rows.append({
+                "model": model, "concurrency": c,
+                "guarded_ips": round(g.throughput, 1), "raw_ips": round(r.throughput, 1),
+                "guarded_over_raw": round(g.throughput / r.throughput, 3),
+                "raw_over_ceiling": round(r.throughput / ceil.throughput, 3) if ceil else None,
+                "p99_guarded_ms": round(g.p99_ms, 2), "p99_raw_ms": round(r.p99_ms, 2),
+                "p99_added_ms": round(g.p99_ms - r.p99_ms, 2),
+                "target": TARGETS[model] if c == 16 else None,
+                "meets_target": (g.throughput / r.throughput >= TARGETS[model]) if c == 16 else None,
+            })
+    return rows
+
+
+def plot(results: list[Measurement], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in TARGETS if any(r.model == m for r in results)]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for variant, style in (("raw", "o-"), ("guarded", "s-"), ("ceiling", "^--")):
+            pts = sorted((m for m in results if m.model == model and m.variant == variant), key=lambda m: m.concurrency)
+            if pts:
+                ax.plot([m.p99_ms for m in pts], [m.throughput for m in pts], style, label=variant)
+                for m in pts:
+                    ax.annotate(f"{'b' if variant == 'ceiling' else 'c'}={m.concurrency}", (m.p99_ms, m.throughput),
+                                fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_title(f"{model}: throughput vs p99")
+        ax.set_xlabel("p99 latency (ms)")
+        ax.set_ylabel("inferences / s")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="guarded vs raw (one run, same server; ratios are what to read)")
+    for col in ("model", "c", "guarded inf/s", "raw inf/s", "guarded/raw", "raw/ceiling", "p99 g/r ms", "p99 added", "target"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        verdict = "" if r["target"] is None else (f"≥{r['target']} " + ("ok" if r["meets_target"] else "SHORT"))
+        table.add_row(r["model"], str(r["concurrency"]), f"{r['guarded_ips']:.0f}", f"{r['raw_ips']:.0f}",
+                      f"{r['guarded_over_raw']:.3f}", "" if r["raw_over_ceiling"] is None else f"{r['raw_over_ceiling']:.3f}",
+                      f"{r['p99_guarded_ms']:.2f}/{r['p99_raw_ms']:.2f}", f"{r['p99_added_ms']:+.2f}", verdict)
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--models", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    ap.add_argument("--window-ms", type=int, default=4000)
+    ap.add_argument("--trials", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2, help="raw/guarded alternations per point (median)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[Measurement] = []
+    workdir = Path(tempfile.mkdtemp(prefix="tritonguard-bench-"))
+    wait = [m for model in args.models for m in (model, f"{model}_raw")]
+    with Server(repository=args.repository.resolve(), log_path=workdir / "tritonserver.log") as server:
+        server.start(wait_models=wait)
+        for model in args.models:
+            data = input_data(model, workdir / f"{model}.json")
+            for c in args.concurrency:
+                # raw and guarded alternate, so both see the same machine load; median per point
+                runs: dict[str, list[Measurement]] = {f"{model}_raw": [], model: []}
+                for _ in range(args.rounds):
+                    for name in runs:
+                        m = perf_analyzer(server, name, c, data, args.window_ms, args.trials)
+                        runs[name].append(m)
+                        sys.stderr.write(f"{name:12s} c={c:<3d} {m.throughput:9.1f} inf/s  p50 {m.p50_ms:7.2f} ms  p99 {m.p99_ms:7.2f} ms\n")
+                results.extend(median_of(v) for v in runs.values())
+    for model in args.models:
+        for c in args.concurrency:
+            results.append(ceiling(args.repository, model, c))
+    rows = ratio_table(results, args.concurrency)
+    report = {
+        "timestamp": stamp, "machine": {"cpus": os.cpu_count()},
+        "settings": {"window_ms": args.window_ms, "trials": args.trials, "rounds": args.rounds, "protocol": "http"},
+        "measurements": [asdict(m) for m in results], "ratios": rows,
+        "targets": {"guarded_over_raw_at_c16": TARGETS, "p99_added_ms": P99_BUDGET_MS},
+    }
+    json_path = args.out / f"{stamp}.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    plot(results, args.out / f"{stamp}.png")
+    print_table(rows)
+    sys.stderr.write(f"results: {json_path} and {json_path.with_suffix('.png')}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

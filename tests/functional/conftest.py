@@ -1,0 +1,84 @@
+"""Functional tier: a real tritonserver, started through the project's launcher on free
+loopback ports, serving the exported example models plus a few test-only models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tritonguard.repository import read_config, write_config
+from tritonguard.server import Server
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ("digits", "digits_raw", "minilm", "minilm_raw")
+
+
+def _export(repo: Path, name: str) -> None:
+    subprocess.run([sys.executable, "-m", "exporter", "export", "--source", f"examples.{name}:build",
+                    "--name", name, "--repository", str(repo)], cwd=ROOT, check=True)
+
+
+@pytest.fixture(scope="session")
+def exported_repo(tmp_path_factory) -> Path:
+    """The example models: ``$TRITONGUARD_TEST_REPOSITORY``, ``model_repository/``, or a fresh export."""
+    repo = Path(os.environ.get("TRITONGUARD_TEST_REPOSITORY", ROOT / "model_repository"))
+    if all((repo / f"{m}_raw" / "config.pbtxt").exists() for m in ("digits", "minilm")):
+        return repo
+    repo = tmp_path_factory.mktemp("exported")
+    _export(repo, "digits")
+    _export(repo, "minilm")
+    return repo
+
+
+@pytest.fixture(scope="session")
+def test_repo(exported_repo, tmp_path_factory) -> Path:
+    """Links to the example models, plus test-only models that exercise failure paths."""
+    repo = tmp_path_factory.mktemp("repo")
+    for model_dir in exported_repo.iterdir():
+        if (model_dir / "config.pbtxt").exists():
+            (repo / model_dir.name).symlink_to(model_dir.resolve())
+    digits = read_config(exported_repo / "digits")
+
+    def guard_variant(name: str, **params: str) -> None:
+        cfg = {**digits, "name": name, "parameters": {k: {"string_value": v} for k, v in params.items()}}
+        write_config(repo / name, cfg)
+        (repo / name / "1").mkdir()
+
+    # a guard whose target is not served: BLS errors must reach the client with a clear message
+    guard_variant("orphan", target="no_such_model", placement="bls")
+    # an unknown parameter must fail the load, naming the key
+    guard_variant("misspelt", target="digits_raw", placement="inprocess", **{"validation.max_paylod_bytes": "10"})
+    # the BLS placement of the digits guard, to test both placements of one pipeline
+    guard_variant("digits_bls", target="digits_raw", placement="bls", **{"validation.range.IMAGE": "0,16"})
+    return repo
+
+
+@pytest.fixture(scope="session")
+def server(test_repo, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "tritonserver.log"
+    srv = Server(repository=test_repo, log_path=log)
+    srv.start(wait_models=(*MODELS, "orphan", "digits_bls"))
+    yield srv
+    srv.stop()
+    print(f"server log: {log}")
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    import tritonclient.http as httpclient
+
+    with httpclient.InferenceServerClient(server.http_url, concurrency=8) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def grpc(server):
+    import tritonclient.grpc as grpcclient
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    yield c
+    c.close()

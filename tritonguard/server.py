@@ -1,0 +1,118 @@
+"""Start a real tritonserver (through the launcher) on free loopback ports, and stop it by PID.
+
+Used by the functional tests and by ``perf/``; nothing here is on the serving path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tritonserver_command() -> list[str]:
+    exe = Path(sys.executable).parent / "tritonserver"
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-c", "import sys; from tritonguard.launcher import tritonserver_main as m; sys.exit(m())"]
+
+
+@dataclass
+class Server:
+    repository: Path
+    log_path: Path
+    extra_args: Sequence[str] = ()
+    http_port: int = field(default_factory=free_port)
+    grpc_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self, wait_models: Sequence[str] = (), timeout: float = 180.0) -> Server:
+        args = [
+            *tritonserver_command(),
+            f"--model-repository={self.repository}",
+            "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
+            f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-gpu-metrics=false", "--exit-on-error=false", "--strict-readiness=false",
+            *self.extra_args,
+        ]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        pending = list(wait_models)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}\n{self.tail()}")
+            if self._ok("/v2/health/live"):
+                pending = [m for m in pending if not self._ok(f"/v2/models/{m}/ready")]
+                if not pending:
+                    return self
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"models {pending} not ready after {timeout:.0f}s; log: {self.log_path}\n{self.tail()}")
+
+    def _ok(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and self._ok("/v2/health/live")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group (its stubs too), by PID; SIGKILL if it lingers."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
