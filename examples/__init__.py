@@ -1,0 +1,1 @@
+"""Example model sources for ``python -m exporter export --source examples.<name>:build``."""

@@ -1,0 +1,91 @@
+"""A small CNN on scikit-learn's 8x8 digits: trains in seconds, no downloads.
+
+The exported module takes raw pixel values (0..16, as load_digits gives them) and returns class
+probabilities, so scaling lives inside the artifact and clients cannot get it wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+from exporter.sources import ExportSpec, TensorDef
+
+log = logging.getLogger(__name__)
+
+SEED = 0
+EPOCHS = 30
+BATCH = 64
+LR = 2e-3
+N_GOLDEN = 64
+PIXEL_MAX = 16.0
+
+
+class DigitsCNN(nn.Module):
+    """IMAGE [N,8,8] float32 on the raw 0..16 scale -> PROBS [N,10]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),  # 8x8 -> 4x4
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def logits(self, image: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features((image / PIXEL_MAX).unsqueeze(1)))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.logits(image), dim=-1)
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train() -> tuple[DigitsCNN, np.ndarray, np.ndarray]:
+    """Train on 75 % of load_digits; returns the model and the held-out images/labels."""
+    from sklearn.datasets import load_digits  # noqa: PLC0415
+    from sklearn.model_selection import train_test_split  # noqa: PLC0415
+
+    _seed(SEED)
+    data = load_digits()
+    images = data.images.astype(np.float32)
+    x_tr, x_te, y_tr, y_te = train_test_split(images, data.target, test_size=0.25,
+                                              stratify=data.target, random_state=SEED)
+    model = DigitsCNN()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    loss_fn = nn.CrossEntropyLoss()
+    xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr).long()
+    gen = torch.Generator().manual_seed(SEED)
+    model.train()
+    for _ in range(EPOCHS):
+        for idx in torch.randperm(len(xt), generator=gen).split(BATCH):
+            opt.zero_grad()
+            loss_fn(model.logits(xt[idx]), yt[idx]).backward()
+            opt.step()
+    model.eval()
+    with torch.inference_mode():
+        acc = (model(torch.from_numpy(x_te)).argmax(-1).numpy() == y_te).mean()
+    log.info("digits CNN: held-out accuracy %.4f on %d images", acc, len(y_te))
+    return model, x_te, y_te
+
+
+def build() -> ExportSpec:
+    model, x_te, _ = train()
+    return ExportSpec(
+        module=model,
+        inputs=[TensorDef(name="IMAGE", dtype="float32", dims=(8, 8))],
+        outputs=[TensorDef(name="PROBS", dtype="float32", dims=(10,))],
+        golden_inputs={"IMAGE": np.ascontiguousarray(x_te[:N_GOLDEN])},
+        task="classifier",
+        max_batch_size=64,
+        input_ranges={"IMAGE": (0.0, PIXEL_MAX)},
+    )

@@ -1,0 +1,116 @@
+"""The ``python -m exporter`` command group. Each command is a thin call into the library;
+new commands (compile, promote, rollback, route) are added as further ``@app.command()``s."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+
+app = typer.Typer(
+    help="Export models into a Triton model repository, behind a tritonguard guard.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,  # locals hold tensors and weights: unreadable
+)
+# results to stdout, progress and logs to stderr, so `status --json | jq` stays clean
+out = Console()
+err = Console(stderr=True)
+
+EXIT_GOLDEN_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
+
+
+class Format(str, Enum):
+    onnx = "onnx"
+    torchscript = "torchscript"
+
+
+class Task(str, Enum):
+    classifier = "classifier"
+    embedding = "embedding"
+    regression = "regression"
+
+
+@app.callback()
+def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
+                        handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)
+
+
+@contextmanager
+def _step(label: str):
+    t0 = time.perf_counter()
+    with err.status(f"{label}…"):
+        yield
+    err.print(f"[green]✓[/] {label} [dim]({time.perf_counter() - t0:.2f} s)[/]")
+
+
+@app.command()
+def export(
+    source: Annotated[str, typer.Option(help="package.module:function, a .onnx/.pt file, or models:/… runs:/…")],
+    name: Annotated[str, typer.Option(help="Public model name (the guard); targets get suffixes.")],
+    repository: Repository = Path("model_repository"),
+    fmt: Annotated[Format | None, typer.Option("--format", help="Artifact format (default: onnx; a .pt source stays torchscript).")] = None,
+    opset: Annotated[int, typer.Option(help="ONNX opset.")] = 17,
+    inputs: Annotated[Path | None, typer.Option(help="Golden inputs .npz (file and MLflow sources).")] = None,
+    task: Annotated[Task | None, typer.Option(help="Task (file and MLflow sources).")] = None,
+    input_name: Annotated[list[str] | None, typer.Option(help="Artifact input names, in order (repeat).")] = None,
+    output_name: Annotated[list[str] | None, typer.Option(help="Artifact output names, in order (repeat).")] = None,
+) -> None:
+    """Export SOURCE as a new version, check it against its goldens, write it behind a guard."""
+    from tritonguard.errors import ConfigError  # noqa: PLC0415
+
+    from .export import ExportError, GoldenCheckFailed, export_source  # noqa: PLC0415
+    from .sources import SourceError  # noqa: PLC0415
+
+    try:
+        result = export_source(
+            source, name=name, repository=repository, fmt=fmt.value if fmt else None, opset=opset,
+            inputs=inputs, task=task.value if task else None, input_names=input_name or (),
+            output_names=output_name or (), step=_step)
+    except GoldenCheckFailed as exc:
+        err.print(f"[bold red]✗ {exc}[/]")
+        raise typer.Exit(EXIT_GOLDEN_FAILED) from None
+    except (ExportError, SourceError, ConfigError) as exc:
+        err.print(f"[bold red]✗ export failed:[/] {exc}\nnothing was written to {repository}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    rep = result.report
+    style = "green" if rep.verdict == "PASS" else "yellow"
+    figures = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in rep.metrics.items())
+    out.print(f"[bold]{result.name}[/] version [bold]{result.version}[/]: golden [{style}]{rep.verdict}[/] "
+              f"on {rep.n} samples ({figures})")
+    out.print(f"  artifact {result.artifact}  sha256 {result.sha256[:16]}…")
+    out.print(f"  models   {', '.join(result.models)}  (total {sum(result.timings.values()):.1f} s)")
+
+
+@app.command()
+def status(
+    repository: Repository = Path("model_repository"),
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")] = False,
+) -> None:
+    """List the models in the repository with versions, hashes and golden verdicts."""
+    from .status import collect, table  # noqa: PLC0415
+
+    models = collect(repository)
+    if as_json:
+        typer.echo(json.dumps({"repository": str(repository), "models": models}, indent=2))
+        return
+    if not models:
+        out.print(f"no models in {repository}")
+        return
+    out.print(table(models, repository))
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,261 @@
+"""The export pipeline: source -> artifact -> golden check -> model repository.
+
+Everything is staged in a temporary folder and checked first; the repository is touched only
+after the golden check admits the artifact, and then only by adding new version folders (moved
+in whole) and rewriting config.pbtxt files. Existing versions are never overwritten.
+
+Models written for ``--name NAME``:
+- plain model: ``NAME_raw`` (backend runtime, the artifact) and ``NAME`` (guard, in-process);
+- text model: ``NAME_tokenizer`` + ``NAME_encoder`` joined by the ensemble ``NAME_raw``, and
+  ``NAME`` (guard, over BLS). The three share one version number per export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tritonguard import repository as repo_mod
+
+from . import artifacts, goldens, layout
+from .goldens import GoldenReport
+from .sources import ExportSpec, load_source
+
+FORMAT_VERSION = 1
+# Triton model names become folder names and URL path segments
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+Step = Callable[[str], AbstractContextManager]
+
+
+class ExportError(Exception):
+    """The export cannot proceed; nothing was written to the repository."""
+
+
+class GoldenCheckFailed(ExportError):
+    def __init__(self, report: GoldenReport):
+        self.report = report
+        figures = ", ".join(f"{k}={_fmt(v)}" for k, v in report.metrics.items())
+        super().__init__(f"golden check FAILED on {report.n} samples ({figures}); nothing was written")
+
+
+@dataclass
+class ExportResult:
+    name: str
+    version: int
+    models: list[str]  # every model folder written or rewritten, targets first
+    artifact: Path  # in the repository
+    sha256: str
+    report: GoldenReport
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step
+
+
+def _fmt(v) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def model_names(name: str, text: bool) -> dict[str, str]:
+    if text:
+        return {"tokenizer": f"{name}_tokenizer", "encoder": f"{name}_encoder", "raw": f"{name}_raw", "guard": name}
+    return {"raw": f"{name}_raw", "guard": name}
+
+
+def next_version(repository: Path, models: Sequence[str]) -> int:
+    return 1 + max((max(repo_mod.versions(repository / m), default=0) for m in models), default=0)
+
+
+def export_source(source: str, *, name: str, repository: Path, fmt: str | None = None, opset: int = 17,
+                  inputs: Path | None = None, task: str | None = None, input_names: Sequence[str] = (),
+                  output_names: Sequence[str] = (), step: Step | None = None) -> ExportResult:
+    """Load ``source`` (see :mod:`exporter.sources`) and export it."""
+    timings: dict[str, float] = {}
+    with _timed(step, timings, "load source"):
+        spec = load_source(source, inputs=inputs, task=task, input_names=input_names, output_names=output_names)
+    result = export(spec, name=name, repository=repository, source=source, fmt=fmt, opset=opset, step=step)
+    result.timings = {**timings, **result.timings}
+    return result
+
+
+def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: str | None = None,
+           opset: int = 17, step: Step | None = None) -> ExportResult:
+    if not _NAME.match(name):
+        raise ExportError(f"invalid model name {name!r} (letters, digits, '_', '-', '.')")
+    repository = Path(repository)
+    fmt = fmt or artifacts.default_format(spec)
+    text = spec.text is not None
+    names = model_names(name, text)
+    targets = [m for k, m in names.items() if k != "guard"]
+    version = next_version(repository, targets)
+    art_model = names["encoder" if text else "raw"]
+    configs = _configs(spec, names)  # cheap, and a spec the server would reject fails here
+    _check_existing(repository, configs)
+    timings: dict[str, float] = {}
+
+    def timed(label: str):
+        return _timed(step, timings, label)
+
+    with tempfile.TemporaryDirectory(prefix="tritonguard-export-") as tmp:
+        stage = Path(tmp)
+        vdir = {m: stage / m / str(version) for m in targets}
+        for d in vdir.values():
+            d.mkdir(parents=True)
+        with timed("reference outputs"):
+            reference = artifacts.reference_outputs(spec)
+        with timed(f"export {fmt}"):
+            artifact = artifacts.build(spec, fmt, vdir[art_model], opset=opset)
+            sha = artifacts.sha256_file(artifact)
+        tok_dir = None
+        if text:
+            with timed("save tokenizer"):
+                tok_dir = vdir[names["tokenizer"]] / "tokenizer"
+                _save_tokenizer(spec.text.tokenizer_dir, tok_dir)
+        with timed("golden check"):
+            report = goldens.check(spec.task, reference, goldens.run_artifact(vdir[art_model], spec, tok_dir))
+        if not report.admitted:
+            raise GoldenCheckFailed(report)
+        with timed("write repository"):
+            goldens.save(vdir[names["raw"]] / repo_mod.GOLDENS, spec.golden_inputs, reference)
+            common = {"task": spec.task, "source": source, "created": _now(), "golden": report.as_dict(),
+                      "format": fmt, **({"opset": opset} if fmt == "onnx" else {})}
+            _write_manifests(spec, names, version, vdir, artifact.name, sha, tok_dir, common)
+            _place([(vdir[m], repository / m / str(version)) for m in targets])
+            for model in [*targets, name]:  # targets first: the guard checks them when it loads
+                layout.write(repository / model, configs[model])
+            if not repo_mod.versions(repository / name):
+                # Triton wants a version folder even for a model with no artifact
+                (repository / name / "1").mkdir(parents=True, exist_ok=True)
+    return ExportResult(name=name, version=version, models=[*targets, name],
+                        artifact=repository / art_model / str(version) / artifact.name,
+                        sha256=sha, report=report, timings=timings)
+
+
+@contextmanager
+def _timed(step: Step | None, timings: dict[str, float], label: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    with (step(label) if step else nullcontext()):
+        yield
+    timings[label] = time.perf_counter() - t0
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _save_tokenizer(src: Path, dest: Path) -> None:
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(dest))
+
+
+def _configs(spec: ExportSpec, names: dict[str, str]) -> dict[str, dict]:
+    """All config dicts, validated (protobuf schema and guard-vs-target contract) up front."""
+    from tritonguard.config import model_parameters  # noqa: PLC0415
+    from tritonguard.guard import GuardConfig, check_signature  # noqa: PLC0415
+    from tritonguard.tensors import ModelSignature  # noqa: PLC0415
+
+    raw, guard = names["raw"], names["guard"]
+    if spec.text is None:
+        configs = {raw: layout.runtime_config(raw, spec)}
+        placement = "inprocess"  # the guard runs the runtime artifact itself: no second hop
+    else:
+        tok, enc = names["tokenizer"], names["encoder"]
+        configs = {tok: layout.tokenizer_config(tok, spec),
+                   enc: layout.runtime_config(enc, spec, threads=layout.ENCODER_THREADS),
+                   raw: layout.ensemble_config(raw, spec, tok, enc)}
+        placement = "bls"  # an ensemble can only be reached through Triton
+    configs[guard] = layout.guard_config(guard, spec, raw, placement=placement)
+    for cfg in configs.values():
+        layout.render(cfg)
+    sig = ModelSignature.from_config(configs[guard])
+    try:
+        check_signature(sig, ModelSignature.from_config(configs[raw]), raw)
+        GuardConfig.from_parameters(model_parameters(configs[guard]), guard).validation.check_against(sig, guard)
+    except Exception as exc:  # ConfigError: a spec the guard could not load
+        raise ExportError(str(exc)) from None
+    return configs
+
+
+def _kind(cfg: dict) -> str:
+    return cfg.get("backend") or cfg.get("platform") or "?"
+
+
+def _check_existing(repository: Path, configs: dict[str, dict]) -> None:
+    """Refuse to turn an existing model into another kind (e.g. a runtime model into an
+    ensemble, or a target into a guard): its old versions would no longer match its config."""
+    for model, cfg in configs.items():
+        if not (repository / model / repo_mod.CONFIG).exists():
+            continue
+        try:
+            old = _kind(repo_mod.read_config(repository / model))
+        except Exception as exc:  # noqa: BLE001 - a broken config must be fixed by hand, not overwritten
+            raise ExportError(f"{repository / model}/config.pbtxt cannot be read ({exc})") from None
+        if old != _kind(cfg):
+            raise ExportError(f"model '{model}' already exists as '{old}'; this export would make it "
+                              f"'{_kind(cfg)}' (choose another --name)")
+
+
+def _write_manifests(spec: ExportSpec, names: dict[str, str], version: int, vdir: dict[str, Path],
+                     artifact: str, sha: str, tok_dir: Path | None, common: dict) -> None:
+    def write(model: str, body: dict) -> None:
+        doc = {"format_version": FORMAT_VERSION, "name": model, "version": version, **body}
+        (vdir[model] / repo_mod.MANIFEST).write_text(json.dumps(doc, indent=2) + "\n")
+
+    public = {"inputs": [t.as_dict() for t in spec.public_inputs],
+              "outputs": [t.as_dict() for t in spec.public_outputs]}
+    if spec.text is None:
+        write(names["raw"], {"artifact": artifact, "sha256": sha, **common, **public})
+        return
+    tok, enc, raw = names["tokenizer"], names["encoder"], names["raw"]
+    tok_sha = artifacts.sha256_dir(tok_dir)
+    write(raw, {"artifact": f"../../{enc}/{version}/{artifact}", "sha256": sha, **common, **public,
+                "parts": {"tokenizer": {"model": tok, "version": version, "sha256": tok_sha,
+                                        "max_length": spec.text.max_length},
+                          "encoder": {"model": enc, "version": version, "sha256": sha}}})
+    write(enc, {"artifact": artifact, "sha256": sha, **common, "part_of": raw,
+                "inputs": [t.as_dict() for t in spec.inputs], "outputs": [t.as_dict() for t in spec.outputs]})
+    write(tok, {"artifact": "tokenizer", "sha256": tok_sha, **common, "part_of": raw,
+                "max_length": spec.text.max_length, "inputs": public["inputs"],
+                "outputs": [t.as_dict() for t in spec.inputs]})
+
+
+def _place(moves: list[tuple[Path, Path]]) -> None:
+    """Move staged version folders into the repository, all or none."""
+    for _, dest in moves:
+        if dest.exists():
+            raise ExportError(f"{dest} already exists; versions are never overwritten")
+    placed: list[Path] = []
+    try:
+        for src, dest in moves:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            _move_dir(src, dest)
+            placed.append(dest)
+    except BaseException:
+        for d in placed:
+            shutil.rmtree(d, ignore_errors=True)
+        raise
+
+
+def _move_dir(src: Path, dest: Path) -> None:
+    try:
+        os.rename(src, dest)
+        return
+    except OSError:
+        pass  # another filesystem (EXDEV): copy beside the target, then rename in one step
+    # a hidden, non-numeric name: Triton never takes it for a version while it fills up
+    partial = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        shutil.copytree(src, partial)
+        os.rename(partial, dest)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
