@@ -67,6 +67,8 @@ def export(
     task: Annotated[Task | None, typer.Option(help="Task (file and MLflow sources).")] = None,
     input_name: Annotated[list[str] | None, typer.Option(help="Artifact input names, in order (repeat).")] = None,
     output_name: Annotated[list[str] | None, typer.Option(help="Artifact output names, in order (repeat).")] = None,
+    native: Annotated[bool, typer.Option(help="Serve the artifact with Triton's onnxruntime backend "
+                                          "(platform onnxruntime_onnx; NGC image) instead of `runtime`.")] = False,
 ) -> None:
     """Export SOURCE as a new version, check it against its goldens, write it behind a guard."""
     from tritonguard.errors import ConfigError  # noqa: PLC0415
@@ -78,7 +80,7 @@ def export(
         result = export_source(
             source, name=name, repository=repository, fmt=fmt.value if fmt else None, opset=opset,
             inputs=inputs, task=task.value if task else None, input_names=input_name or (),
-            output_names=output_name or (), step=_step)
+            output_names=output_name or (), step=_step, native=native)
     except GoldenCheckFailed as exc:
         err.print(f"[bold red]✗ {exc}[/]")
         raise typer.Exit(EXIT_GOLDEN_FAILED) from None

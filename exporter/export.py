@@ -76,18 +76,19 @@ def next_version(repository: Path, models: Sequence[str]) -> int:
 
 def export_source(source: str, *, name: str, repository: Path, fmt: str | None = None, opset: int = 17,
                   inputs: Path | None = None, task: str | None = None, input_names: Sequence[str] = (),
-                  output_names: Sequence[str] = (), step: Step | None = None) -> ExportResult:
+                  output_names: Sequence[str] = (), step: Step | None = None, native: bool = False) -> ExportResult:
     """Load ``source`` (see :mod:`exporter.sources`) and export it."""
     timings: dict[str, float] = {}
     with _timed(step, timings, "load source"):
         spec = load_source(source, inputs=inputs, task=task, input_names=input_names, output_names=output_names)
-    result = export(spec, name=name, repository=repository, source=source, fmt=fmt, opset=opset, step=step)
+    result = export(spec, name=name, repository=repository, source=source, fmt=fmt, opset=opset, step=step,
+                    native=native)
     result.timings = {**timings, **result.timings}
     return result
 
 
 def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: str | None = None,
-           opset: int = 17, step: Step | None = None) -> ExportResult:
+           opset: int = 17, step: Step | None = None, native: bool = False) -> ExportResult:
     if not _NAME.match(name):
         raise ExportError(f"invalid model name {name!r} (letters, digits, '_', '-', '.')")
     repository = Path(repository)
@@ -97,7 +98,9 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
     targets = [m for k, m in names.items() if k != "guard"]
     version = next_version(repository, targets)
     art_model = names["encoder" if text else "raw"]
-    configs = _configs(spec, names)  # cheap, and a spec the server would reject fails here
+    if native and fmt != "onnx":
+        raise ExportError("--native needs --format onnx (Triton's pytorch backend wants INPUT__0-style names)")
+    configs = _configs(spec, names, native=native)  # cheap, and a spec the server would reject fails here
     _check_existing(repository, configs)
     timings: dict[str, float] = {}
 
@@ -157,7 +160,7 @@ def _save_tokenizer(src: Path, dest: Path) -> None:
     AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(dest))
 
 
-def _configs(spec: ExportSpec, names: dict[str, str]) -> dict[str, dict]:
+def _configs(spec: ExportSpec, names: dict[str, str], native: bool = False) -> dict[str, dict]:
     """All config dicts, validated (protobuf schema and guard-vs-target contract) up front."""
     from tritonguard.config import model_parameters  # noqa: PLC0415
     from tritonguard.guard import GuardConfig, check_signature  # noqa: PLC0415
@@ -165,12 +168,13 @@ def _configs(spec: ExportSpec, names: dict[str, str]) -> dict[str, dict]:
 
     raw, guard = names["raw"], names["guard"]
     if spec.text is None:
-        configs = {raw: layout.runtime_config(raw, spec)}
-        placement = "inprocess"  # the guard runs the runtime artifact itself: no second hop
+        configs = {raw: layout.runtime_config(raw, spec, native=native)}
+        # the guard runs a runtime artifact itself (no second hop); a native target needs BLS
+        placement = "bls" if native else "inprocess"
     else:
         tok, enc = names["tokenizer"], names["encoder"]
         configs = {tok: layout.tokenizer_config(tok, spec),
-                   enc: layout.runtime_config(enc, spec, threads=layout.ENCODER_THREADS),
+                   enc: layout.runtime_config(enc, spec, threads=layout.ENCODER_THREADS, native=native),
                    raw: layout.ensemble_config(raw, spec, tok, enc)}
         placement = "bls"  # an ensemble can only be reached through Triton
     configs[guard] = layout.guard_config(guard, spec, raw, placement=placement)

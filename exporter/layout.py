@@ -46,8 +46,15 @@ def _common(max_batch: int, delay_us: int) -> dict[str, Any]:
 LATEST_ONLY = {"latest": {"num_versions": 1}}
 
 
-def runtime_config(name: str, spec: ExportSpec, *, threads: int = 1) -> dict[str, Any]:
-    """The artifact model, served by our ``runtime`` backend."""
+def runtime_config(name: str, spec: ExportSpec, *, threads: int = 1, native: bool = False) -> dict[str, Any]:
+    """The artifact model, served by our ``runtime`` backend, or with ``native`` by Triton's own
+    onnxruntime backend (the NGC image has it; the nvidia-pytriton binary does not)."""
+    if native:
+        return {
+            "name": name, "platform": "onnxruntime_onnx", **_common(spec.max_batch_size, RAW_QUEUE_DELAY_US),
+            "input": [_tensor(t) for t in spec.inputs], "output": [_tensor(t) for t in spec.outputs],
+            "version_policy": LATEST_ONLY,
+        }
     return {
         "name": name, "backend": "runtime", **_common(spec.max_batch_size, RAW_QUEUE_DELAY_US),
         "input": [_tensor(t) for t in spec.inputs], "output": [_tensor(t) for t in spec.outputs],

@@ -263,3 +263,17 @@ def test_text_export_writes_tokenizer_encoder_ensemble_and_guard(tmp_path):
     ins, outs = goldens.load(tmp_path / "txt_raw" / "1" / "goldens.npz")
     assert ins["TEXT"][2, 0].decode() == "caf\u00e9" and outs["EMBEDDING"].shape == (3, 8)
     assert export(spec, name="txt", repository=tmp_path, source="test:text").version == 2
+
+
+def test_native_export_targets_triton_onnxruntime(tmp_path):
+    """--native (NGC image): platform onnxruntime_onnx for the target, the guard reaches it by BLS."""
+    from tritonguard.repository import read_config
+
+    export(tiny_spec(), name="tiny", repository=tmp_path, source="test", native=True)
+    raw = read_config(tmp_path / "tiny_raw")
+    assert raw["platform"] == "onnxruntime_onnx" and "backend" not in raw and "parameters" not in raw
+    guard = read_config(tmp_path / "tiny")
+    assert guard["parameters"]["placement"]["string_value"] == "bls"
+    assert (tmp_path / "tiny_raw" / "1" / "model.onnx").exists()
+    with pytest.raises(ExportError, match="--native needs --format onnx"):
+        export(tiny_spec(), name="tiny2", repository=tmp_path, source="test", fmt="torchscript", native=True)
