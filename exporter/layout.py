@@ -18,8 +18,12 @@ from .sources import ExportSpec, TensorDef
 
 # small models: waiting longer for a fuller batch costs more latency than it saves
 RAW_QUEUE_DELAY_US = 500
-# text requests take milliseconds each; a longer window lets the encoder see real batches
-TEXT_GUARD_QUEUE_DELAY_US = 2000
+# A text guard waits on a BLS call to the ensemble for milliseconds; requests queue meanwhile,
+# so batches form without a delay window. Two instances keep two calls in flight, so the
+# tokenizer and encoder stay pipelined as they are without a guard. Measured at c=16 on one
+# server: 1 instance + 2 ms delay 0.93x raw; 2 instances + no delay 1.11x raw.
+TEXT_GUARD_QUEUE_DELAY_US = 0
+TEXT_GUARD_INSTANCES = 2
 # 256 tokens are a few KB of text; 16 KiB bounds the tokenizer's work per element with margin
 TEXT_MAX_BYTES_LENGTH = 16384
 # the encoder dominates the text path's cost (~70 ms at batch 32 on 2 threads vs ~1 ms for
@@ -35,11 +39,11 @@ def _params(**kv: Any) -> dict[str, Any]:
     return {k: {"string_value": str(v)} for k, v in kv.items()}
 
 
-def _common(max_batch: int, delay_us: int) -> dict[str, Any]:
+def _common(max_batch: int, delay_us: int, instances: int = 1) -> dict[str, Any]:
     return {
         "max_batch_size": max_batch,
         "dynamic_batching": {"max_queue_delay_microseconds": delay_us},
-        "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+        "instance_group": [{"kind": "KIND_CPU", "count": instances}],
     }
 
 
@@ -103,9 +107,11 @@ def guard_config(name: str, spec: ExportSpec, target: str, *, placement: str) ->
         params[f"validation.range.{inp}"] = f"{lo:g},{hi:g}"
     if spec.text is not None:
         params["validation.max_bytes_length"] = TEXT_MAX_BYTES_LENGTH
-    delay = TEXT_GUARD_QUEUE_DELAY_US if spec.text is not None else RAW_QUEUE_DELAY_US
+    text = spec.text is not None
+    delay = TEXT_GUARD_QUEUE_DELAY_US if text else RAW_QUEUE_DELAY_US
     return {
-        "name": name, "backend": "guard", **_common(spec.max_batch_size, delay),
+        "name": name, "backend": "guard",
+        **_common(spec.max_batch_size, delay, TEXT_GUARD_INSTANCES if text else 1),
         "input": [_tensor(t) for t in spec.public_inputs],
         "output": [_tensor(t) for t in spec.public_outputs],
         "parameters": _params(**params),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -63,7 +64,7 @@ def split_parameters(params: Mapping[str, str], prefixes: Iterable[str], *, mode
 def _coerce(raw: str, typ: Any, key: str) -> Any:
     origin = typing.get_origin(typ)
     args = typing.get_args(typ)
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin is typing.Union or origin is types.UnionType:
         inner = [a for a in args if a is not type(None)]
         if raw.strip().lower() in ("", "none", "null"):
             return None

@@ -59,3 +59,14 @@ def test_engine_config_validation():
     assert from_params(EngineConfig, {"providers": "CPUExecutionProvider, X"}).providers == ("CPUExecutionProvider", "X")
     with pytest.raises(ConfigError, match="graph_optimization"):
         from_params(EngineConfig, {"graph_optimization": "max"})
+
+
+def test_optional_fields_coerce():
+    from dataclasses import dataclass
+
+    @dataclass(kw_only=True)
+    class Opt:
+        limit: float | None = None
+
+    assert from_params(Opt, {"limit": "2.5"}).limit == 2.5
+    assert from_params(Opt, {"limit": "none"}).limit is None
