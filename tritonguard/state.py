@@ -1,0 +1,517 @@
+"""Rollout state: one small versioned JSON document per guarded model, shared by every process.
+
+Each Triton model instance is its own process, so routing (primary, candidate share, fallback
+chain) and breaker state live in a store, never in module globals. Two stores, one interface:
+
+- :class:`FileStateStore`: ``<repo>/<guard>/rollout_state.json``; writes are atomic replaces
+  under an ``fcntl.flock`` on a sidecar lock file, so writers in separate processes never lose
+  an update; ``poll`` costs one ``stat`` while nothing changed.
+- :class:`RedisStateStore`: one hash per model; writes are WATCH/MULTI/EXEC compare-and-set.
+
+Reads never raise into serving: a corrupt or missing document, or a Redis outage, leaves the
+last good state in place (logged once, counted in ``errors``). Writes raise :class:`StateError`
+(:class:`StateConflict` when ``expected_revision`` no longer holds), for the caller to handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import TritonGuardError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+STATE_FILE = "rollout_state.json"
+CHAIN_STEPS = ("candidate", "primary", "previous_primary", "default")
+VERDICTS = ("PASS", "MARGINAL", "FAIL")
+ENV_URL = "TRITONGUARD_STATE_URL"
+
+
+class StateError(TritonGuardError):
+    """The rollout state document is invalid, or could not be written."""
+
+
+class StateConflict(StateError):
+    """A compare-and-set found a different revision than the caller expected."""
+
+
+class StateUnavailable(StateError):
+    """The store cannot be reached (Redis down, or backing off after an outage)."""
+
+
+@dataclass
+class Candidate:
+    version: int
+    share: float  # fraction of live traffic routed to the candidate, 0..1
+
+
+@dataclass(kw_only=True)
+class RolloutState:
+    model: str
+    revision: int = 0
+    primary: int = -1  # -1: whatever version Triton serves as latest
+    candidate: Candidate | None = None
+    shadow_share: float = 0.0
+    fallback: list[str] = field(default_factory=lambda: list(CHAIN_STEPS))
+    previous_primary: int | None = None
+    default_response: None | str | dict[str, list] = None
+    goldens: dict[str, dict[str, Any]] = field(default_factory=dict)
+    breakers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    updated_at: float = 0.0
+    updated_by: str = ""
+
+    # -- routing helpers ----------------------------------------------------------------
+    def chain(self) -> list[tuple[str, int | None]]:
+        """Fallback steps that can answer, in order: ``(step, version)``; ``default`` has no version."""
+        steps = {"candidate": (self.candidate is not None, self.candidate and self.candidate.version),
+                 "primary": (True, self.primary),
+                 "previous_primary": (self.previous_primary is not None, self.previous_primary),
+                 "default": (self.default_response is not None, None)}
+        return [(step, steps[step][1]) for step in self.fallback if steps[step][0]]
+
+    def route_versions(self) -> list[int]:
+        """Model versions the chain may call, in chain order, each once."""
+        return list(dict.fromkeys(v for _, v in self.chain() if v is not None))
+
+    def candidate_mask(self, u: np.ndarray) -> np.ndarray:
+        """Rows whose uniform draw ``u`` (shape [n], in [0, 1)) routes them to the candidate."""
+        share = self.candidate.share if self.candidate is not None else 0.0
+        return np.asarray(u) < share
+
+    def shadow_mask(self, u: np.ndarray) -> np.ndarray:
+        """Rows (primary-served) whose draw ``u`` also sends a shadow copy to the candidate."""
+        share = self.shadow_share if self.candidate is not None else 0.0
+        return np.asarray(u) < share
+
+    # -- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        cand = self.candidate
+        return copy.deepcopy({
+            "format_version": FORMAT_VERSION, "model": self.model, "revision": self.revision,
+            "primary": {"version": self.primary},
+            "candidate": None if cand is None else {"version": cand.version, "share": cand.share},
+            "shadow_share": self.shadow_share, "fallback": self.fallback,
+            "previous_primary": self.previous_primary, "default_response": self.default_response,
+            "goldens": self.goldens, "breakers": self.breakers,
+            "updated_at": self.updated_at, "updated_by": self.updated_by,
+        })
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RolloutState:
+        """Strict: a missing, unknown or mistyped field raises :class:`StateError` naming it."""
+        _check_keys(d, "state", required=("format_version", "model", "primary"), optional=_OPTIONAL)
+        if _int(d["format_version"], "format_version") != FORMAT_VERSION:
+            raise StateError(f"state field 'format_version': {d['format_version']} is not supported "
+                             f"(this build reads {FORMAT_VERSION})")
+        model = d["model"]
+        if not isinstance(model, str) or not model:
+            raise StateError("state field 'model': expected a non-empty string")
+        _check_keys(d["primary"], "primary", required=("version",))
+        primary = _version(d["primary"]["version"], "primary.version", latest_ok=True)
+        cand = d.get("candidate")
+        candidate = None
+        if cand is not None:
+            _check_keys(cand, "candidate", required=("version", "share"))
+            candidate = Candidate(_version(cand["version"], "candidate.version"),
+                                  _share(cand["share"], "candidate.share"))
+        fallback = d.get("fallback", list(CHAIN_STEPS))
+        if (not isinstance(fallback, list) or not all(s in CHAIN_STEPS for s in fallback)
+                or len(set(fallback)) != len(fallback) or "primary" not in fallback):
+            raise StateError(f"state field 'fallback': expected unique steps from {', '.join(CHAIN_STEPS)}, "
+                             f"including 'primary'; got {fallback!r}")
+        prev = d.get("previous_primary")
+        default = d.get("default_response")
+        if default is not None and default != "abstain":
+            if not isinstance(default, dict) or not all(
+                    isinstance(k, str) and isinstance(v, list) for k, v in default.items()):
+                raise StateError("state field 'default_response': expected null, \"abstain\" or "
+                                 "{\"OUTPUT\": [...]}")
+        return cls(
+            model=model, revision=_int(d.get("revision", 0), "revision", minimum=0), primary=primary,
+            candidate=candidate, shadow_share=_share(d.get("shadow_share", 0.0), "shadow_share"),
+            fallback=list(fallback), default_response=copy.deepcopy(default),
+            previous_primary=None if prev is None else _version(prev, "previous_primary"),
+            goldens=_goldens(d.get("goldens", {})), breakers=_breakers(d.get("breakers", {})),
+            updated_at=_number(d.get("updated_at", 0.0), "updated_at"),
+            updated_by=_str(d.get("updated_by", ""), "updated_by"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RolloutState:
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise StateError(f"state is not valid JSON: {exc}") from None
+        return cls.from_dict(raw)
+
+
+_OPTIONAL = ("revision", "candidate", "shadow_share", "fallback", "previous_primary", "default_response",
+             "goldens", "breakers", "updated_at", "updated_by")
+
+
+def _check_keys(d: Any, where: str, *, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    if not isinstance(d, dict):
+        raise StateError(f"state field '{where}': expected an object, got {type(d).__name__}")
+    for key in d:
+        if key not in required and key not in optional:
+            name = key if where == "state" else f"{where}.{key}"
+            raise StateError(f"state field '{name}': unknown field")
+    for key in required:
+        if key not in d:
+            name = key if where == "state" else f"{where}.{key}"
+            raise StateError(f"state field '{name}': required field is missing")
+
+
+def _int(v: Any, name: str, minimum: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise StateError(f"state field '{name}': expected an integer, got {type(v).__name__}")
+    if minimum is not None and v < minimum:
+        raise StateError(f"state field '{name}': {v} < {minimum}")
+    return v
+
+
+def _version(v: Any, name: str, latest_ok: bool = False) -> int:
+    v = _int(v, name)
+    if v < 1 and not (latest_ok and v == -1):
+        raise StateError(f"state field '{name}': version must be >= 1{' or -1 (latest)' if latest_ok else ''}, got {v}")
+    return v
+
+
+def _number(v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+        raise StateError(f"state field '{name}': expected a finite number, got {v!r}")
+    return float(v)
+
+
+def _share(v: Any, name: str) -> float:
+    v = _number(v, name)
+    if not 0.0 <= v <= 1.0:
+        raise StateError(f"state field '{name}': {v} is not in [0, 1]")
+    return v
+
+
+def _str(v: Any, name: str) -> str:
+    if not isinstance(v, str):
+        raise StateError(f"state field '{name}': expected a string, got {type(v).__name__}")
+    return v
+
+
+def _version_keyed(d: Any, name: str) -> dict:
+    if not isinstance(d, dict):
+        raise StateError(f"state field '{name}': expected an object keyed by version")
+    for key in d:
+        if not (isinstance(key, str) and key.isdigit()):
+            raise StateError(f"state field '{name}.{key}': keys must be version numbers")
+    return d
+
+
+def _goldens(d: Any) -> dict[str, dict[str, Any]]:
+    out = {}
+    for key, g in _version_keyed(d, "goldens").items():
+        where = f"goldens.{key}"
+        _check_keys(g, where, required=("verdict",), optional=("metrics", "checked_at"))
+        if g["verdict"] not in VERDICTS:
+            raise StateError(f"state field '{where}.verdict': {g['verdict']!r} is not one of {', '.join(VERDICTS)}")
+        metrics = g.get("metrics", {})
+        if not isinstance(metrics, dict):
+            raise StateError(f"state field '{where}.metrics': expected an object")
+        out[key] = {"verdict": g["verdict"], "metrics": copy.deepcopy(metrics),
+                    "checked_at": _number(g.get("checked_at", 0.0), f"{where}.checked_at")}
+    return out
+
+
+def _breakers(d: Any) -> dict[str, dict[str, Any]]:
+    # Breaker documents are parsed by Breaker.from_dict; here only their shape is checked.
+    for key, b in _version_keyed(d, "breakers").items():
+        if not isinstance(b, dict):
+            raise StateError(f"state field 'breakers.{key}': expected an object")
+    return copy.deepcopy(d)
+
+
+Updater = Callable[[RolloutState], "RolloutState | None"]
+BreakerUpdater = Callable[["dict[str, Any] | None"], "dict[str, Any] | None"]
+
+
+def _apply(fn: Updater, current: RolloutState, expected: int | None, by: str, now: float) -> RolloutState:
+    if expected is not None and current.revision != expected:
+        raise StateConflict(f"state of '{current.model}' is at revision {current.revision}, expected {expected}")
+    work = RolloutState.from_dict(current.to_dict())  # fn may mutate its argument freely
+    new = fn(work)
+    new = work if new is None else new
+    new.revision = current.revision + 1
+    new.updated_at = now
+    new.updated_by = by or new.updated_by
+    # round trip: a buggy updater fails here instead of writing a document no reader accepts
+    return RolloutState.from_dict(json.loads(json.dumps(new.to_dict())))
+
+
+def _breaker_fn(version: int | str, fn: BreakerUpdater) -> Updater:
+    key = str(version)
+
+    def update(state: RolloutState) -> RolloutState:
+        new = fn(copy.deepcopy(state.breakers.get(key)))
+        if new is None:
+            state.breakers.pop(key, None)
+        else:
+            state.breakers[key] = new
+        return state
+
+    return update
+
+
+class FileStateStore:
+    """The state document as a file; see the module docstring."""
+
+    def __init__(self, path: str | os.PathLike, *, model: str = "", clock: Callable[[], float] = time.time):
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self.model = model or self.path.parent.name
+        self.clock = clock
+        self.errors = 0
+        self._last: RolloutState | None = None
+        self._sig: tuple[int, int, int] | None = None
+        self._failing = False
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        # the inode changes on every atomic replace, so equal signatures mean an unchanged file
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _read(self) -> RolloutState:
+        with open(self.path, "rb") as f:
+            return RolloutState.from_json(f.read())
+
+    def _refresh(self, sig: tuple[int, int, int] | None) -> None:
+        try:
+            if sig is None:
+                raise FileNotFoundError(f"{self.path} does not exist")
+            state = self._read()
+        except (OSError, StateError) as exc:
+            self._sig = sig
+            if self._last is None and isinstance(exc, FileNotFoundError):
+                return  # never written yet: not an error
+            self.errors += 1
+            if not self._failing:
+                log.error("rollout state %s unreadable, keeping revision %s: %s", self.path,
+                          None if self._last is None else self._last.revision, exc)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("rollout state %s readable again at revision %d", self.path, state.revision)
+        self._failing = False
+        self._last, self._sig = state, sig
+
+    def load(self) -> RolloutState | None:
+        """The current state, or the last good one; None before any state was written."""
+        self._refresh(self._stat())
+        return self._last
+
+    def poll(self, last_revision: int | None = None) -> RolloutState | None:
+        """The state if its revision differs from ``last_revision``, else None; one stat when unchanged."""
+        sig = self._stat()
+        if sig != self._sig:
+            self._refresh(sig)
+        if self._last is None or self._last.revision == last_revision:
+            return None
+        return self._last
+
+    @contextlib.contextmanager
+    def _locked(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor drops the lock
+
+    def _write(self, state: RolloutState) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(state.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        # the rename itself must survive a crash too
+        dfd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def update(self, fn: Updater, expected_revision: int | None = None, *, by: str = "") -> RolloutState:
+        """Read-modify-write under the lock; ``fn`` gets a private copy (a fresh state if none)."""
+        with self._locked():
+            try:
+                current = self._read()
+            except FileNotFoundError:
+                current = RolloutState(model=self.model)
+            except OSError as exc:
+                raise StateError(f"cannot read {self.path}: {exc}") from None
+            new = _apply(fn, current, expected_revision, by, self.clock())
+            try:
+                self._write(new)
+            except OSError as exc:
+                raise StateError(f"cannot write {self.path}: {exc}") from None
+        self._last, self._sig, self._failing = new, self._stat(), False
+        return new
+
+    def update_breaker(self, version: int | str, fn: BreakerUpdater, *, by: str = "") -> RolloutState:
+        """CAS on one version's breaker document only; routing fields are re-read, never clobbered."""
+        return self.update(_breaker_fn(version, fn), by=by)
+
+
+class RedisStateStore:
+    """The state document in a Redis hash (``doc``, ``revision``); see the module docstring."""
+
+    BACKOFF_START_S = 5.0
+    BACKOFF_MAX_S = 60.0
+    MAX_CAS_ATTEMPTS = 200
+
+    def __init__(self, url: str, model: str, *, key_prefix: str = "tritonguard:state:",
+                 socket_timeout: float = 0.1, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic, client: Any = None):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._redis = redis
+        self.url, self.model = url, model
+        self.key = f"{key_prefix}{model}"
+        self.clock, self.monotonic = clock, monotonic
+        # no client-side retries: a retry loop would hold the serving thread during an outage
+        self.client = client or redis.Redis.from_url(
+            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.errors = 0
+        self._last: RolloutState | None = None
+        self._down_until = 0.0
+        self._backoff = 0.0
+
+    # -- outage handling ------------------------------------------------------------------
+    def _available(self) -> bool:
+        return self.monotonic() >= self._down_until
+
+    def _failed(self, exc: Exception) -> None:
+        self.errors += 1
+        self._backoff = min(self.BACKOFF_MAX_S, self._backoff * 2 if self._backoff else self.BACKOFF_START_S)
+        self._down_until = self.monotonic() + self._backoff
+        log.error("rollout state store %s unreachable (%s: %s); retrying in %.0f s", self.url,
+                  type(exc).__name__, exc, self._backoff)
+
+    def _ok(self) -> None:
+        if self._backoff:
+            log.info("rollout state store %s reachable again", self.url)
+        self._backoff = 0.0
+
+    # -- reads ----------------------------------------------------------------------------
+    def _parse(self, raw: bytes | None) -> RolloutState | None:
+        if raw is None:
+            return None
+        try:
+            return RolloutState.from_json(raw)
+        except StateError as exc:
+            self.errors += 1
+            log.error("rollout state %s invalid, keeping the last good one: %s", self.key, exc)
+            return None
+
+    def load(self) -> RolloutState | None:
+        if not self._available():
+            return self._last
+        try:
+            raw = self.client.hget(self.key, "doc")
+        except self._redis.RedisError as exc:
+            self._failed(exc)
+            return self._last
+        self._ok()
+        state = self._parse(raw)
+        if state is not None:
+            self._last = state
+        return self._last
+
+    def poll(self, last_revision: int | None = None) -> RolloutState | None:
+        """Like :meth:`FileStateStore.poll`; one small HGET while the revision is unchanged."""
+        if self._available():
+            try:
+                rev = self.client.hget(self.key, "revision")
+                self._ok()
+                if rev is not None and (self._last is None or int(rev) != self._last.revision):
+                    self.load()
+            except self._redis.RedisError as exc:
+                self._failed(exc)
+            except ValueError as exc:
+                self.errors += 1
+                log.error("rollout state %s: bad revision field: %s", self.key, exc)
+        if self._last is None or self._last.revision == last_revision:
+            return None
+        return self._last
+
+    # -- writes ---------------------------------------------------------------------------
+    def update(self, fn: Updater, expected_revision: int | None = None, *, by: str = "") -> RolloutState:
+        if not self._available():
+            raise StateUnavailable(f"state store {self.url} is backing off after an error")
+        redis = self._redis
+        try:
+            with self.client.pipeline() as pipe:
+                for _ in range(self.MAX_CAS_ATTEMPTS):
+                    try:
+                        pipe.watch(self.key)
+                        raw = pipe.hget(self.key, "doc")
+                        current = (RolloutState.from_json(raw) if raw is not None
+                                   else RolloutState(model=self.model))
+                        new = _apply(fn, current, expected_revision, by, self.clock())
+                        pipe.multi()
+                        pipe.hset(self.key, mapping={"doc": new.to_json(), "revision": new.revision})
+                        pipe.execute()
+                    except redis.WatchError:
+                        # another writer won the race: re-read and re-apply, after a short jitter
+                        time.sleep(random.uniform(0, 0.002))
+                        continue
+                    self._ok()
+                    self._last = new
+                    return new
+        except redis.RedisError as exc:
+            self._failed(exc)
+            raise StateUnavailable(f"state store {self.url}: {type(exc).__name__}: {exc}") from None
+        raise StateConflict(f"state of '{self.model}': gave up after {self.MAX_CAS_ATTEMPTS} contended attempts")
+
+    def update_breaker(self, version: int | str, fn: BreakerUpdater, *, by: str = "") -> RolloutState:
+        return self.update(_breaker_fn(version, fn), by=by)
+
+
+StateStore = FileStateStore | RedisStateStore
+
+
+def open_store(model: str, repo_dir: str | os.PathLike, url: str | None = None, **kwargs: Any) -> StateStore:
+    """Redis when ``url`` (default ``$TRITONGUARD_STATE_URL``) is set, else the file beside the guard."""
+    if url is None:
+        url = os.environ.get(ENV_URL, "")
+    if url:
+        return RedisStateStore(url, model, **kwargs)
+    return FileStateStore(Path(repo_dir) / model / STATE_FILE, model=model, **kwargs)
+
