@@ -11,7 +11,6 @@ Two placements of the same pipeline:
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,15 @@ from typing import Any
 import numpy as np
 
 from . import repository, triton
+from .breaker import BreakerConfig
 from .config import env_parameters, from_params, model_parameters, split_parameters
 from .engines import EngineConfig, load_engine
-from .errors import ConfigError, InvalidInput, TargetError, TritonGuardError
-from .tensors import ModelSignature, TensorSpec, split
+from .errors import ConfigError, InvalidInput, TargetError
+from .routing import Router, RoutingConfig
+from .state import open_store
+from .tensors import ModelSignature, TensorSpec, offsets, split
 from .validation import BatchValidator, ValidationConfig
+from .validators import ValidatorConfig, ValidatorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +47,19 @@ class TargetConfig:
             raise ValueError(f"placement must be 'bls' or 'inprocess', got {self.placement!r}")
 
 
+SERVED_BY = "SERVED_BY"  # optional BYTES [1] output: "<target>:<version>" that answered
+
+
 @dataclass(kw_only=True)
 class GuardConfig:
     target: TargetConfig
     validation: ValidationConfig
     runtime: EngineConfig
+    routing: RoutingConfig
+    breaker: BreakerConfig
+    validator: ValidatorConfig
 
-    SECTIONS = ("", "validation", "runtime")
+    SECTIONS = ("", "validation", "runtime", "routing", "breaker", "validator")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], model: str) -> GuardConfig:
@@ -59,6 +68,9 @@ class GuardConfig:
             target=from_params(TargetConfig, groups[""], model=model),
             validation=from_params(ValidationConfig, groups["validation"], section="validation", model=model),
             runtime=from_params(EngineConfig, groups["runtime"], section="runtime", model=model),
+            routing=from_params(RoutingConfig, groups["routing"], section="routing", model=model),
+            breaker=from_params(BreakerConfig, groups["breaker"], section="breaker", model=model),
+            validator=from_params(ValidatorConfig, groups["validator"], section="validator", model=model),
         )
 
 
@@ -75,11 +87,13 @@ def check_signature(guard: ModelSignature, target: ModelSignature, target_name: 
         if other is None:
             problems.append(f"input {s.name} is not an input of the target")
         elif other.dtype != s.dtype or len(other.dims) != len(s.dims) or any(
-            o != -1 and g != o for g, o in zip(s.dims, other.dims)
+            o != -1 and g != o for g, o in zip(s.dims, other.dims, strict=True)
         ):
             problems.append(f"input {fmt(s)} != target's {fmt(other)}")
     t_out = {s.name: s for s in target.outputs}
     for s in guard.outputs:
+        if s.name == SERVED_BY:
+            continue
         if s.name not in t_out:
             problems.append(f"output {s.name} is not an output of the target")
     if target.max_batch_size and guard.max_batch_size > target.max_batch_size:
@@ -139,7 +153,8 @@ class GuardModel:
         self.signature = ModelSignature.from_config(cfg)
         self.config.validation.check_against(self.signature, self.name)
         self.input_names = [s.name for s in self.signature.inputs]
-        self.output_names = [s.name for s in self.signature.outputs]
+        self.output_names = [s.name for s in self.signature.outputs if s.name != SERVED_BY]
+        self.served_by_output = any(s.name == SERVED_BY for s in self.signature.outputs)
 
         repo = Path(args["model_repository"]).parent
         tcfg = self.config.target
@@ -162,15 +177,34 @@ class GuardModel:
             eng_params = {**model_parameters(target_config),
                           **{k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("runtime.")}}
             engine_cfg = from_params(EngineConfig, eng_params, model=tcfg.target)
-            self.target: BlsTarget | InProcessTarget = InProcessTarget(
-                repo, tcfg.target, tcfg.target_version, engine_cfg, self.signature, self.output_names)
+
+            def make_target(version: int) -> InProcessTarget:
+                return InProcessTarget(repo, tcfg.target, version, engine_cfg, self.signature, self.output_names)
         else:
-            self.target = BlsTarget(tcfg.target, tcfg.target_version, self.output_names,
-                                    self.signature.max_batch_size, tcfg.timeout_ms)
+            def make_target(version: int) -> BlsTarget:  # type: ignore[misc]
+                return BlsTarget(tcfg.target, version, self.output_names, self.signature.max_batch_size,
+                                 tcfg.timeout_ms)
 
         self.validator = BatchValidator(self.signature, self.config.validation)
         self.metrics = triton.Metrics(self.name, self.version)
-        log.info("guard %s v%s -> %s (%s)", self.name, self.version, self.target.served_by, tcfg.placement)
+        self.router = Router(
+            guard=self.name, repo=repo, target=tcfg.target, make_target=make_target,
+            output_names=self.output_names, store=open_store(self.name, repo), config=self.config.routing,
+            validator=self.config.validator, registry=ValidatorRegistry.from_config(self.config.validator),
+            breaker=self.config.breaker, metrics=self.metrics, pin=tcfg.target_version,
+        )
+        if tcfg.placement == "inprocess":
+            # goldens on the serving hardware before any traffic; a primary that fails them
+            # fails the load, so the model reports not ready instead of serving wrong answers
+            primary = self.router.primary()
+            verdict = self.router.golden_verdict(primary)
+            if verdict == "FAIL":
+                figures = self.router.state.goldens.get(str(primary), {}).get("metrics")
+                self.router.close()
+                raise ConfigError(f"model '{self.name}': primary {tcfg.target} v{primary} failed its goldens "
+                                  f"on this server: {figures}")
+        log.info("guard %s v%s -> %s primary v%d (%s)", self.name, self.version, tcfg.target,
+                 self.router.primary(), tcfg.placement)
 
     # -- serving ----------------------------------------------------------------------
     def execute(self, requests: list[Any]) -> list[Any]:
@@ -197,45 +231,25 @@ class GuardModel:
             self.metrics.inc("rejects", n, reason=rule)
         if not verdict.valid:
             return
-        try:
-            outputs = self._call(verdict.fused)
-        except TargetError as exc:
-            if len(verdict.valid) == 1:
-                responses[verdict.valid[0]] = triton.error(exc)
-                return
-            # isolate: one request that breaks the target must not fail its neighbours
-            self._one_by_one(inputs, verdict.valid, responses)
-            return
-        starts = verdict.starts
-        parts = {n: split(outputs[n], starts) for n in self.output_names}
-        params = {"served_by": self.target.served_by}
+        routed = self.router.infer(verdict.fused, verdict.sizes)
+        good_sizes = [verdict.sizes[k] for k in range(len(verdict.valid)) if routed.errors[k] is None]
+        parts = {n: split(routed.outputs[n], offsets(good_sizes)) for n in self.output_names}
+        j = 0
         for k, i in enumerate(verdict.valid):
-            responses[i] = triton.response({n: parts[n][k] for n in self.output_names}, params)
-
-    def _call(self, fused: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        t0 = time.perf_counter()
-        try:
-            out = self.target.infer(fused)
-        except TargetError as exc:
-            self.metrics.inc("target_errors", 1, code=exc.code)
-            raise
-        finally:
-            self.metrics.inc("target_calls", 1)
-            self.metrics.observe("latency", time.perf_counter() - t0)
-        return out
-
-    def _one_by_one(self, inputs: list[dict[str, np.ndarray]], valid: list[int], responses: list[Any]) -> None:
-        params = {"served_by": self.target.served_by}
-        for i in valid:
-            try:
-                out = self._call({n: inputs[i][n] for n in self.input_names})
-                responses[i] = triton.response({n: out[n] for n in self.output_names}, params)
-            except TritonGuardError as exc:
-                responses[i] = triton.error(exc)
+            err = routed.errors[k]
+            if err is not None:
+                responses[i] = triton.error(err)
+                continue
+            outs = {n: parts[n][j] for n in self.output_names}
+            if self.served_by_output:
+                outs[SERVED_BY] = np.full((verdict.sizes[k], 1), routed.served_by[k].encode(), dtype=object)
+            responses[i] = triton.response(outs)
+            j += 1
+        self.router.publish()
 
     def finalize(self) -> None:
+        self.router.close()
         self.metrics.close()
-        self.target = None  # type: ignore[assignment]
 
 
-__all__ = ["GuardModel", "GuardConfig", "TargetConfig", "InvalidInput"]
+__all__ = ["GuardModel", "GuardConfig", "TargetConfig", "InvalidInput", "SERVED_BY"]

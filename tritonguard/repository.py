@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 MANIFEST = "manifest.json"
 GOLDENS = "goldens.npz"
 CONFIG = "config.pbtxt"
@@ -74,3 +76,21 @@ def read_manifest(version_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     return json.loads(path.read_text())
+
+
+def load_goldens(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(inputs, outputs) from a goldens.npz (``in__NAME`` / ``out__NAME``). BYTES are stored as
+    fixed-width ``S`` arrays so reading never needs ``allow_pickle``; they come back as object
+    arrays of bytes, the form Triton clients and the BYTES backends use."""
+    ins: dict[str, np.ndarray] = {}
+    outs: dict[str, np.ndarray] = {}
+    with np.load(path, allow_pickle=False) as data:
+        for key in data.files:
+            arr = data[key]
+            if arr.dtype.kind == "S":
+                arr = arr.astype(object)
+            if key.startswith("in__"):
+                ins[key[4:]] = arr
+            elif key.startswith("out__"):
+                outs[key[5:]] = arr
+    return ins, outs

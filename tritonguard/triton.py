@@ -138,6 +138,16 @@ class Metrics:
         "target_errors": ("tritonguard_target_errors_total", "Target call failures, by status code"),
         "target_calls": ("tritonguard_target_calls_total", "Fused target calls (one per execute batch)"),
         "drops": ("tritonguard_metric_drops_total", "Metric observations dropped (queue full)"),
+        "goldens": ("tritonguard_golden_checks_total", "Golden checks on this server, by target version and verdict"),
+        "fallbacks": ("tritonguard_fallbacks_total", "Requests answered further down the fallback chain, by reason"),
+        "served": ("tritonguard_served_total", "Requests answered, by the model version that served them"),
+        "trips": ("tritonguard_breaker_trips_total", "Circuit breaker trips, by target version and reason"),
+        "compared": ("tritonguard_compared_total", "Canary/shadow comparisons, by kind and validator verdict"),
+        "compare_drops": ("tritonguard_compare_drops_total", "Comparisons dropped because the queue was full"),
+    }
+    GAUGES = {
+        "breaker_state": ("tritonguard_breaker_state", "Breaker per target version: 0 closed, 1 half-open, 2 open"),
+        "drift": ("tritonguard_input_drift_fraction", "Share of input features drifting (KS/PSI) on the primary"),
     }
 
     def __init__(self, model: str, version: str, interval: float = 1.0, max_pending: int = 8192):
@@ -149,6 +159,7 @@ class Metrics:
         self._children: dict[tuple, Any] = {}
         self._families: dict[str, Any] = {}
         self._counts: dict[tuple, float] = {}
+        self._gauges: dict[tuple, float] = {}
         self._lock = threading.Lock()
         self._observations: collections.deque = collections.deque(maxlen=max_pending)
         self._dropped = 0
@@ -158,6 +169,8 @@ class Metrics:
             mf = pb().MetricFamily
             for key, (name, doc) in self.FAMILIES.items():
                 self._families[key] = mf(name, doc, mf.COUNTER)
+            for key, (name, doc) in self.GAUGES.items():
+                self._families[key] = mf(name, doc, mf.GAUGE)
             try:
                 self._families["latency"] = mf("tritonguard_target_latency_seconds",
                                                "Latency of fused target calls", mf.HISTOGRAM)
@@ -177,6 +190,14 @@ class Metrics:
         key = (family, *sorted(labels.items()))
         with self._lock:
             self._counts[key] = self._counts.get(key, 0) + value
+
+    def set(self, family: str, value: float, **labels: str) -> None:
+        """A gauge's latest value; pushed by the flusher like the counters."""
+        if not self.enabled:
+            return
+        key = (family, *sorted(labels.items()))
+        with self._lock:
+            self._gauges[key] = value
 
     def observe(self, family: str, value: float) -> None:
         if not self.enabled:
@@ -203,12 +224,15 @@ class Metrics:
     def flush(self) -> None:
         with self._lock:
             counts, self._counts = self._counts, {}
+            gauges, self._gauges = self._gauges, {}
         if self._dropped:
             counts[("drops",)] = counts.get(("drops",), 0) + self._dropped
             self._dropped = 0
         try:
             for (family, *labels), value in counts.items():
                 self._child(family, tuple(labels)).increment(value)
+            for (family, *labels), value in gauges.items():
+                self._child(family, tuple(labels)).set(value)
             while self._observations:
                 family, value = self._observations.popleft()
                 if self._families.get(family) is not None:

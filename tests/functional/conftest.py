@@ -4,6 +4,7 @@ loopback ports, serving the exported example models plus a few test-only models.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,13 @@ def test_repo(exported_repo, tmp_path_factory) -> Path:
     """Links to the example models, plus test-only models that exercise failure paths."""
     repo = tmp_path_factory.mktemp("repo")
     for model_dir in exported_repo.iterdir():
-        if (model_dir / "config.pbtxt").exists():
+        if not (model_dir / "config.pbtxt").exists():
+            continue
+        if read_config(model_dir).get("backend") == "guard":
+            # guards write their rollout state beside their config: copy, keep the source clean
+            shutil.copytree(model_dir, repo / model_dir.name,
+                            ignore=shutil.ignore_patterns("rollout_state.json*", ".rollout_state*"))
+        else:
             (repo / model_dir.name).symlink_to(model_dir.resolve())
     digits = read_config(exported_repo / "digits")
 

@@ -1,0 +1,444 @@
+"""Version routing inside the guard: rollout state, golden checks, breakers, fallback, canary.
+
+Per ``execute()`` batch the router
+1. re-reads the rollout state (rate-limited; a file ``stat`` or one Redis GET),
+2. assigns each request to the candidate (its traffic share, if its breaker is closed and its
+   goldens passed) or to the primary,
+3. calls each version once with its fused sub-batch,
+4. sends requests whose route failed (error, NaN/Inf outputs, open breaker) down the fallback
+   chain — candidate → primary → previous primary → default — and records who served each,
+5. hands canary and shadow comparisons to a background worker (bounded queue, drop counter),
+   which runs the other version, judges with the workload validator and feeds the breakers.
+
+Golden checks run once per version, before the version gets traffic; a failing version is
+never routed to. Breaker open/closed state is shared through the store; each process keeps
+its own sliding window (see :mod:`tritonguard.breaker`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import repository
+from .breaker import CLOSED, Breaker, BreakerConfig
+from .errors import TargetError, TritonGuardError
+from .state import RolloutState, StateError, StateStore
+from .tensors import concat, offsets, split
+from .validators import FAIL, PASS, ValidatorConfig, ValidatorRegistry
+
+log = logging.getLogger(__name__)
+
+SKIPPED = "SKIPPED"
+TASK_TO_WORKLOAD = {"classifier": "classifier", "embedding": "embedding", "regression": "regression"}
+
+
+@dataclass(kw_only=True)
+class RoutingConfig:
+    """``routing.*`` parameters of a guard model."""
+
+    poll_interval_s: float = 1.0  # how often the rollout state is re-read
+    compare_queue: int = 64  # pending canary/shadow comparisons; more are dropped and counted
+    canary_compare: bool = True  # also run the primary on candidate-served requests, and compare
+    golden_check: bool = True
+
+    def __post_init__(self) -> None:
+        if self.poll_interval_s < 0:
+            raise ValueError("routing.poll_interval_s must be >= 0")
+        if self.compare_queue < 1:
+            raise ValueError("routing.compare_queue must be >= 1")
+
+
+@dataclass
+class Routed:
+    """The answer for one batch: fused outputs (rows of served requests) and per-request facts."""
+
+    outputs: dict[str, np.ndarray]
+    served_by: list[str]  # per request, "" when it failed
+    errors: list[TritonGuardError | None]  # per request
+
+
+class Router:
+    def __init__(self, *, guard: str, repo: Path, target: str, make_target: Callable[[int], Any],
+                 output_names: list[str], store: StateStore, config: RoutingConfig,
+                 validator: ValidatorConfig, registry: ValidatorRegistry, breaker: BreakerConfig,
+                 metrics: Any, clock: Callable[[], float] = time.time, seed: int | None = None,
+                 pin: int = -1):
+        self.guard, self.repo, self.target = guard, repo, target
+        self.make_target = make_target
+        self.output_names = output_names
+        self.store, self.config = store, config
+        self.validator, self.registry = validator, registry
+        self.breaker_config = breaker
+        self.metrics = metrics
+        self.clock = clock
+        self.rng = np.random.default_rng(seed)
+        self._targets: dict[int, Any] = {}
+        self._breakers: dict[int, Breaker] = {}
+        self._lock = threading.Lock()  # breakers are fed by execute() and by the worker
+        self._last_poll = 0.0
+        self.dropped = 0
+        self.pin = pin
+        self.state = self._initial_state()
+        self._jobs: queue.Queue = queue.Queue(maxsize=config.compare_queue)
+        self._stop = threading.Event()
+        self._worker = threading.Thread(target=self._work, name=f"compare-{guard}", daemon=True)
+        self._worker.start()
+
+    # -- state -----------------------------------------------------------------------------
+    def _versions_on_disk(self) -> list[int]:
+        return repository.versions(self.repo / self.target)
+
+    def _initial_state(self) -> RolloutState:
+        """The stored state, or a new one pinning today's latest version as primary, so a
+        version exported later gets no traffic until it is routed to on purpose."""
+        state = self.store.load()
+        if state is not None:
+            return state
+        on_disk = self._versions_on_disk()
+        # a target outside this repository: Triton's latest (-1) unless pinned
+        pinned = self.pin if self.pin > 0 else (on_disk[-1] if on_disk else -1)
+
+        def create(current: RolloutState) -> RolloutState:
+            if current.primary == -1:
+                current.primary = pinned
+            return current
+
+        try:
+            return self.store.update(create, by=f"guard:{self.guard}")
+        except StateError as exc:
+            log.warning("guard %s: cannot write the initial rollout state (%s); primary v%d in memory",
+                        self.guard, exc, pinned)
+            return RolloutState(model=self.guard, primary=pinned)
+
+    def refresh(self, now: float) -> None:
+        if now - self._last_poll < self.config.poll_interval_s:
+            return
+        self._last_poll = now
+        new = self.store.poll(self.state.revision)
+        if new is not None and new.revision != self.state.revision:
+            log.info("guard %s: rollout state r%d -> r%d", self.guard, self.state.revision, new.revision)
+            self.state = new
+        with self._lock:
+            for version, shared in self.state.breakers.items():
+                try:
+                    self.breaker(int(version)).adopt(shared)
+                except (ValueError, KeyError):
+                    log.exception("guard %s: bad breaker state for v%s", self.guard, version)
+
+    def primary(self) -> int:
+        if self.state.primary > 0:
+            return self.state.primary
+        on_disk = self._versions_on_disk()
+        return on_disk[-1] if on_disk else -1
+
+    def breaker(self, version: int) -> Breaker:
+        b = self._breakers.get(version)
+        if b is None:
+            b = self._breakers[version] = Breaker(self.breaker_config, name=f"{self.target}:{version}")
+        return b
+
+    def target_for(self, version: int) -> Any:
+        t = self._targets.get(version)
+        if t is None:
+            t = self._targets[version] = self.make_target(version)
+        return t
+
+    # -- goldens ---------------------------------------------------------------------------
+    def golden_verdict(self, version: int) -> str:
+        """PASS / MARGINAL / FAIL for ``version``, checking it on this server the first time."""
+        if not self.config.golden_check:
+            return PASS
+        known = self.state.goldens.get(str(version))
+        if known is not None:
+            return known.get("verdict", FAIL)
+        result = self.check_goldens(version)
+        self.state.goldens[str(version)] = result
+
+        def record(current: RolloutState) -> RolloutState:
+            current.goldens.setdefault(str(version), result)
+            return current
+
+        try:
+            self.state = self.store.update(record, by=f"guard:{self.guard}")
+        except StateError as exc:
+            log.warning("guard %s: golden result for v%d not stored: %s", self.guard, version, exc)
+        self.metrics.inc("goldens", 1, target_version=str(version), verdict=result["verdict"])
+        return result["verdict"]
+
+    def check_goldens(self, version: int) -> dict[str, Any]:
+        vdir = self.repo / self.target / str(version)
+        now = self.clock()
+        path = vdir / repository.GOLDENS
+        if not path.exists():
+            # nothing to check against (a model not exported by us, or a target outside this
+            # repository): say so loudly, but do not refuse a version the user routed to
+            log.warning("guard %s: %s v%d has no %s; golden check SKIPPED", self.guard, self.target, version,
+                        repository.GOLDENS)
+            return {"verdict": SKIPPED, "metrics": {"reason": f"no {repository.GOLDENS}"}, "checked_at": now}
+        inputs, expected = repository.load_goldens(path)
+        try:
+            got = self.target_for(version).infer(inputs)
+        except Exception as exc:  # noqa: BLE001 - a broken version fails its goldens, nothing more
+            return {"verdict": FAIL, "metrics": {"error": f"{type(exc).__name__}: {exc}"}, "checked_at": now}
+        cfg = self._validator_for(vdir)
+        worst, figures = PASS, {}
+        for name in self.output_names:
+            if name not in expected:
+                continue
+            v = self.registry.validate(got[name], expected[name], cfg)
+            figures[name] = v.metrics
+            if v.status == FAIL or (v.status != PASS and worst == PASS):
+                worst = v.status
+        log.info("guard %s: goldens of %s v%d on this server: %s %s", self.guard, self.target, version, worst, figures)
+        return {"verdict": worst, "metrics": figures, "checked_at": now}
+
+    def _validator_for(self, vdir: Path) -> ValidatorConfig:
+        manifest = repository.read_manifest(vdir) or {}
+        workload = TASK_TO_WORKLOAD.get(manifest.get("task", ""), "")
+        if workload and not self.validator.custom and workload != self.validator.workload:
+            from dataclasses import replace  # noqa: PLC0415
+
+            return replace(self.validator, workload=workload)
+        return self.validator
+
+    def routable(self, version: int, now: float) -> bool:
+        return self.golden_verdict(version) != FAIL and self.breaker(version).allow(now)
+
+    # -- serving ---------------------------------------------------------------------------
+    def infer(self, fused: dict[str, np.ndarray], sizes: list[int]) -> Routed:
+        now = self.clock()
+        self.refresh(now)
+        n = len(sizes)
+        starts = offsets(sizes)
+        state = self.state
+        primary = self.primary()
+        chain = [(step, primary if step == "primary" else v) for step, v in state.chain()]
+        cand = state.candidate.version if state.candidate else None
+        draws = self.rng.random(n)
+        to_cand = state.candidate_mask(draws) if cand is not None and self.routable(cand, now) else np.zeros(n, bool)
+
+        served: list[str] = [""] * n
+        self._last_error: dict[int, str] = {}
+        errors: list[TritonGuardError | None] = [None] * n
+        out_rows: dict[int, dict[str, np.ndarray]] = {}
+        pending = {i for i in range(n)}
+        # first hop: candidate share, the rest to the primary; then down the chain
+        first = {i: (cand if to_cand[i] else primary) for i in range(n)}
+        tried: dict[int, set[int]] = {i: set() for i in range(n)}
+        reasons: dict[int, str] = {}
+        for hop in range(len(chain) + 1):
+            groups: dict[int | None, list[int]] = {}
+            for i in sorted(pending):
+                version = first[i] if hop == 0 else self._next_in_chain(chain, tried[i], now)
+                groups.setdefault(version, []).append(i)
+            if not groups:
+                break
+            for version, idx in groups.items():
+                if version is None:  # chain exhausted: default response or abstain
+                    self._default(idx, reasons, served, errors, out_rows, sizes)
+                    pending -= set(idx)
+                    continue
+                ok = self._call(version, idx, fused, starts, out_rows, served, reasons)
+                for i in idx:
+                    tried[i].add(version)
+                pending -= set(ok)
+            if not pending:
+                break
+        fallbacks = [i for i in range(n) if served[i] and first[i] is not None and served[i] != f"{self.target}:{first[i]}"]
+        for i in fallbacks:
+            self.metrics.inc("fallbacks", 1, reason=reasons.get(i, "unknown"))
+        self._enqueue_comparisons(fused, starts, out_rows, served, first, cand, primary, draws, to_cand)
+        good = [i for i in range(n) if errors[i] is None]
+        outputs = {name: concat([out_rows[i][name] for i in good]) if good else np.empty((0,))
+                   for name in self.output_names}
+        for i in good:
+            self.metrics.inc("served", 1, served_by=served[i])
+        return Routed(outputs, served, errors)
+
+    def _next_in_chain(self, chain: list[tuple[str, int | None]], tried: set[int], now: float) -> int | None:
+        for step, version in chain:
+            if step == "default":
+                return None
+            if version is None or version in tried:
+                continue
+            if self.routable(version, now):
+                return version
+            tried.add(version)
+        return None
+
+    def _call(self, version: int, idx: list[int], fused: dict[str, np.ndarray], starts: np.ndarray,
+              out_rows: dict[int, dict[str, np.ndarray]], served: list[str], reasons: dict[int, str]) -> list[int]:
+        """Run ``version`` on the requests ``idx``; returns those it answered well."""
+        sub = {k: concat([v[starts[i]:starts[i + 1]] for i in idx]) for k, v in fused.items()}
+        sub_sizes = [int(starts[i + 1] - starts[i]) for i in idx]
+        t0 = time.perf_counter()
+        try:
+            out = self.target_for(version).infer(sub)
+        except TargetError as exc:
+            self.metrics.inc("target_errors", 1, code=exc.code)
+            if len(idx) > 1:  # isolate: one poisonous request must not fail its neighbours
+                ok: list[int] = []
+                for i in idx:
+                    ok += self._call(version, [i], fused, starts, out_rows, served, reasons)
+                return ok
+            latency = (time.perf_counter() - t0) * 1000
+            self._record(version, 1, errors=1, latency_ms=latency)
+            reasons[idx[0]] = "error"
+            self._last_error[idx[0]] = str(exc)
+            log.warning("guard %s: %s v%d failed a request: %s", self.guard, self.target, version, exc)
+            return []
+        latency = (time.perf_counter() - t0) * 1000
+        self.metrics.inc("target_calls", 1)
+        self.metrics.observe("latency", latency / 1000)
+        sub_starts = offsets(sub_sizes)
+        parts = {k: split(v, sub_starts) for k, v in out.items()}
+        ok, bad = [], 0
+        for k, i in enumerate(idx):
+            rows = {name: parts[name][k] for name in self.output_names}
+            if any(np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all() for a in rows.values()):
+                reasons[i] = "non_finite"
+                bad += 1
+                continue
+            out_rows[i] = rows
+            served[i] = f"{self.target}:{version}"
+            ok.append(i)
+        self._record(version, len(idx), non_finite=bad, latency_ms=latency)
+        return ok
+
+    def _default(self, idx, reasons, served, errors, out_rows, sizes) -> None:
+        default = self.state.default_response
+        for i in idx:
+            if isinstance(default, dict):
+                out_rows[i] = {name: np.repeat(np.asarray([default[name]], dtype=np.float32), sizes[i], axis=0)
+                               for name in self.output_names}
+                served[i] = "default"
+            else:
+                why = reasons.get(i, "unavailable")
+                detail = self._last_error.get(i)
+                errors[i] = TargetError(f"no healthy version of '{self.target}' could answer ({why}"
+                                        f"{': ' + detail if detail else ''}); retry later", "UNAVAILABLE")
+            self.metrics.inc("fallbacks", 1, reason="default" if isinstance(default, dict) else "abstain")
+
+    def _record(self, version: int, n: int, *, errors: int = 0, non_finite: int = 0, latency_ms: float = 0.0,
+                verdicts: Any = ()) -> None:
+        with self._lock:
+            b = self.breaker(version)
+            trip = b.record_batch(self.clock(), n, errors=errors, non_finite=non_finite,
+                                  latency_ms=latency_ms, verdicts=verdicts)
+            shared = b.to_dict() if trip else None
+        if trip is not None:
+            self.metrics.inc("trips", 1, target_version=str(version), reason=trip.reason)
+            self._submit(("breaker", version, shared))
+
+    # -- off the critical path -------------------------------------------------------------
+    def _submit(self, job: tuple) -> bool:
+        try:
+            self._jobs.put_nowait(job)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            self.metrics.inc("compare_drops", 1)
+            return False
+
+    def _enqueue_comparisons(self, fused, starts, out_rows, served, first, cand, primary, draws, to_cand) -> None:
+        if cand is None:
+            return
+        shadow = self.state.shadow_share
+        canary = [i for i in out_rows if served[i] == f"{self.target}:{cand}"] if self.config.canary_compare else []
+        # shadow: a sample of primary-served requests is also run on the candidate; while its
+        # breaker is half-open, mirrored traffic is what probes it (at least 10 %)
+        b = self.breaker(cand)
+        now = self.clock()
+        rate = shadow if b.allow(now) else (max(shadow, 0.1) if b.wants_probe(now) else 0.0)
+        shadow_idx = []
+        if rate > 0:
+            u = (draws * 7919.0) % 1.0  # a second draw, independent of the canary one
+            shadow_idx = [i for i in out_rows if served[i] == f"{self.target}:{primary}" and u[i] < rate]
+        for kind, idx, other, served_v in (("canary", canary, primary, cand), ("shadow", shadow_idx, cand, primary)):
+            if not idx:
+                continue
+            sub = {k: concat([v[starts[i]:starts[i + 1]] for i in idx]) for k, v in fused.items()}
+            got = {name: concat([out_rows[i][name] for i in idx]) for name in self.output_names}
+            self._submit((kind, other, served_v, sub, got))
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                if job[0] == "breaker":
+                    self._store_breaker(job[1], job[2])
+                else:
+                    self._compare(*job)
+            except Exception:  # noqa: BLE001 - comparisons must never take serving down
+                log.exception("guard %s: comparison job failed", self.guard)
+
+    def _compare(self, kind: str, other: int, served_v: int, inputs: dict[str, np.ndarray],
+                 served_out: dict[str, np.ndarray]) -> None:
+        """canary: ``served_out`` came from the candidate, ``other`` is the primary (the
+        reference); shadow: ``served_out`` came from the primary, ``other`` is the candidate."""
+        cand = served_v if kind == "canary" else other
+        now = self.clock()
+        t0 = time.perf_counter()
+        try:
+            other_out = self.target_for(other).infer(inputs)
+        except TargetError:
+            if kind == "shadow":  # the candidate failed on mirrored traffic: count it
+                self._record(cand, len(next(iter(inputs.values()))), errors=len(next(iter(inputs.values()))),
+                             latency_ms=(time.perf_counter() - t0) * 1000)
+            return
+        cand_out, ref_out = (served_out, other_out) if kind == "canary" else (other_out, served_out)
+        cfg = self._validator_for(self.repo / self.target / str(cand))
+        name = cfg.output or self.output_names[0]
+        verdict = self.registry.validate(cand_out[name], ref_out[name], cfg)
+        rows = len(verdict.per_row)
+        self.metrics.inc("compared", rows, kind=kind, verdict=verdict.status, target_version=str(cand))
+        non_finite = int(sum(not np.isfinite(r).all() for r in np.asarray(cand_out[name]).reshape(rows, -1)))
+        with self._lock:
+            b = self.breaker(cand)
+            if b.wants_probe(now):
+                trip = b.record_probe(now, list(verdict.per_row))
+                if b.state == CLOSED:
+                    log.info("guard %s: %s v%d closed again after passing probes", self.guard, self.target, cand)
+                shared = b.to_dict()
+                changed = True
+            else:
+                lat = (time.perf_counter() - t0) * 1000 if kind == "shadow" else None
+                trip = b.record_batch(now, rows if kind == "shadow" else 0, non_finite=non_finite if kind == "shadow" else 0,
+                                      latency_ms=lat, verdicts=verdict.per_row)
+                shared = b.to_dict() if trip else None
+                changed = trip is not None
+        if trip is not None:
+            self.metrics.inc("trips", 1, target_version=str(cand), reason=trip.reason)
+        if changed:
+            self._store_breaker(cand, shared)
+
+    def _store_breaker(self, version: int, shared: dict[str, Any]) -> None:
+        try:
+            self.state = self.store.update_breaker(version, lambda _old: shared, by=f"guard:{self.guard}")
+        except StateError as exc:
+            log.warning("guard %s: breaker state of v%d not stored: %s", self.guard, version, exc)
+
+    def publish(self) -> None:
+        """Breaker states as gauges (cheap: local counters, pushed by the metrics thread)."""
+        code = {"closed": 0, "half_open": 1, "open": 2}
+        for version, b in list(self._breakers.items()):
+            self.metrics.set("breaker_state", code.get(b.state, 2), target_version=str(version))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._worker.join(timeout=2)
+
+
+__all__ = ["Router", "RoutingConfig", "Routed"]
