@@ -1,0 +1,629 @@
+"""Tiered response cache: L1 in-process LRU, L2 SQLite on the host, L3 Redis shared by hosts.
+
+Keys are SHA-256 digests of a canonical, unambiguous encoding of (tenant, model, artifact,
+inputs, requested outputs, parameters), followed by the model name so that every tier can purge
+one model. :func:`row_keys` gives one key per batch row, so a row hits whichever request it
+arrived in. Values are ``dict[str, np.ndarray]`` in a small header+raw format (never pickle).
+
+Privacy (``cache.privacy``):
+- ``ephemeral``: L1 only; response values never leave the process.
+- ``hashes_only``: nothing is cached; only hashes may appear in logs.
+- ``persisted_encrypted``: L2/L3 as configured. Every persisted value is AES-256-GCM encrypted
+  with a fresh nonce; rows are stored under a keyed MAC of the key (a stolen file or Redis dump
+  cannot be probed with guessed inputs) which is also the associated data, so a ciphertext
+  moved to another row fails authentication and reads as a miss. A 32-byte key is required.
+
+A tier that fails (Redis down, disk full) is skipped for a backoff of 5 s doubling to 60 s:
+serving never waits on a broken cache, and ``stats`` shows the errors and degraded tiers.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import hashlib
+import json
+import logging
+import math
+import os
+import sqlite3
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Value = dict[str, np.ndarray]
+DIGEST = 32  # key = sha256 digest + model name
+BACKOFF_S, MAX_BACKOFF_S = 5.0, 60.0
+_SQL_CHUNK = 500  # stays below SQLite's bound-parameter limit
+
+
+class PrivacyMode(str, enum.Enum):
+    EPHEMERAL = "ephemeral"
+    HASHES_ONLY = "hashes_only"
+    PERSISTED_ENCRYPTED = "persisted_encrypted"
+
+
+@dataclass(kw_only=True)
+class CacheConfig:
+    """``cache.*`` parameters of a guard model."""
+
+    enabled: bool = False
+    privacy: str = "ephemeral"  # ephemeral | hashes_only | persisted_encrypted
+    l1_entries: int = 4096
+    l1_ttl_s: float = 300
+    l2_path: str = ""  # SQLite file, shared by the processes of one host; empty = off
+    l2_ttl_s: float = 3600
+    l2_max_rows: int = 100000
+    l3_url: str = ""  # redis:// or rediss://; empty = off
+    l3_ttl_s: int = 3600
+    l3_prefix: str = "tritonguard:"
+    l3_timeout_ms: float = 50  # connect and socket timeout: a slow Redis must not slow serving
+    key_env: str = "TRITONGUARD_L2_ENCRYPTION_KEY"  # 32 bytes, hex or base64
+    key_file: str = ""  # takes precedence over key_env
+
+    def __post_init__(self) -> None:
+        try:
+            self.mode = PrivacyMode(self.privacy)
+        except ValueError:
+            raise ValueError(f"cache.privacy must be one of {', '.join(m.value for m in PrivacyMode)}, "
+                             f"got {self.privacy!r}") from None
+        for name in ("l1_entries", "l2_max_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cache.{name} must be >= 0")
+        for name in ("l1_ttl_s", "l2_ttl_s", "l3_ttl_s", "l3_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"cache.{name} must be > 0")
+        if self.l3_url and urlsplit(self.l3_url).scheme not in ("redis", "rediss"):
+            raise ValueError("cache.l3_url must start with redis:// or rediss://")
+
+
+def load_key(config: CacheConfig, environ: Mapping[str, str] | None = None) -> bytes:
+    """The 32-byte AES key from ``key_file`` or ``$key_env`` (64 hex chars or base64)."""
+    env = os.environ if environ is None else environ
+    if config.key_file:
+        source, raw = f"cache.key_file '{config.key_file}'", Path(config.key_file).read_bytes()
+        if len(raw) == 32:
+            return raw  # raw binary key file
+    elif env.get(config.key_env):
+        source, raw = f"${config.key_env}", env[config.key_env].encode()
+    else:
+        raise ConfigError(f"cache.privacy=persisted_encrypted needs a 32-byte encryption key: set "
+                          f"${config.key_env} (64 hex characters or base64, e.g. `openssl rand -hex 32`) "
+                          "or cache.key_file")
+    text = raw.strip()
+    try:
+        key = bytes.fromhex(text.decode("ascii")) if len(text) == 64 else base64.b64decode(text, validate=True)
+    except (ValueError, binascii.Error):
+        key = b""
+    if len(key) != 32:
+        raise ConfigError(f"{source}: expected a 32-byte key as 64 hex characters or base64")
+    return key
+
+
+# -- keys -------------------------------------------------------------------------------------
+def _field(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def _as_bytes(x: Any) -> bytes:
+    return x.encode("utf-8") if isinstance(x, str) else bytes(x)
+
+
+def _is_bytes(arr: np.ndarray) -> bool:
+    return arr.dtype.kind in "OSU"
+
+
+def _prefix(tenant: str, model: str, artifact_sha: str, names: Sequence[str], outputs: Sequence[str],
+            params: Mapping[str, Any]) -> hashlib._Hash:
+    h = hashlib.sha256(b"tritonguard-cache-key-v1\0")
+    for s in (tenant, model, artifact_sha):
+        h.update(_field(s.encode("utf-8")))
+    h.update(_field(json.dumps(sorted(outputs)).encode()))
+    h.update(_field(json.dumps(params, sort_keys=True, separators=(",", ":"), default=str).encode()))
+    h.update(struct.pack("<Q", len(names)))
+    return h
+
+
+def _meta(name: str, arr: np.ndarray, shape: Sequence[int]) -> bytes:
+    dt = b"BYTES" if _is_bytes(arr) else arr.dtype.newbyteorder("<").str.encode()
+    return _field(name.encode()) + _field(dt) + _field(struct.pack(f"<{len(shape)}Q", *shape))
+
+
+def _numeric(arr: np.ndarray) -> np.ndarray:
+    return arr.astype(arr.dtype.newbyteorder("<"), order="C", copy=False)  # keeps 0-d arrays 0-d
+
+
+def cache_key(tenant: str, model: str, artifact_sha: str, inputs: Mapping[str, np.ndarray],
+              outputs: Sequence[str], params: Mapping[str, Any]) -> bytes:
+    """Key of one whole request; equals ``row_keys(...)[i]`` for a request of the single row i."""
+    names = sorted(inputs)
+    h = _prefix(tenant, model, artifact_sha, names, outputs, params)
+    for name in names:
+        arr = np.asarray(inputs[name])
+        h.update(_meta(name, arr, arr.shape))
+        if _is_bytes(arr):
+            for x in arr.reshape(-1):
+                h.update(_field(_as_bytes(x)))
+        else:
+            h.update(_field(_numeric(arr).tobytes()))
+    return h.digest() + model.encode()
+
+
+def row_keys(tenant: str, model: str, artifact_sha: str, fused_inputs: Mapping[str, np.ndarray],
+             outputs: Sequence[str], params: Mapping[str, Any]) -> list[bytes]:
+    """One key per row (first axis) of a fused batch; the shared prefix is hashed once."""
+    names = sorted(fused_inputs)
+    if not names:
+        return []
+    n = len(fused_inputs[names[0]])
+    base = _prefix(tenant, model, artifact_sha, names, outputs, params)
+    tail = model.encode()
+    parts = []  # per input: (metadata bytes, per-row byte source)
+    for name in names:
+        arr = np.asarray(fused_inputs[name])
+        if len(arr) != n:
+            raise ValueError(f"input '{name}' has {len(arr)} rows, '{names[0]}' has {n}")
+        meta = _meta(name, arr, (1, *arr.shape[1:]))
+        if _is_bytes(arr):
+            rows = arr.reshape(n, -1)
+            parts.append((meta, [b"".join(_field(_as_bytes(x)) for x in r) for r in rows]))
+        else:
+            flat = memoryview(_numeric(arr)).cast("B")
+            rb = flat.nbytes // n if n else 0
+            meta += struct.pack("<Q", rb)  # the row's length prefix is the same for every row
+            parts.append((meta, [flat[i * rb:(i + 1) * rb] for i in range(n)]))
+    keys = []
+    for i in range(n):
+        h = base.copy()
+        for meta, rows in parts:
+            h.update(meta)
+            h.update(rows[i])
+        keys.append(h.digest() + tail)
+    return keys
+
+
+def key_model(key: bytes) -> str:
+    return key[DIGEST:].decode("utf-8")
+
+
+def split_rows(value: Mapping[str, np.ndarray], n: int) -> list[Value]:
+    """Per-row values of a batch output, ready for :meth:`TieredCache.put_many`."""
+    return [{k: v[i:i + 1] for k, v in value.items()} for i in range(n)]
+
+
+# -- values: header + raw bytes, no pickle ----------------------------------------------------
+# "TGV1" u16:count, then per array: u16:name_len u8:kind(0 numeric, 1 BYTES) u8:dtype_len u8:ndim,
+# name, dtype.str, u64 dims, then the raw little-endian data, or u32:length+bytes per BYTES element.
+_MAGIC, _HEAD, _ARR, _LEN = b"TGV1", struct.Struct("<4sH"), struct.Struct("<HBBB"), struct.Struct("<I")
+_DTYPES: dict[bytes, np.dtype] = {}  # parsing a dtype string costs more than the rest of a row
+
+
+def encode_value(value: Mapping[str, np.ndarray]) -> bytes:
+    parts = [_HEAD.pack(_MAGIC, len(value))]
+    for name, arr in value.items():
+        arr = np.asarray(arr)
+        if _is_bytes(arr):
+            kind, dt = 1, b""
+        elif arr.dtype.kind in "biufc" and arr.dtype.fields is None:
+            kind, arr = 0, _numeric(arr)
+            dt = arr.dtype.str.encode()
+        else:
+            raise TypeError(f"cannot cache output '{name}' of dtype {arr.dtype}")
+        nb = name.encode("utf-8")
+        parts += (_ARR.pack(len(nb), kind, len(dt), arr.ndim), nb, dt, struct.pack(f"<{arr.ndim}Q", *arr.shape))
+        if kind:
+            for x in arr.reshape(-1):
+                b = _as_bytes(x)
+                parts += (_LEN.pack(len(b)), b)
+        else:
+            parts.append(arr.tobytes())
+    return b"".join(parts)
+
+
+def decode_value(blob: bytes) -> Value:
+    """Inverse of :func:`encode_value`; ValueError on anything malformed. Arrays are read-only."""
+    try:
+        return _decode(blob)
+    except (struct.error, TypeError) as exc:
+        raise ValueError(f"bad cache value: {exc}") from None
+
+
+def _decode(blob: bytes) -> Value:
+    magic, count = _HEAD.unpack_from(blob, 0)
+    if magic != _MAGIC:
+        raise ValueError("not a cache value")
+    pos, end, out = _HEAD.size, len(blob), {}
+    for _ in range(count):
+        nlen, kind, dlen, ndim = _ARR.unpack_from(blob, pos)
+        pos += _ARR.size
+        name, dt = blob[pos:pos + nlen].decode("utf-8"), blob[pos + nlen:pos + nlen + dlen]
+        shape = struct.unpack_from(f"<{ndim}Q", blob, pos + nlen + dlen)
+        pos += nlen + dlen + 8 * ndim
+        size = math.prod(shape)
+        if kind:
+            if size * _LEN.size > end - pos:  # guards the allocation below
+                raise ValueError("truncated cache value")
+            arr = np.empty(size, dtype=object)
+            for i in range(size):
+                (n,) = _LEN.unpack_from(blob, pos)
+                arr[i] = blob[pos + 4:pos + 4 + n]
+                pos += 4 + n
+        else:
+            dtype = _DTYPES.get(dt)
+            if dtype is None:  # (a dtype is falsy: len() counts its fields)
+                dtype = _DTYPES.setdefault(dt, np.dtype(dt.decode("ascii")))
+            if dtype.kind not in "biufc" or pos + size * dtype.itemsize > end:
+                raise ValueError("bad cache value")
+            arr = np.frombuffer(blob, dtype=dtype, count=size, offset=pos)
+            pos += size * dtype.itemsize
+        arr = arr.reshape(shape)
+        arr.flags.writeable = False
+        out[name] = arr
+    if pos != end:
+        raise ValueError("truncated cache value")
+    return out
+
+
+def _frozen(value: Mapping[str, np.ndarray]) -> Value:
+    # L1 hands out the same arrays to every hit: copy them off the caller's buffers, read-only
+    out = {}
+    for k, v in value.items():
+        a = np.array(v, copy=True)
+        a.flags.writeable = False
+        out[k] = a
+    return out
+
+
+# -- tiers ------------------------------------------------------------------------------------
+class _Health:
+    """Backoff of one tier: after an error it is skipped (not retried) until ``until``."""
+
+    def __init__(self, name: str, clock: Any):
+        self.name, self.clock = name, clock
+        self.backoff = 0.0
+        self.until = 0.0
+        self.errors = 0
+
+    def available(self) -> bool:
+        return not self.backoff or self.clock() >= self.until
+
+    def failed(self, exc: BaseException) -> None:
+        self.errors += 1
+        if not self.backoff:  # log once per outage, not once per request
+            log.warning("cache %s failed (%s: %s); skipping it for %.0f s, then retrying with backoff",
+                        self.name, type(exc).__name__, exc, BACKOFF_S)
+        self.backoff = min(self.backoff * 2, MAX_BACKOFF_S) if self.backoff else BACKOFF_S
+        self.until = self.clock() + self.backoff
+
+    def ok(self) -> None:
+        if self.backoff:
+            log.info("cache %s is back", self.name)
+            self.backoff = 0.0
+
+
+class _Lru:
+    def __init__(self, capacity: int, ttl: float):
+        self.capacity, self.ttl = capacity, ttl
+        self._d: OrderedDict[bytes, tuple[float, Value]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes, now: float) -> Value | None:
+        with self._lock:
+            e = self._d.get(key)
+            if e is None:
+                return None
+            if e[0] <= now:
+                del self._d[key]
+                return None
+            self._d.move_to_end(key)
+            return e[1]
+
+    def put(self, key: bytes, value: Value, expires: float) -> None:
+        with self._lock:
+            self._d[key] = (expires, value)
+            self._d.move_to_end(key)
+            while len(self._d) > self.capacity:
+                self._d.popitem(last=False)
+
+    def purge(self, model: str | None) -> int:
+        with self._lock:
+            if model is None:
+                n = len(self._d)
+                self._d.clear()
+                return n
+            tail = model.encode()
+            drop = [k for k in self._d if k[DIGEST:] == tail]
+            for k in drop:
+                del self._d[k]
+            return len(drop)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class _Sqlite:
+    """Encrypted rows in one WAL-mode SQLite file; safe for several processes of one host."""
+
+    def __init__(self, path: str, max_rows: int, busy_ms: int = 250):
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if not p.exists():
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT, 0o600))  # ciphertext, but still owner-only
+        self.max_rows = max_rows
+        # trimming counts the table: do it every ~5% of the cap, not on every write
+        self.trim_every = max(16, max_rows // 20)
+        self._since_trim = 0
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(p), timeout=busy_ms / 1000, isolation_level=None,
+                                   check_same_thread=False)
+        self._db.execute(f"PRAGMA busy_timeout={busy_ms}")
+        self._db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the one writer
+        self._db.execute("PRAGMA synchronous=NORMAL")  # a cache may lose its last writes on power loss
+        self._db.execute("CREATE TABLE IF NOT EXISTS entries (key BLOB PRIMARY KEY, model TEXT NOT NULL, "
+                         "nonce BLOB NOT NULL, ct BLOB NOT NULL, expires REAL NOT NULL) WITHOUT ROWID")
+        self._db.execute("CREATE INDEX IF NOT EXISTS entries_expires ON entries(expires)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS entries_model ON entries(model)")
+
+    def get_many(self, ids: Sequence[bytes], now: float) -> dict[bytes, tuple[bytes, bytes, float]]:
+        found = {}
+        with self._lock:
+            for i in range(0, len(ids), _SQL_CHUNK):
+                chunk = ids[i:i + _SQL_CHUNK]
+                sql = (f"SELECT key, nonce, ct, expires FROM entries WHERE key IN ({','.join('?' * len(chunk))})"
+                       " AND expires > ?")
+                for key, nonce, ct, expires in self._db.execute(sql, (*chunk, now)):
+                    found[key] = (nonce, ct, expires)
+        return found
+
+    def put_many(self, rows: Sequence[tuple[bytes, str, bytes, bytes, float]], now: float) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._since_trim += len(rows)
+            if self._since_trim >= self.trim_every:
+                self._trim(now)
+
+    def trim(self, now: float) -> None:
+        with self._lock:
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        self._since_trim = 0
+        self._db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
+        (count,) = self._db.execute("SELECT count(*) FROM entries").fetchone()
+        if count > self.max_rows:  # drop the rows that would expire first
+            self._db.execute("DELETE FROM entries WHERE key IN "
+                             "(SELECT key FROM entries ORDER BY expires LIMIT ?)", (count - self.max_rows,))
+
+    def purge(self, model: str | None) -> int:
+        with self._lock:
+            if model is None:
+                return self._db.execute("DELETE FROM entries").rowcount
+            return self._db.execute("DELETE FROM entries WHERE model = ?", (model,)).rowcount
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+class _Redis:
+    def __init__(self, url: str, ttl: int, prefix: str, timeout_s: float):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # no client-side retries: one failure must cost one timeout at most, the backoff does the rest
+        self._r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                       retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.ttl, self.prefix = ttl, prefix
+        self.errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+
+    def name(self, model: str, sid: bytes) -> bytes:
+        return f"{self.prefix}{model}:{sid.hex()}".encode()
+
+    def get_many(self, names: Sequence[bytes]) -> list[bytes | None]:
+        return self._r.mget(names)
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        pipe = self._r.pipeline(transaction=False)
+        for name, blob in items:
+            pipe.set(name, blob, ex=self.ttl)
+        pipe.execute()
+
+    def purge(self, model: str | None) -> int:
+        match = _glob_escape(self.prefix) + ("*" if model is None else _glob_escape(model) + ":*")
+        n, batch = 0, []
+        for name in self._r.scan_iter(match=match, count=1000):
+            batch.append(name)
+            if len(batch) >= 500:
+                n += self._r.unlink(*batch)
+                batch = []
+        if batch:
+            n += self._r.unlink(*batch)
+        return n
+
+    def close(self) -> None:
+        self._r.close()
+
+
+class TieredCache:
+    """L1 → L2 → L3 lookups for whole batches of keys; lower-tier hits are promoted upwards.
+
+    Each process has its own L1; :meth:`purge` clears this process's L1 and the shared L2/L3.
+    """
+
+    def __init__(self, config: CacheConfig, *, environ: Mapping[str, str] | None = None, clock: Any = time.time):
+        self.config, self.clock = config, clock
+        self.stats: dict[str, Any] = {f"{t}_{k}": 0 for t in ("l1", "l2", "l3") for k in ("hits", "misses")}
+        self.stats.update(l2_errors=0, l3_errors=0, errors=0, corrupt=0, degraded=())
+        self._l1: _Lru | None = None
+        self._l2: _Sqlite | None = None
+        self._l3: _Redis | None = None
+        self._health = {"l2": _Health("L2 (SQLite)", clock), "l3": _Health("L3 (Redis)", clock)}
+        if not config.enabled or config.mode is PrivacyMode.HASHES_ONLY:
+            return
+        if config.l1_entries:
+            self._l1 = _Lru(config.l1_entries, config.l1_ttl_s)
+        if config.mode is PrivacyMode.EPHEMERAL:
+            if config.l2_path or config.l3_url:
+                log.warning("cache.privacy=ephemeral: ignoring cache.l2_path/cache.l3_url (responses stay "
+                            "in process memory; use persisted_encrypted to share them)")
+            return
+        key = load_key(config, environ)
+        self._aead = AESGCM(key)
+        self._mac = hashlib.sha256(b"tritonguard-cache-row-id\0" + key).digest()
+        if config.l2_path:
+            try:
+                self._l2 = _Sqlite(config.l2_path, config.l2_max_rows)
+            except sqlite3.Error as exc:
+                raise ConfigError(f"cache.l2_path '{config.l2_path}': {exc}") from None
+        if config.l3_url:
+            self._l3 = _Redis(config.l3_url, config.l3_ttl_s, config.l3_prefix, config.l3_timeout_ms / 1000)
+            u = urlsplit(config.l3_url)
+            log.info("cache L3: redis at %s:%s (credentials not logged)", u.hostname, u.port or 6379)
+
+    @property
+    def enabled(self) -> bool:
+        return self._l1 is not None or self._l2 is not None or self._l3 is not None
+
+    def _sid(self, key: bytes) -> bytes:
+        # keyed BLAKE2b is a MAC, and 3x faster than HMAC-SHA-256 at this size
+        return hashlib.blake2b(key, digest_size=32, key=self._mac).digest()
+
+    def _open(self, sid: bytes, nonce: bytes, ct: bytes) -> Value | None:
+        try:
+            return decode_value(self._aead.decrypt(nonce, ct, sid))
+        except (InvalidTag, ValueError):
+            self.stats["corrupt"] += 1  # tampered, truncated or written with another key: a miss
+            return None
+
+    def _call(self, tier: str, fn: Any, *args: Any) -> Any:
+        """Run one tier operation; on failure count it, start the backoff, return None."""
+        health = self._health[tier]
+        errors = self._l3.errors if tier == "l3" else (sqlite3.Error, OSError)
+        try:
+            out = fn(*args)
+        except errors as exc:
+            health.failed(exc)
+            self.stats[f"{tier}_errors"] += 1
+            self.stats["errors"] += 1
+            out = None
+        else:
+            health.ok()
+        self.stats["degraded"] = tuple(t for t, h in self._health.items() if h.backoff)
+        return out
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
+        """Cached value per key (None = miss), in order. Values are read-only arrays."""
+        out: list[Value | None] = [None] * len(keys)
+        if not self.enabled:
+            return out
+        now = self.clock()
+        missing = range(len(keys))
+        if self._l1 is not None:
+            for i, k in enumerate(keys):
+                out[i] = self._l1.get(k, now)
+            missing = [i for i, v in enumerate(out) if v is None]
+            self.stats["l1_hits"] += len(keys) - len(missing)
+            self.stats["l1_misses"] += len(missing)
+        if not missing or (self._l2 is None and self._l3 is None):
+            return out
+        sids = {i: self._sid(keys[i]) for i in missing}
+        if self._l2 is not None and self._health["l2"].available():
+            rows = self._call("l2", self._l2.get_many, [sids[i] for i in missing], now) or {}
+            still = []
+            for i in missing:
+                row = rows.get(sids[i])
+                value = self._open(sids[i], row[0], row[1]) if row else None
+                if value is None:
+                    still.append(i)
+                    continue
+                out[i] = value
+                if self._l1 is not None:
+                    self._l1.put(keys[i], value, min(now + self.config.l1_ttl_s, row[2]))
+            self.stats["l2_hits"] += len(missing) - len(still)
+            self.stats["l2_misses"] += len(still)
+            missing = still
+        if missing and self._l3 is not None and self._health["l3"].available():
+            names = [self._l3.name(key_model(keys[i]), sids[i]) for i in missing]
+            blobs = self._call("l3", self._l3.get_many, names) or [None] * len(missing)
+            promote, hits = [], 0
+            for i, blob in zip(missing, blobs, strict=True):
+                value = self._open(sids[i], blob[:12], blob[12:]) if blob else None
+                if value is None:
+                    continue
+                out[i], hits = value, hits + 1
+                ttl = min(self.config.l3_ttl_s, self.config.l2_ttl_s)
+                promote.append((sids[i], key_model(keys[i]), blob[:12], blob[12:], now + ttl))
+                if self._l1 is not None:
+                    self._l1.put(keys[i], value, now + min(self.config.l1_ttl_s, self.config.l3_ttl_s))
+            self.stats["l3_hits"] += hits
+            self.stats["l3_misses"] += len(missing) - hits
+            if promote and self._l2 is not None and self._health["l2"].available():
+                self._call("l2", self._l2.put_many, promote, now)
+        return out
+
+    def put_many(self, items: Iterable[tuple[bytes, Mapping[str, np.ndarray]]]) -> None:
+        """Write through every enabled tier."""
+        if not self.enabled:
+            return
+        now = self.clock()
+        rows, blobs = [], []
+        for key, value in items:
+            if self._l1 is not None:
+                self._l1.put(key, _frozen(value), now + self.config.l1_ttl_s)
+            if self._l2 is None and self._l3 is None:
+                continue
+            try:
+                plain = encode_value(value)
+            except TypeError as exc:  # an output dtype Triton cannot even send; L1 holds it anyway
+                self.stats["errors"] += 1
+                log.debug("cache: not persisting a value: %s", exc)
+                continue
+            sid, nonce = self._sid(key), os.urandom(12)
+            ct = self._aead.encrypt(nonce, plain, sid)
+            rows.append((sid, key_model(key), nonce, ct, now + self.config.l2_ttl_s))
+            if self._l3 is not None:
+                blobs.append((self._l3.name(key_model(key), sid), nonce + ct))
+        if rows and self._l2 is not None and self._health["l2"].available():
+            self._call("l2", self._l2.put_many, rows, now)
+        if blobs and self._health["l3"].available():
+            self._call("l3", self._l3.put_many, blobs)
+
+    def purge(self, model: str | None = None) -> dict[str, int]:
+        """Drop every entry, or one model's, from all tiers; entries removed per tier."""
+        done = {"l1": self._l1.purge(model) if self._l1 is not None else 0}
+        if self._l2 is not None:
+            done["l2"] = self._call("l2", self._l2.purge, model) or 0
+        if self._l3 is not None:
+            done["l3"] = self._call("l3", self._l3.purge, model) or 0
+        return done
+
+    def close(self) -> None:
+        for tier in (self._l2, self._l3):
+            if tier is not None:
+                tier.close()
