@@ -114,5 +114,47 @@ def status(
     out.print(table(models, repository))
 
 
+@app.command()
+def route(
+    model: Annotated[str, typer.Argument(help="Guard model name, e.g. digits.")],
+    repository: Repository = Path("model_repository"),
+    primary: Annotated[int | None, typer.Option(help="Primary version.")] = None,
+    candidate: Annotated[int | None, typer.Option(help="Candidate version (0 removes it).")] = None,
+    share: Annotated[float | None, typer.Option(help="Candidate's share of live traffic, 0..1.")] = None,
+    shadow: Annotated[float | None, typer.Option(help="Share of primary traffic mirrored to the candidate.")] = None,
+    fallback: Annotated[str | None, typer.Option(help="Chain, e.g. candidate,primary,previous_primary,default.")] = None,
+    default: Annotated[str | None, typer.Option(help="End of the chain: abstain (503) or none.")] = None,
+    reset_breaker: Annotated[int | None, typer.Option(help="Close this version's breaker now.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the state as JSON.")] = False,
+) -> None:
+    """Show or set a guarded model's rollout state (guards pick it up within a second)."""
+    from .route import RouteChange, RouteError, apply, show  # noqa: PLC0415
+
+    change = RouteChange(primary=primary, candidate=candidate, share=share, shadow=shadow,
+                         fallback=fallback.split(",") if fallback else None, default=default,
+                         reset_breaker=reset_breaker)
+    try:
+        if any(v is not None for v in vars(change).values()):
+            apply(repository, model, change)
+        state = show(repository, model)
+    except RouteError as exc:
+        err.print(f"[bold red]✗ route failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    if as_json:
+        typer.echo(json.dumps(state, indent=2))
+        return
+    if state.get("state", "") is None:
+        out.print(f"{model}: no rollout state yet (the guard writes one when it first loads)")
+        return
+    cand = state["candidate"]
+    out.print(f"[bold]{model}[/] r{state['revision']}: primary v{state['primary']['version']}"
+              + (f", candidate v{cand['version']} at {cand['share']:.0%}" if cand else ", no candidate")
+              + f", shadow {state['shadow_share']:.0%}, chain {' → '.join(state['fallback'])}")
+    for v, g in sorted(state.get("goldens", {}).items()):
+        out.print(f"  goldens v{v}: {g.get('verdict')}")
+    for v, b in sorted(state.get("breakers", {}).items()):
+        out.print(f"  breaker v{v}: {b['state']} (trips {b['trips']})")
+
+
 def main() -> None:
     app()

@@ -113,7 +113,10 @@ def guard_config(name: str, spec: ExportSpec, target: str, *, placement: str) ->
         "name": name, "backend": "guard",
         **_common(spec.max_batch_size, delay, TEXT_GUARD_INSTANCES if text else 1),
         "input": [_tensor(t) for t in spec.public_inputs],
-        "output": [_tensor(t) for t in spec.public_outputs],
+        # SERVED_BY: which target version answered each request (python_backend 24.10 has no
+        # response parameters, so it travels as an output; clients may simply not request it)
+        "output": [*(_tensor(t) for t in spec.public_outputs),
+                   {"name": "SERVED_BY", "data_type": "TYPE_STRING", "dims": [1]}],
         "parameters": _params(**params),
     }
 

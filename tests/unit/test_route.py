@@ -1,0 +1,59 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from exporter.cli import app
+from exporter.route import RouteChange, RouteError, apply, show
+from tritonguard.repository import write_config
+
+GUARD = {"name": "m", "backend": "guard", "max_batch_size": 4,
+         "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [2]}],
+         "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [2]}],
+         "parameters": {"target": {"string_value": "m_raw"}}}
+
+
+@pytest.fixture
+def repo(tmp_path):
+    write_config(tmp_path / "m", GUARD)
+    for v in (1, 2, 3):
+        (tmp_path / "m_raw" / str(v)).mkdir(parents=True)
+    return tmp_path
+
+
+def test_route_sets_candidate_share_and_primary(repo):
+    st = apply(repo, "m", RouteChange(primary=1))
+    assert st.primary == 1 and st.candidate is None
+    st = apply(repo, "m", RouteChange(candidate=2, share=0.1, shadow=0.2))
+    assert st.candidate.version == 2 and st.candidate.share == 0.1 and st.shadow_share == 0.2
+    st = apply(repo, "m", RouteChange(share=0.5))
+    assert st.candidate.share == 0.5
+    st = apply(repo, "m", RouteChange(primary=2))  # promoting the candidate clears it
+    assert st.primary == 2 and st.previous_primary == 1 and st.candidate is None
+    assert show(repo, "m")["primary"] == {"version": 2}
+
+
+@pytest.mark.parametrize("change,msg", [
+    (RouteChange(candidate=9), "v9 is not a version of 'm_raw'"),
+    (RouteChange(candidate=2, share=1.5), "share must be in"),
+    (RouteChange(share=0.3), "needs a candidate"),
+])
+def test_route_rejects_bad_changes(repo, change, msg):
+    with pytest.raises(RouteError, match=msg):
+        apply(repo, "m", change)
+
+
+def test_route_refuses_non_guard(repo):
+    with pytest.raises(RouteError, match="no model 'nope'"):
+        apply(repo, "nope", RouteChange(primary=1))
+
+
+def test_route_cli(repo):
+    runner = CliRunner()
+    res = runner.invoke(app, ["route", "m", "-r", str(repo), "--primary", "1", "--candidate", "3",
+                              "--share", "0.05", "--json"])
+    assert res.exit_code == 0, res.output
+    state = json.loads(res.stdout)
+    assert state["candidate"] == {"version": 3, "share": 0.05}
+    res = runner.invoke(app, ["route", "m", "-r", str(repo), "--candidate", "7"])
+    assert res.exit_code == 2 and "not a version" in res.output
