@@ -128,6 +128,7 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
             raise GoldenCheckFailed(report)
         with timed("write repository"):
             goldens.save(vdir[names["raw"]] / repo_mod.GOLDENS, spec.golden_inputs, reference)
+            _write_drift_reference(vdir[names["raw"]], spec.golden_inputs)
             common = {"task": spec.task, "source": source, "created": _now(), "golden": report.as_dict(),
                       "format": fmt, **({"opset": opset} if fmt == "onnx" else {})}
             _write_manifests(spec, names, version, vdir, artifact.name, sha, tok_dir, common)
@@ -263,3 +264,14 @@ def _move_dir(src: Path, dest: Path) -> None:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+
+
+def _write_drift_reference(version_dir: Path, inputs: dict) -> None:
+    """Per-feature input summaries the guard's drift monitor compares live traffic with."""
+    import json  # noqa: PLC0415
+
+    from tritonguard.drift import REFERENCE_FILE, reference_from_inputs  # noqa: PLC0415
+
+    ref = reference_from_inputs(inputs)
+    if ref is not None:
+        (version_dir / REFERENCE_FILE).write_text(json.dumps(ref.to_dict()))

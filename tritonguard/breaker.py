@@ -220,6 +220,18 @@ class Breaker:
             self._fails.push(np.arange(compared) < fails)
         return self._judge(now)
 
+    def latency_p95(self, min_count: int = 1) -> float | None:
+        """Nearest-rank p95 of the window's latencies; None with fewer than ``min_count``."""
+        lat = self._latency.values()
+        if len(lat) < max(min_count, 1):
+            return None
+        k = min(len(lat) - 1, int(np.ceil(0.95 * len(lat))) - 1)
+        return float(np.partition(lat, k)[k])
+
+    def shielded(self, now: float) -> bool:
+        """Within ``min_on_s`` of closing: non-critical signals may not trip it yet."""
+        return self.closed_at is not None and now - self.closed_at < self.config.min_on_s
+
     def window_counts(self) -> dict[str, int]:
         return {"requests": self._errors.count, "errors": self._errors.nonzero,
                 "non_finite": self._non_finite.nonzero, "compared": self._fails.count,

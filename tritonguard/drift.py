@@ -290,3 +290,27 @@ def text_features(texts: Iterable[Any]) -> np.ndarray:
         non_ascii = n - len(s.encode("ascii", "ignore"))
         rows.append((n, digits / n if n else 0.0, non_ascii / n if n else 0.0, len(s.split())))
     return np.asarray(rows, dtype=np.float32).reshape(-1, 4)
+
+
+REFERENCE_FILE = "drift_reference.json"
+
+
+def featurize(inputs: dict[str, np.ndarray]) -> np.ndarray | None:
+    """One numeric row per batch row: the first float input flattened, else text features of
+    the first BYTES input. The guard and the exporter use this same mapping."""
+    for name in sorted(inputs):
+        arr = np.asarray(inputs[name])
+        if np.issubdtype(arr.dtype, np.floating):
+            return arr.reshape(len(arr), -1).astype(np.float32)
+    for name in sorted(inputs):
+        arr = np.asarray(inputs[name])
+        if arr.dtype == object:
+            texts = [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+                     for x in arr.reshape(len(arr), -1)[:, 0]]
+            return text_features(texts)
+    return None
+
+
+def reference_from_inputs(inputs: dict[str, np.ndarray]) -> ReferenceSummary | None:
+    X = featurize(inputs)
+    return None if X is None or len(X) < 2 else ReferenceSummary.fit(X)

@@ -30,10 +30,18 @@ import numpy as np
 
 from . import repository
 from .breaker import CLOSED, Breaker, BreakerConfig
+from .drift import REFERENCE_FILE, DriftMonitor, Ewma, ReferenceSummary, featurize
 from .errors import TargetError, TritonGuardError
 from .state import RolloutState, StateError, StateStore
 from .tensors import concat, offsets, split
-from .validators import FAIL, PASS, ValidatorConfig, ValidatorRegistry
+from .validators import (
+    FAIL,
+    PASS,
+    AlertDispatcher,
+    ValidatorConfig,
+    ValidatorRegistry,
+    load_callable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +57,24 @@ class RoutingConfig:
     compare_queue: int = 64  # pending canary/shadow comparisons; more are dropped and counted
     canary_compare: bool = True  # also run the primary on candidate-served requests, and compare
     golden_check: bool = True
+    # output drift: EWMA of the FAIL share over canary/shadow comparisons; over it, the
+    # candidate's breaker trips with reason "drift"
+    output_drift_alpha: float = 0.05  # per compared row
+    output_drift_threshold: float = 0.2
+    output_drift_min_rows: int = 50  # no judgement on fewer compared rows
+    # latency judged against the primary, in the same process and window: the candidate trips
+    # when its p95 exceeds this multiple of the primary's (0 = off). Robust where an absolute
+    # budget is not: both versions see the same load. breaker.latency_budget_ms stays absolute.
+    latency_ratio: float = 0.0
+    input_drift_interval_s: float = 5.0  # how often the input-drift window is scored
+    alert_webhook: str = ""  # POSTed JSON on golden FAIL, trips, input drift
+    alert_callable: str = ""  # "package.module:callable", called with the same event
 
     def __post_init__(self) -> None:
+        if not 0 < self.output_drift_alpha <= 1:
+            raise ValueError("routing.output_drift_alpha must be in (0, 1]")
+        if not 0 < self.output_drift_threshold <= 1:
+            raise ValueError("routing.output_drift_threshold must be in (0, 1]")
         if self.poll_interval_s < 0:
             raise ValueError("routing.poll_interval_s must be >= 0")
         if self.compare_queue < 1:
@@ -84,9 +108,16 @@ class Router:
         self._targets: dict[int, Any] = {}
         self._breakers: dict[int, Breaker] = {}
         self._lock = threading.Lock()  # breakers are fed by execute() and by the worker
+        self._drift_lock = threading.Lock()
         self._last_poll = 0.0
         self.dropped = 0
         self.pin = pin
+        self._output_drift: dict[int, Ewma] = {}
+        self._output_rows: dict[int, int] = {}
+        self._input_drift: tuple[int, DriftMonitor | None] | None = None
+        self._last_drift_score = 0.0
+        self.alerts = AlertDispatcher(
+            [load_callable(config.alert_callable)] if config.alert_callable else [], config.alert_webhook)
         self.state = self._initial_state()
         self._jobs: queue.Queue = queue.Queue(maxsize=config.compare_queue)
         self._stop = threading.Event()
@@ -172,6 +203,8 @@ class Router:
         except StateError as exc:
             log.warning("guard %s: golden result for v%d not stored: %s", self.guard, version, exc)
         self.metrics.inc("goldens", 1, target_version=str(version), verdict=result["verdict"])
+        if result["verdict"] == FAIL:
+            self.alert("golden_fail", version, result["metrics"])
         return result["verdict"]
 
     def check_goldens(self, version: int) -> dict[str, Any]:
@@ -232,7 +265,9 @@ class Router:
         out_rows: dict[int, dict[str, np.ndarray]] = {}
         pending = {i for i in range(n)}
         # first hop: candidate share, the rest to the primary; then down the chain
-        first = {i: (cand if to_cand[i] else primary) for i in range(n)}
+        # an open primary breaker sends its share down the chain (e.g. to the previous primary)
+        home = primary if self.routable(primary, now) else self._next_in_chain(chain, set(), now)
+        first = {i: (cand if to_cand[i] else home) for i in range(n)}
         tried: dict[int, set[int]] = {i: set() for i in range(n)}
         reasons: dict[int, str] = {}
         for hop in range(len(chain) + 1):
@@ -257,6 +292,7 @@ class Router:
         for i in fallbacks:
             self.metrics.inc("fallbacks", 1, reason=reasons.get(i, "unknown"))
         self._enqueue_comparisons(fused, starts, out_rows, served, first, cand, primary, draws, to_cand)
+        self.observe_inputs(fused, primary)
         good = [i for i in range(n) if errors[i] is None]
         outputs = {name: concat([out_rows[i][name] for i in good]) if good else np.empty((0,))
                    for name in self.output_names}
@@ -265,14 +301,21 @@ class Router:
         return Routed(outputs, served, errors)
 
     def _next_in_chain(self, chain: list[tuple[str, int | None]], tried: set[int], now: float) -> int | None:
+        primary = None
         for step, version in chain:
+            if step == "primary":
+                primary = version
             if step == "default":
-                return None
+                break
             if version is None or version in tried:
                 continue
             if self.routable(version, now):
                 return version
-            tried.add(version)
+        # Nothing healthy left: an open breaker on the primary (a latency spike, say) should
+        # degrade service, not end it, so the primary answers as the last resort unless it
+        # failed its goldens (then its answers are known to be wrong).
+        if primary is not None and primary not in tried and self.golden_verdict(primary) != FAIL:
+            return primary
         return None
 
     def _call(self, version: int, idx: list[int], fused: dict[str, np.ndarray], starts: np.ndarray,
@@ -330,14 +373,78 @@ class Router:
 
     def _record(self, version: int, n: int, *, errors: int = 0, non_finite: int = 0, latency_ms: float = 0.0,
                 verdicts: Any = ()) -> None:
+        now = self.clock()
         with self._lock:
             b = self.breaker(version)
-            trip = b.record_batch(self.clock(), n, errors=errors, non_finite=non_finite,
+            trip = b.record_batch(now, n, errors=errors, non_finite=non_finite,
                                   latency_ms=latency_ms, verdicts=verdicts)
+            if trip is None:
+                trip = self._latency_vs_primary(version, b, now)
             shared = b.to_dict() if trip else None
         if trip is not None:
             self.metrics.inc("trips", 1, target_version=str(version), reason=trip.reason)
+            self.alert("breaker_trip", version, {"reason": trip.reason, **trip.figures})
             self._submit(("breaker", version, shared))
+
+    def alert(self, kind: str, version: int | None, figures: dict[str, Any]) -> None:
+        if self.alerts.callables or self.alerts.webhook_url:
+            self.alerts.fire({"event": kind, "guard": self.guard, "target": self.target, "version": version,
+                              "figures": figures, "at": self.clock()})
+
+    # -- input drift ------------------------------------------------------------------------
+    def _drift_monitor(self, version: int) -> DriftMonitor | None:
+        if self._input_drift is None or self._input_drift[0] != version:
+            path = self.repo / self.target / str(version) / REFERENCE_FILE
+            monitor = None
+            if path.exists():
+                try:
+                    import json  # noqa: PLC0415
+
+                    monitor = DriftMonitor(ReferenceSummary.from_dict(json.loads(path.read_text())))
+                except (ValueError, KeyError, OSError):
+                    log.exception("guard %s: unreadable drift reference %s", self.guard, path)
+            self._input_drift = (version, monitor)
+        return self._input_drift[1]
+
+    def observe_inputs(self, fused: dict[str, np.ndarray], version: int) -> None:
+        """Add the batch to the primary's drift window (a ring-buffer write); scoring runs on
+        the worker every ``input_drift_interval_s``."""
+        monitor = self._drift_monitor(version)
+        if monitor is None:
+            return
+        X = featurize(fused)
+        if X is not None:
+            with self._drift_lock:
+                monitor.update(X)
+        now = self.clock()
+        if now - self._last_drift_score >= self.config.input_drift_interval_s:
+            self._last_drift_score = now
+            self._submit(("drift", version))
+
+    def _score_drift(self, version: int) -> None:
+        monitor = self._drift_monitor(version)
+        if monitor is None:
+            return
+        with self._drift_lock:  # its own lock: scoring takes ~20 ms and must not stall breakers
+            report = monitor.check()
+        if report.n < monitor.config.min_samples:
+            return
+        self.metrics.set("drift", report.fraction, target_version=str(version))
+        if report.flagged:
+            log.warning("guard %s: input drift on %s v%d: %s", self.guard, self.target, version, report.to_dict(top=3))
+            self.alert("input_drift", version, report.to_dict(top=5))
+
+    def _latency_vs_primary(self, version: int, b: Breaker, now: float) -> Any:
+        cand = self.state.candidate
+        ratio = self.config.latency_ratio
+        if ratio <= 0 or cand is None or version != cand.version or b.state != CLOSED or b.shielded(now):
+            return None
+        need = max(self.breaker_config.min_requests, 50)  # p95 of fewer is one outlier
+        c95 = b.latency_p95(need)
+        p95 = self.breaker(self.primary()).latency_p95(need)
+        if c95 is None or p95 is None or c95 <= ratio * p95:
+            return None
+        return b.trip(now, "latency", {"p95_ms": c95, "primary_p95_ms": p95, "ratio": c95 / p95, "max_ratio": ratio})
 
     # -- off the critical path -------------------------------------------------------------
     def _submit(self, job: tuple) -> bool:
@@ -379,6 +486,8 @@ class Router:
             try:
                 if job[0] == "breaker":
                     self._store_breaker(job[1], job[2])
+                elif job[0] == "drift":
+                    self._score_drift(job[1])
                 else:
                     self._compare(*job)
             except Exception:  # noqa: BLE001 - comparisons must never take serving down
@@ -414,13 +523,25 @@ class Router:
                 shared = b.to_dict()
                 changed = True
             else:
-                lat = (time.perf_counter() - t0) * 1000 if kind == "shadow" else None
+                # no latency from here: worker-thread timings include GIL waits and validation;
+                # only serving-path calls feed the latency window
                 trip = b.record_batch(now, rows if kind == "shadow" else 0, non_finite=non_finite if kind == "shadow" else 0,
-                                      latency_ms=lat, verdicts=verdict.per_row)
+                                      verdicts=verdict.per_row)
                 shared = b.to_dict() if trip else None
                 changed = trip is not None
+            if trip is None and rows and b.state == CLOSED:
+                ewma = self._output_drift.setdefault(
+                    cand, Ewma(self.config.output_drift_alpha, self.config.output_drift_threshold))
+                ewma.update((verdict.per_row == FAIL).astype(np.float64))
+                seen = self._output_rows[cand] = self._output_rows.get(cand, 0) + rows
+                if ewma.exceeded and seen >= self.config.output_drift_min_rows:
+                    trip = b.trip(now, "drift", {"fail_share_ewma": ewma.value, "kind": kind, **verdict.metrics})
+                    self._output_drift.pop(cand, None)
+                    self._output_rows.pop(cand, None)
+                    shared, changed = b.to_dict(), True
         if trip is not None:
             self.metrics.inc("trips", 1, target_version=str(cand), reason=trip.reason)
+            self.alert("breaker_trip", cand, {"reason": trip.reason, **trip.figures})
         if changed:
             self._store_breaker(cand, shared)
 
@@ -439,6 +560,7 @@ class Router:
     def close(self) -> None:
         self._stop.set()
         self._worker.join(timeout=2)
+        self.alerts.flush(timeout=1)
 
 
 __all__ = ["Router", "RoutingConfig", "Routed"]

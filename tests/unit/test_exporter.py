@@ -120,7 +120,7 @@ def test_export_writes_target_guard_and_versions(tmp_path):
     res = export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
     assert res.version == 1 and res.report.verdict == PASS and res.models == ["tiny_raw", "tiny"]
     v1 = repo / "tiny_raw" / "1"
-    assert {p.name for p in v1.iterdir()} == {"model.onnx", "goldens.npz", "manifest.json"}
+    assert {p.name for p in v1.iterdir()} == {"model.onnx", "goldens.npz", "manifest.json", "drift_reference.json"}
     assert (repo / "tiny" / "1").is_dir()
 
     raw = repository.read_config(repo / "tiny_raw")

@@ -1,0 +1,232 @@
+"""Seeded faults against a real tritonserver: a bad candidate must be caught (golden rejection or
+breaker trip) within a bounded number of requests while the fallback chain answers every
+request; a good candidate must never trip.
+
+One server serves a private repository: the base digits model is v1 (primary) and each seeded
+fault of :mod:`examples.faults` a later version, routed to as candidate in turn through
+``exporter route`` (the same store the guards poll every 0.2 s).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from exporter.export import export
+from exporter.route import RouteChange, apply
+from tritonguard.repository import read_config, write_config
+from tritonguard.server import Server
+
+pytestmark = pytest.mark.functional
+
+FAULTS = ["good", "nan_subset", "accuracy_drop", "raises", "slow", "loose"]
+MAX_REQUESTS = 900  # a fault not caught within this many requests fails its test
+REPORT: dict[str, dict] = {}
+
+
+def _latency_budget_ms(faults) -> float:
+    """Between the base's and the slow fault's per-batch time at batch 8, measured here."""
+    import onnxruntime as ort
+
+    def p(model_path: Path, q: float) -> float:
+        o = ort.SessionOptions()
+        o.intra_op_num_threads = 1
+        s = ort.InferenceSession(str(model_path), o, providers=["CPUExecutionProvider"])
+        x = {"IMAGE": faults.load_all()[0][:8]}
+        s.run(None, x)
+        t = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            s.run(None, x)
+            t.append(time.perf_counter() - t0)
+        return float(np.percentile(t, q)) * 1000
+
+    return p
+
+
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory):
+    from examples import faults
+
+    repo = tmp_path_factory.mktemp("rollout_repo")
+    versions = {"base": export(faults.base(), name="digits", repository=repo, source="examples.faults:base").version}
+    for name in FAULTS:
+        versions[name] = export(getattr(faults, name)(), name="digits", repository=repo,
+                                source=f"examples.faults:{name}").version
+    # a version whose artifact was swapped after export: its goldens must fail on this server
+    tampered = export(faults.good(), name="digits", repository=repo, source="examples.faults:good").version
+    shutil.copy(repo / "digits_raw" / str(versions["accuracy_drop"]) / "model.onnx",
+                repo / "digits_raw" / str(tampered) / "model.onnx")
+    versions["tampered"] = tampered
+
+    measure = _latency_budget_ms(faults)
+    base_ms = measure(repo / "digits_raw" / str(versions["base"]) / "model.onnx", 95)
+    slow_ms = measure(repo / "digits_raw" / str(versions["slow"]) / "model.onnx", 50)
+    assert slow_ms >= 2 * base_ms, f"slow fault is not 2x slower here: {slow_ms:.3f} vs {base_ms:.3f} ms"
+    budget = float(np.sqrt(base_ms * slow_ms))
+
+    cfg = read_config(repo / "digits")
+    params = {k: v["string_value"] for k, v in cfg["parameters"].items()}
+    params.update({
+        "target_version": str(versions["base"]),
+        "routing.poll_interval_s": "0.2", "routing.input_drift_interval_s": "1",
+        "breaker.window": "200", "breaker.min_requests": "20", "breaker.min_compared": "60",
+        "breaker.max_fail_rate": "0.015", "breaker.max_error_rate": "0.05", "breaker.max_nan_rate": "0.0",
+        "routing.latency_ratio": "2.0",
+        "breaker.min_off_s": "3", "breaker.probes_to_close": "20", "breaker.min_on_s": "1",
+    })
+    cfg["parameters"] = {k: {"string_value": v} for k, v in params.items()}
+    write_config(repo / "digits", cfg)
+
+    log = tmp_path_factory.mktemp("rollout_logs") / "tritonserver.log"
+    server = Server(repository=repo, log_path=log)
+    server.start(wait_models=["digits", "digits_raw"])
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=8)
+    yield {"repo": repo, "versions": versions, "server": server, "client": client, "budget_ms": budget,
+           "base_ms": base_ms, "slow_ms": slow_ms, "faults": faults}
+    client.close()
+    server.stop()
+    if REPORT:
+        print("\nseeded-fault report:\n" + json.dumps(REPORT, indent=1))
+
+
+def state(ctx) -> dict:
+    return json.loads((ctx["repo"] / "digits" / "rollout_state.json").read_text())
+
+
+def send(ctx, images: np.ndarray, chunk: int = 32):
+    """Requests of one image each, ``chunk`` in flight; yields (sent, results) per chunk."""
+    client = ctx["client"]
+    sent = 0
+    for i in range(0, len(images), chunk):
+        futures = []
+        for img in images[i:i + chunk]:
+            inp = httpclient.InferInput("IMAGE", [1, 8, 8], "FP32")
+            inp.set_data_from_numpy(img[None].astype(np.float32))
+            futures.append(client.async_infer("digits", [inp], outputs=[
+                httpclient.InferRequestedOutput("PROBS"), httpclient.InferRequestedOutput("SERVED_BY")]))
+        results = []
+        for f in futures:
+            try:
+                r = f.get_result()
+                results.append((r.as_numpy("PROBS")[0], r.as_numpy("SERVED_BY")[0, 0].decode()))
+            except InferenceServerException as exc:
+                results.append((exc, None))
+        sent += len(results)
+        yield sent, results
+
+
+def run_candidate(ctx, fault: str, *, share: float = 0.5, shadow: float = 0.5, limit: int = MAX_REQUESTS):
+    v = ctx["versions"][fault]
+    apply(ctx["repo"], "digits", RouteChange(candidate=v, share=share, shadow=shadow))
+    time.sleep(0.5)  # > routing.poll_interval_s: every instance has the new state
+    images, labels = ctx["faults"].load_all()
+    order = np.random.default_rng(hash(fault) % 2**32).permutation(len(images))
+    reps = int(np.ceil(limit / len(images)))
+    order = np.tile(order, reps)[:limit]
+    errors, non_finite, served_by_cand, detected_at, wrong = 0, 0, 0, None, 0
+    for sent, results in send(ctx, images[order]):
+        for k, (probs, served) in enumerate(results):
+            if isinstance(probs, Exception):
+                errors += 1
+                continue
+            non_finite += int(not np.isfinite(probs).all())
+            served_by_cand += served == f"digits_raw:{v}"
+            wrong += int(probs.argmax() != labels[order[sent - len(results) + k]])
+        b = state(ctx).get("breakers", {}).get(str(v), {})
+        if detected_at is None and b.get("state") in ("open", "half_open"):
+            detected_at = sent
+            if fault != "good":
+                break
+    apply(ctx["repo"], "digits", RouteChange(candidate=0, shadow=0.0))
+    time.sleep(0.5)
+    b = state(ctx).get("breakers", {}).get(str(v), {})
+    REPORT[fault] = {"version": v, "requests_until_detection": detected_at, "user_visible_errors": errors,
+                     "non_finite_answers": non_finite, "served_by_candidate": served_by_cand,
+                     "wrong_top1": wrong, "trip": (b.get("last_trip") or {}).get("reason")}
+    return REPORT[fault]
+
+
+def test_primary_passed_goldens_on_this_server(rollout):
+    st = state(rollout)
+    base = str(rollout["versions"]["base"])
+    assert st["primary"]["version"] == rollout["versions"]["base"]
+    assert st["goldens"][base]["verdict"] == "PASS"
+
+
+def test_good_candidate_never_trips(rollout):
+    for _ in range(2):  # repeated runs: no false trip
+        r = run_candidate(rollout, "good", limit=600)
+        assert r["requests_until_detection"] is None, r
+        assert r["user_visible_errors"] == 0 and r["non_finite_answers"] == 0, r
+        assert r["served_by_candidate"] > 150, r  # it really served its share
+
+
+@pytest.mark.parametrize("fault,reason", [
+    ("nan_subset", "non_finite"),
+    ("accuracy_drop", "validator_fail"),
+    ("raises", "error_rate"),
+    ("slow", "latency"),
+    ("loose", "validator_fail"),
+])
+def test_bad_candidate_is_caught_and_fallback_serves_everyone(rollout, fault, reason):
+    r = run_candidate(rollout, fault)
+    assert r["requests_until_detection"] is not None, f"{fault} not caught within {MAX_REQUESTS} requests: {r}"
+    assert r["trip"] in (reason, "drift", "validator_fail", "non_finite", "error_rate", "latency"), r
+    assert r["user_visible_errors"] == 0, r
+    assert r["non_finite_answers"] == 0, r
+
+
+def test_tampered_version_fails_goldens_and_gets_no_traffic(rollout):
+    v = rollout["versions"]["tampered"]
+    apply(rollout["repo"], "digits", RouteChange(candidate=v, share=1.0))
+    time.sleep(0.5)
+    images = rollout["faults"].load_all()[0][:64]
+    served = [s for _, results in send(rollout, images) for _, s in results]
+    apply(rollout["repo"], "digits", RouteChange(candidate=0))
+    assert all(s == f"digits_raw:{rollout['versions']['base']}" for s in served), set(served)
+    g = state(rollout)["goldens"][str(v)]
+    assert g["verdict"] == "FAIL", g
+    REPORT["tampered"] = {"version": v, "golden": g["verdict"], "served_by_candidate": 0}
+
+
+def test_hysteresis_keeps_a_tripped_candidate_off(rollout):
+    """After a trip, the candidate gets no live traffic before min_off_s, and a candidate that
+    still fails its probes does not come back."""
+    v = rollout["versions"]["nan_subset"]
+    apply(rollout["repo"], "digits", RouteChange(candidate=v, share=0.5, shadow=0.5))
+    time.sleep(0.5)
+    images = rollout["faults"].load_all()[0]
+    for _ in range(3):  # across the 3 s off time and the probes after it
+        served = [s for _, results in send(rollout, images[:200]) for _, s in results]
+        assert f"digits_raw:{v}" not in served
+        time.sleep(1.0)
+    apply(rollout["repo"], "digits", RouteChange(candidate=0, shadow=0.0))
+    assert state(rollout)["breakers"][str(v)]["state"] in ("open", "half_open")
+
+
+def test_input_drift_is_measured(rollout):
+    drifted = rollout["faults"].drifted_inputs(300)
+    for _ in send(rollout, drifted):
+        pass
+    time.sleep(2.5)  # scored every routing.input_drift_interval_s, pushed to metrics every 1 s
+    text = urllib.request.urlopen(rollout["server"].metrics_url, timeout=10).read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("tritonguard_input_drift_fraction")]
+    assert lines, "no drift gauge"
+    assert max(float(ln.split()[-1]) for ln in lines) >= 0.5, lines
+
+
+def test_metrics_report_fallbacks_and_trips(rollout):
+    text = urllib.request.urlopen(rollout["server"].metrics_url, timeout=10).read().decode()
+    assert "tritonguard_breaker_trips_total" in text
+    assert "tritonguard_fallbacks_total" in text
+    assert 'tritonguard_served_total{model="digits",served_by="digits_raw:' in text
+    assert "tritonguard_breaker_state" in text
