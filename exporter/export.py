@@ -135,6 +135,11 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
             _place([(vdir[m], repository / m / str(version)) for m in targets])
             for model in [*targets, name]:  # targets first: the guard checks them when it loads
                 layout.write(repository / model, configs[model])
+            if text:  # this version's pinned ensemble, which the guard routes to
+                pinned = layout.version_ensemble_name(names["raw"], version)
+                layout.write(repository / pinned, {**layout.ensemble_config(
+                    names["raw"], spec, names["tokenizer"], names["encoder"], pin=version), "name": pinned})
+                (repository / pinned / "1").mkdir(parents=True, exist_ok=True)
             if not repo_mod.versions(repository / name):
                 # Triton wants a version folder even for a model with no artifact
                 (repository / name / "1").mkdir(parents=True, exist_ok=True)
@@ -175,7 +180,8 @@ def _configs(spec: ExportSpec, names: dict[str, str], native: bool = False) -> d
     else:
         tok, enc = names["tokenizer"], names["encoder"]
         configs = {tok: layout.tokenizer_config(tok, spec),
-                   enc: layout.runtime_config(enc, spec, threads=layout.ENCODER_THREADS, native=native),
+                   enc: {**layout.runtime_config(enc, spec, threads=layout.ENCODER_THREADS, native=native),
+                         "version_policy": layout.ALL_VERSIONS},
                    raw: layout.ensemble_config(raw, spec, tok, enc)}
         placement = "bls"  # an ensemble can only be reached through Triton
     configs[guard] = layout.guard_config(guard, spec, raw, placement=placement)

@@ -48,6 +48,14 @@ def _common(max_batch: int, delay_us: int, instances: int = 1) -> dict[str, Any]
 
 
 LATEST_ONLY = {"latest": {"num_versions": 1}}
+# the parts of a text model: every version loaded, so each per-version ensemble can pin its own
+ALL_VERSIONS: dict[str, Any] = {"all": {}}
+
+
+def version_ensemble_name(raw: str, version: int) -> str:
+    """``<name>_raw_v<N>``: the ensemble pinned to tokenizer N and encoder N, which the guard
+    routes to by version (an ensemble's config cannot pin other steps per version)."""
+    return f"{raw}_v{version}"
 
 
 def runtime_config(name: str, spec: ExportSpec, *, threads: int = 1, native: bool = False) -> dict[str, Any]:
@@ -77,11 +85,12 @@ def tokenizer_config(name: str, spec: ExportSpec) -> dict[str, Any]:
         "input": [_tensor(t) for t in spec.public_inputs],
         # the tokenizer emits exactly the encoder's inputs, by the same names
         "output": [_tensor(t) for t in spec.inputs],
-        "version_policy": LATEST_ONLY, "parameters": _params(**params),
+        "version_policy": ALL_VERSIONS, "parameters": _params(**params),
     }
 
 
-def ensemble_config(name: str, spec: ExportSpec, tokenizer: str, encoder: str) -> dict[str, Any]:
+def ensemble_config(name: str, spec: ExportSpec, tokenizer: str, encoder: str, pin: int = -1) -> dict[str, Any]:
+    """The ensemble tokenizer -> encoder; ``pin`` fixes both steps to one version (-1: latest)."""
     text = spec.text
     assert text is not None
     tok_outputs = {t.name: t.name for t in spec.inputs}
@@ -91,10 +100,10 @@ def ensemble_config(name: str, spec: ExportSpec, tokenizer: str, encoder: str) -
         "output": [_tensor(t) for t in spec.public_outputs],
         "version_policy": LATEST_ONLY,
         "ensemble_scheduling": {"step": [
-            {"model_name": tokenizer, "model_version": -1,
+            {"model_name": tokenizer, "model_version": pin,
              "input_map": {text.text_input: text.text_input},
              "output_map": tok_outputs},
-            {"model_name": encoder, "model_version": -1, "input_map": tok_outputs,
+            {"model_name": encoder, "model_version": pin, "input_map": tok_outputs,
              "output_map": {spec.outputs[0].name: text.public_output}},
         ]},
     }
@@ -103,6 +112,8 @@ def ensemble_config(name: str, spec: ExportSpec, tokenizer: str, encoder: str) -
 def guard_config(name: str, spec: ExportSpec, target: str, *, placement: str) -> dict[str, Any]:
     """The public model: same IO and batch cap as its target, plus validation parameters."""
     params: dict[str, Any] = {"target": target, "placement": placement}
+    if spec.text is not None:
+        params["target_per_version"] = f"{target}_v{{version}}"
     for inp, (lo, hi) in spec.input_ranges.items():
         params[f"validation.range.{inp}"] = f"{lo:g},{hi:g}"
     if spec.text is not None:

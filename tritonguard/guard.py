@@ -39,10 +39,15 @@ class TargetConfig:
     target_version: int = -1  # -1: the latest version Triton serves
     placement: str = "bls"  # bls | inprocess
     timeout_ms: int = 0  # BLS timeout; 0 = none
+    # BLS only: the model that serves version N, e.g. "minilm_raw_v{version}" (per-version
+    # ensembles); empty: version N of ``target`` itself
+    target_per_version: str = ""
 
     def __post_init__(self) -> None:
         if not self.target:
             raise ValueError("parameter 'target' is required (the model or ensemble this guard fronts)")
+        if self.target_per_version and "{version}" not in self.target_per_version:
+            raise ValueError("target_per_version must contain '{version}'")
         if self.placement not in ("bls", "inprocess"):
             raise ValueError(f"placement must be 'bls' or 'inprocess', got {self.placement!r}")
 
@@ -103,11 +108,12 @@ def check_signature(guard: ModelSignature, target: ModelSignature, target_name: 
 
 
 class BlsTarget:
-    def __init__(self, name: str, version: int, outputs: list[str], max_batch: int, timeout_ms: int):
+    def __init__(self, name: str, version: int, outputs: list[str], max_batch: int, timeout_ms: int,
+                 served_as: str = ""):
         self.name, self.version, self.outputs = name, version, outputs
         self.max_batch = max_batch
         self.timeout_us = timeout_ms * 1000
-        self.served_by = f"{name}:{version if version > 0 else 'latest'}"
+        self.served_by = served_as or f"{name}:{version if version > 0 else 'latest'}"
 
     def infer(self, fused: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rows = len(next(iter(fused.values())))
@@ -182,6 +188,9 @@ class GuardModel:
                 return InProcessTarget(repo, tcfg.target, version, engine_cfg, self.signature, self.output_names)
         else:
             def make_target(version: int) -> BlsTarget:  # type: ignore[misc]
+                if tcfg.target_per_version and version > 0:
+                    return BlsTarget(tcfg.target_per_version.format(version=version), -1, self.output_names,
+                                     self.signature.max_batch_size, tcfg.timeout_ms, served_as=f"{tcfg.target}:{version}")
                 return BlsTarget(tcfg.target, version, self.output_names, self.signature.max_batch_size,
                                  tcfg.timeout_ms)
 
