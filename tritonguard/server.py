@@ -79,6 +79,10 @@ class Server:
                 pending = [m for m in pending if not self._ok(f"/v2/models/{m}/ready")]
                 if not pending:
                     return self
+                failed = self._failed(pending)
+                if failed:
+                    self.stop()
+                    raise RuntimeError(f"models failed to load: {failed}; log: {self.log_path}")
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"models {pending} not ready after {timeout:.0f}s; log: {self.log_path}\n{self.tail()}")
@@ -89,6 +93,19 @@ class Server:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def _failed(self, models: Sequence[str]) -> dict[str, str]:
+        """Models of ``models`` that Triton reports UNAVAILABLE with a reason (a failed load)."""
+        import json  # noqa: PLC0415
+
+        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                index = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+        return {m["name"]: m.get("reason", "") for m in index
+                if m["name"] in models and m.get("state") == "UNAVAILABLE" and m.get("reason")}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None and self._ok("/v2/health/live")
