@@ -13,6 +13,7 @@ import os
 import types
 import typing
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
@@ -118,3 +119,110 @@ def from_params(cls: type, params: Mapping[str, str], *, section: str = "", mode
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model '{model}': {exc}") from None
+
+
+# -- layered parameters -------------------------------------------------------------------------
+PYPROJECT_ENV = "TRITONGUARD_PYPROJECT"
+PYPROJECT_TABLE = ("tool", "tritonguard")
+
+
+def _toml_load(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib  # noqa: PLC0415 - Python >= 3.11
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # noqa: PLC0415
+        except ModuleNotFoundError:
+            raise ConfigError(f"{path}: reading [tool.tritonguard] needs Python >= 3.11 or the "
+                              "'tomli' package") from None
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, ValueError) as exc:  # TOMLDecodeError is a ValueError
+        raise ConfigError(f"{path}: cannot read [tool.tritonguard]: {exc}") from None
+
+
+def _toml_value(value: Any, key: str, source: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+        return ",".join(str(v) for v in value)  # tuple parameters: "a,b,c"
+    if isinstance(value, dict):
+        return json.dumps(value)  # object parameters (tenancy.quotas) take JSON
+    raise ConfigError(f"{source}: '{key}' has an unsupported value {value!r}")
+
+
+def _flatten(table: Mapping[str, Any], prefix: str, source: str, out: dict[str, str]) -> None:
+    """``{"validation": {"max_bytes_length": 4096, "range": {"IMAGE": "0,16"}}}`` ->
+    ``validation.max_bytes_length``, ``validation.range.IMAGE``. A table whose values are
+    tables themselves (``tenancy.quotas = {acme = {rps = 5}}``) is one JSON-valued parameter."""
+    for key, value in table.items():
+        full = f"{prefix}{key}"
+        # a section is always a table of keys; below it, only a table of plain values nests
+        if isinstance(value, dict) and (not prefix or not any(isinstance(v, dict) for v in value.values())):
+            _flatten(value, f"{full}.", source, out)
+        else:
+            out[full] = _toml_value(value, full, source)
+
+
+def pyproject_path(repo_dir: str | os.PathLike[str] | None,
+                   environ: Mapping[str, str] | None = None) -> Path | None:
+    """``$TRITONGUARD_PYPROJECT`` (must exist), else ``<repository>/../pyproject.toml`` if present."""
+    env = os.environ if environ is None else environ
+    explicit = env.get(PYPROJECT_ENV, "")
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise ConfigError(f"${PYPROJECT_ENV}={explicit}: no such file")
+        return path
+    if repo_dir is None:
+        return None
+    path = Path(repo_dir).resolve().parent / "pyproject.toml"
+    return path if path.is_file() else None
+
+
+def pyproject_parameters(path: Path | None) -> dict[str, str]:
+    """``[tool.tritonguard]`` of ``path`` flattened to ``section.key`` strings ({} without one)."""
+    if path is None:
+        return {}
+    table: Any = _toml_load(path)
+    for part in PYPROJECT_TABLE:
+        table = table.get(part) if isinstance(table, dict) else None
+        if table is None:
+            return {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [tool.tritonguard] must be a table")
+    out: dict[str, str] = {}
+    _flatten(table, "", f"{path} [tool.tritonguard]", out)
+    return out
+
+
+class LayeredParameters(dict):
+    """Resolved parameters; ``sources[key]`` names the layer each value came from."""
+
+    sources: dict[str, str]
+
+    def source_of(self, key: str) -> str:
+        return self.sources.get(key, "defaults")
+
+
+def layered_parameters(model_params: Mapping[str, str], repo_dir: str | os.PathLike[str] | None,
+                       environ: Mapping[str, str] | None = None) -> LayeredParameters:
+    """The one place where a guard's parameters are resolved, lowest precedence first:
+    dataclass defaults < ``[tool.tritonguard]`` of a pyproject.toml (``$TRITONGUARD_PYPROJECT``,
+    else the model repository's parent folder) < ``TRITONGUARD_<SECTION>__<KEY>`` environment
+    variables < the model's own config.pbtxt ``parameters``. Unknown keys are rejected later, by
+    :func:`split_parameters` / :func:`from_params`, naming the key."""
+    env = os.environ if environ is None else environ
+    py = pyproject_path(repo_dir, env)
+    out = LayeredParameters()
+    out.sources = {}
+    for label, layer in ((f"{py} [tool.tritonguard]", pyproject_parameters(py)),
+                         ("environment (TRITONGUARD_*)", env_parameters(environ=env)),
+                         ("config.pbtxt", dict(model_params))):
+        for key, value in layer.items():
+            out[key] = value
+            out.sources[key] = label
+    return out
