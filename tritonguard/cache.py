@@ -128,15 +128,31 @@ def _is_bytes(arr: np.ndarray) -> bool:
     return arr.dtype.kind in "OSU"
 
 
+def canonical_params(params: Mapping[str, Any]) -> str:
+    """The JSON that keys hash for ``params``; pass it instead of the mapping to skip re-encoding."""
+    return json.dumps(params, sort_keys=True, separators=(",", ":"), default=str)
+
+
+_PREFIXES: dict[tuple, hashlib._Hash] = {}  # hashed key prefixes, reused (copied) per call
+_MAX_PREFIXES = 1024
+
+
 def _prefix(tenant: str, model: str, artifact_sha: str, names: Sequence[str], outputs: Sequence[str],
-            params: Mapping[str, Any]) -> hashlib._Hash:
-    h = hashlib.sha256(b"tritonguard-cache-key-v1\0")
-    for s in (tenant, model, artifact_sha):
-        h.update(_field(s.encode("utf-8")))
-    h.update(_field(json.dumps(sorted(outputs)).encode()))
-    h.update(_field(json.dumps(params, sort_keys=True, separators=(",", ":"), default=str).encode()))
-    h.update(struct.pack("<Q", len(names)))
-    return h
+            params: Mapping[str, Any] | str) -> hashlib._Hash:
+    pjson = params if isinstance(params, str) else canonical_params(params)
+    memo = (tenant, model, artifact_sha, tuple(names), tuple(outputs), pjson)
+    h = _PREFIXES.get(memo)
+    if h is None:
+        h = hashlib.sha256(b"tritonguard-cache-key-v1\0")
+        for s in (tenant, model, artifact_sha):
+            h.update(_field(s.encode("utf-8")))
+        h.update(_field(json.dumps(sorted(outputs)).encode()))
+        h.update(_field(pjson.encode()))
+        h.update(struct.pack("<Q", len(names)))
+        if len(_PREFIXES) >= _MAX_PREFIXES:
+            _PREFIXES.clear()
+        _PREFIXES[memo] = h
+    return h.copy()
 
 
 def _meta(name: str, arr: np.ndarray, shape: Sequence[int]) -> bytes:
@@ -149,7 +165,7 @@ def _numeric(arr: np.ndarray) -> np.ndarray:
 
 
 def cache_key(tenant: str, model: str, artifact_sha: str, inputs: Mapping[str, np.ndarray],
-              outputs: Sequence[str], params: Mapping[str, Any]) -> bytes:
+              outputs: Sequence[str], params: Mapping[str, Any] | str) -> bytes:
     """Key of one whole request; equals ``row_keys(...)[i]`` for a request of the single row i."""
     names = sorted(inputs)
     h = _prefix(tenant, model, artifact_sha, names, outputs, params)
@@ -165,8 +181,9 @@ def cache_key(tenant: str, model: str, artifact_sha: str, inputs: Mapping[str, n
 
 
 def row_keys(tenant: str, model: str, artifact_sha: str, fused_inputs: Mapping[str, np.ndarray],
-             outputs: Sequence[str], params: Mapping[str, Any]) -> list[bytes]:
-    """One key per row (first axis) of a fused batch; the shared prefix is hashed once."""
+             outputs: Sequence[str], params: Mapping[str, Any] | str) -> list[bytes]:
+    """One key per row (first axis) of a fused batch; the shared prefix is hashed once (and
+    remembered). ``params`` may be given as :func:`canonical_params` of the mapping."""
     names = sorted(fused_inputs)
     if not names:
         return []
