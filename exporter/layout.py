@@ -118,6 +118,8 @@ def guard_config(name: str, spec: ExportSpec, target: str, *, placement: str) ->
         params[f"validation.range.{inp}"] = f"{lo:g},{hi:g}"
     if spec.text is not None:
         params["validation.max_bytes_length"] = TEXT_MAX_BYTES_LENGTH
+        # PII is redacted before the text reaches the target, the cache key or the audit log
+        params["redaction.model_sees_redacted"] = "true"
     text = spec.text is not None
     delay = TEXT_GUARD_QUEUE_DELAY_US if text else RAW_QUEUE_DELAY_US
     return {

@@ -30,3 +30,9 @@ class TargetError(TritonGuardError):
     def __init__(self, message: str, code: str = "INTERNAL"):
         super().__init__(message)
         self.code = code
+
+
+class QuotaExceeded(TritonGuardError):
+    """A tenant is over its quota: HTTP 503 / gRPC UNAVAILABLE, with retry advice in the message."""
+
+    code = "UNAVAILABLE"

@@ -11,6 +11,7 @@ Two placements of the same pipeline:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,17 @@ from typing import Any
 import numpy as np
 
 from . import repository, triton
+from .audit import AuditConfig
 from .breaker import BreakerConfig
-from .config import env_parameters, from_params, model_parameters, split_parameters
+from .cache import CacheConfig
+from .config import from_params, layered_parameters, model_parameters, split_parameters
 from .engines import EngineConfig, load_engine
 from .errors import ConfigError, InvalidInput, TargetError
+from .privacy import PrivacyStage, audit_file, enforce_security, security_findings
+from .redaction import RedactionConfig
 from .routing import Router, RoutingConfig
 from .state import open_store
+from .tenancy import TenancyConfig
 from .tensors import ModelSignature, TensorSpec, offsets, split
 from .validation import BatchValidator, ValidationConfig
 from .validators import ValidatorConfig, ValidatorRegistry
@@ -63,8 +69,12 @@ class GuardConfig:
     routing: RoutingConfig
     breaker: BreakerConfig
     validator: ValidatorConfig
+    redaction: RedactionConfig
+    tenancy: TenancyConfig
+    cache: CacheConfig
+    audit: AuditConfig
 
-    SECTIONS = ("", "validation", "runtime", "routing", "breaker", "validator")
+    SECTIONS = ("", "validation", "runtime", "routing", "breaker", "validator", "redaction", "tenancy", "cache", "audit")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], model: str) -> GuardConfig:
@@ -76,6 +86,10 @@ class GuardConfig:
             routing=from_params(RoutingConfig, groups["routing"], section="routing", model=model),
             breaker=from_params(BreakerConfig, groups["breaker"], section="breaker", model=model),
             validator=from_params(ValidatorConfig, groups["validator"], section="validator", model=model),
+            redaction=from_params(RedactionConfig, groups["redaction"], section="redaction", model=model),
+            tenancy=from_params(TenancyConfig, groups["tenancy"], section="tenancy", model=model),
+            cache=from_params(CacheConfig, groups["cache"], section="cache", model=model),
+            audit=from_params(AuditConfig, groups["audit"], section="audit", model=model),
         )
 
 
@@ -154,15 +168,19 @@ class GuardModel:
         cfg = triton.model_config(args)
         self.name = args["model_name"]
         self.version = args["model_version"]
-        params = {**env_parameters(), **model_parameters(cfg)}
-        self.config = GuardConfig.from_parameters(params, self.name)
+        repo = Path(args["model_repository"]).parent
+        # defaults < [tool.tritonguard] in pyproject.toml < TRITONGUARD_* < config.pbtxt
+        params = layered_parameters(model_parameters(cfg), repo, os.environ)
+        try:
+            self.config = GuardConfig.from_parameters(params, self.name)
+        except ConfigError as exc:
+            raise ConfigError(_with_source(str(exc), params)) from None
         self.signature = ModelSignature.from_config(cfg)
         self.config.validation.check_against(self.signature, self.name)
         self.input_names = [s.name for s in self.signature.inputs]
         self.output_names = [s.name for s in self.signature.outputs if s.name != SERVED_BY]
         self.served_by_output = any(s.name == SERVED_BY for s in self.signature.outputs)
 
-        repo = Path(args["model_repository"]).parent
         tcfg = self.config.target
         target_dir = repo / tcfg.target
         target_config = None
@@ -194,14 +212,27 @@ class GuardModel:
                 return BlsTarget(tcfg.target, version, self.output_names, self.signature.max_batch_size,
                                  tcfg.timeout_ms)
 
+        instances = sum(int(g.get("count", 1)) for g in cfg.get("instance_group") or [{}]) or 1
+        # startup security check: hard failures refuse the load, the rest are logged warnings
+        enforce_security(self.name, security_findings(self.config, self.signature, params, instances=instances))
         self.validator = BatchValidator(self.signature, self.config.validation)
         self.metrics = triton.Metrics(self.name, self.version)
+        runtime_overrides = {k: v for k, v in params.items() if k.startswith("runtime.")}
+        self.privacy = PrivacyStage(
+            guard=self.name, target=tcfg.target, signature=self.signature, output_names=self.output_names,
+            config=self.config, repo=repo, metrics=self.metrics,
+            audit_path=audit_file(self.config.audit.path, model=self.name,
+                                  instance=args.get("model_instance_name", self.name), instances=instances),
+            # settings that change what the target answers for the same inputs
+            key_params={"placement": tcfg.placement, "runtime": runtime_overrides},
+        )
         self.router = Router(
             guard=self.name, repo=repo, target=tcfg.target, make_target=make_target,
             output_names=self.output_names, store=open_store(self.name, repo), config=self.config.routing,
             validator=self.config.validator, registry=ValidatorRegistry.from_config(self.config.validator),
-            breaker=self.config.breaker, metrics=self.metrics, pin=tcfg.target_version,
+            breaker=self.config.breaker, metrics=self.privacy.wrap_metrics(self.metrics), pin=tcfg.target_version,
         )
+        self.privacy.attach(self.router)
         if tcfg.placement == "inprocess":
             # goldens on the serving hardware before any traffic; a primary that fails them
             # fails the load, so the model reports not ready instead of serving wrong answers
@@ -210,6 +241,7 @@ class GuardModel:
             if verdict == "FAIL":
                 figures = self.router.state.goldens.get(str(primary), {}).get("metrics")
                 self.router.close()
+                self.privacy.close()
                 raise ConfigError(f"model '{self.name}': primary {tcfg.target} v{primary} failed its goldens "
                                   f"on this server: {figures}")
         log.info("guard %s v%s -> %s primary v%d (%s)", self.name, self.version, tcfg.target,
@@ -239,26 +271,58 @@ class GuardModel:
         for rule, n in rejects.items():
             self.metrics.inc("rejects", n, reason=rule)
         if not verdict.valid:
+            if self.privacy.audit.enabled:
+                self.privacy.before(self._parameters(requests), verdict)  # audits the rejects
             return
-        routed = self.router.infer(verdict.fused, verdict.sizes)
-        good_sizes = [verdict.sizes[k] for k in range(len(verdict.valid)) if routed.errors[k] is None]
+        # tenants, quotas, redaction, cache lookups: what is left goes to the router
+        batch = self.privacy.before(self._parameters(requests), verdict)
+        for i, err in batch.errors.items():
+            responses[i] = triton.error(err)
+        routed = None
+        try:
+            for i, outs in batch.hits.items():
+                if self.served_by_output:
+                    outs = {**outs, SERVED_BY: np.full((batch.hit_sizes[i], 1), batch.cache_label.encode(), dtype=object)}
+                responses[i] = triton.response(outs)
+            if batch.route:
+                routed = self.router.infer(batch.fused, batch.sizes)
+                self.privacy.redact_outputs(batch, routed)
+                self._respond(batch, routed, responses)
+        finally:
+            self.privacy.after(batch, routed)  # cache fill, audit, quota release; never raises
+        self.router.publish()
+
+    def _parameters(self, requests: list[Any]) -> list[dict[str, Any]] | None:
+        return [triton.request_parameters(r) for r in requests] if self.privacy.needs_parameters else None
+
+    def _respond(self, batch: Any, routed: Any, responses: list[Any]) -> None:
+        good_sizes = [batch.sizes[k] for k in range(len(batch.route)) if routed.errors[k] is None]
         parts = {n: split(routed.outputs[n], offsets(good_sizes)) for n in self.output_names}
         j = 0
-        for k, i in enumerate(verdict.valid):
+        for k, i in enumerate(batch.route):
             err = routed.errors[k]
             if err is not None:
                 responses[i] = triton.error(err)
                 continue
             outs = {n: parts[n][j] for n in self.output_names}
             if self.served_by_output:
-                outs[SERVED_BY] = np.full((verdict.sizes[k], 1), routed.served_by[k].encode(), dtype=object)
+                outs[SERVED_BY] = np.full((batch.sizes[k], 1), routed.served_by[k].encode(), dtype=object)
             responses[i] = triton.response(outs)
             j += 1
-        self.router.publish()
 
     def finalize(self) -> None:
         self.router.close()
+        self.privacy.close()
         self.metrics.close()
+
+
+def _with_source(message: str, params: Any) -> str:
+    """Name the layer (pyproject.toml, environment, config.pbtxt) of a key a config error quotes."""
+    sources = getattr(params, "sources", {})
+    for key, source in sources.items():
+        if f"'{key}'" in message and source != "config.pbtxt":
+            return f"{message} (set in {source})"
+    return message
 
 
 __all__ = ["GuardModel", "GuardConfig", "TargetConfig", "InvalidInput", "SERVED_BY"]

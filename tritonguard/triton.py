@@ -144,10 +144,16 @@ class Metrics:
         "trips": ("tritonguard_breaker_trips_total", "Circuit breaker trips, by target version and reason"),
         "compared": ("tritonguard_compared_total", "Canary/shadow comparisons, by kind and validator verdict"),
         "compare_drops": ("tritonguard_compare_drops_total", "Comparisons dropped because the queue was full"),
+        "cache": ("tritonguard_cache_lookups_total", "Cache lookups per batch row, by tier, result (hit/miss) and tenant"),
+        "cache_errors": ("tritonguard_cache_errors_total", "Cache tier failures (the tier is then skipped for a backoff), by tier"),
+        "redactions": ("tritonguard_redactions_total", "PII spans redacted, by type, direction (input/output) and tenant"),
+        "quota_rejects": ("tritonguard_quota_rejects_total", "Requests refused by a tenant quota (UNAVAILABLE), by tenant and reason"),
+        "audit_drops": ("tritonguard_audit_drops_total", "Audit records dropped because the writer's queue was full"),
     }
     GAUGES = {
         "breaker_state": ("tritonguard_breaker_state", "Breaker per target version: 0 closed, 1 half-open, 2 open"),
         "drift": ("tritonguard_input_drift_fraction", "Share of input features drifting (KS/PSI) on the primary"),
+        "cache_degraded": ("tritonguard_cache_degraded", "1 while a cache tier is skipped after a failure (backoff), by tier"),
     }
 
     def __init__(self, model: str, version: str, interval: float = 1.0, max_pending: int = 8192):
