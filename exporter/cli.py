@@ -158,3 +158,9 @@ def route(
 
 def main() -> None:
     app()
+
+
+# `python -m exporter audit verify PATH` (exit 0 intact, 1 tampered, 2 no log)
+from .audit_cmd import audit_app  # noqa: E402
+
+app.add_typer(audit_app, name="audit")
