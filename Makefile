@@ -19,6 +19,16 @@ DEPS   := nvidia-pytriton==0.7.0 'tritonclient[all]==2.51.0' nvidia-cuda-runtime
 SERVER_FLAGS ?= --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
           --http-port=$(HTTP_PORT) --grpc-port=$(GRPC_PORT) --metrics-port=$(METRICS_PORT) \
           --allow-gpu-metrics=false --exit-on-error=false
+# tenant ids may arrive as this HTTP/gRPC header; Triton forwards it to the guard as a parameter
+TENANT_HEADER ?= x-tenant-id
+SERVER_FLAGS += --http-header-forward-pattern=$(TENANT_HEADER) --grpc-header-forward-pattern=$(TENANT_HEADER)
+# with TRITONGUARD_ADMIN_KEY set, model load/unload and config endpoints need the header
+# $(ADMIN_HEADER): <key>. The shell expands the key, so make never echoes it (`ps` still shows it).
+ADMIN_HEADER ?= x-tritonguard-admin-key
+ifneq ($(TRITONGUARD_ADMIN_KEY),)
+SERVER_FLAGS += "--http-restricted-api=model-repository,model-config:$(ADMIN_HEADER)=$$TRITONGUARD_ADMIN_KEY" \
+          "--grpc-restricted-protocol=model-repository,model-config:$(ADMIN_HEADER)=$$TRITONGUARD_ADMIN_KEY"
+endif
 
 .PHONY: help setup system-deps venv models run test unit functional bench lint clean
 
