@@ -186,6 +186,31 @@ def print_table(rows: list[dict]) -> None:
     Console().print(table)
 
 
+def print_canary(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rollout: guarded with a candidate at 10 % + 10 % shadow (c=16, one server)")
+    for col in ("model", "phase", "guarded inf/s", "raw inf/s", "guarded/raw", "p99 g/r ms"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["model"], r["phase"], f"{r['guarded_ips']:.0f}", f"{r['raw_ips']:.0f}",
+                      f"{r['guarded_over_raw']:.3f}", f"{r['p99_guarded_ms']:.2f}/{r['p99_raw_ms']:.2f}")
+    Console().print(table)
+
+
+def run_privacy(args: argparse.Namespace, workdir: Path) -> dict:
+    """Cache-hit latency per tier and redaction on/off throughput (perf/privacy_bench.py)."""
+    from perf import privacy_bench
+
+    window, trials = min(args.window_ms, 2000), min(args.trials, 4)
+    result = privacy_bench.run(args.repository.resolve(), workdir,
+                               lambda srv, name, c, data: perf_analyzer(srv, name, c, data, window, trials),
+                               input_data("digits", workdir / "privacy-digits.json"))
+    privacy_bench.print_privacy(result)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repository", type=Path, default=ROOT / "model_repository")
@@ -195,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2, help="raw/guarded alternations per point (median)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--no-canary", action="store_true", help="skip the canary 10 %% + shadow 10 %% scenario")
+    ap.add_argument("--privacy", action=argparse.BooleanOptionalAction, default=True,
+                    help="cache-hit latency per tier and redaction on/off throughput (~2 min)")
     args = ap.parse_args(argv)
 
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -219,16 +247,27 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.concurrency:
             results.append(ceiling(args.repository, model, c))
     rows = ratio_table(results, args.concurrency)
+    canary_rows = []
+    if not args.no_canary:
+        from perf import canary
+
+        canary_rows = canary.run(args.repository.resolve(), workdir, args.models,
+                                 lambda srv, name, c: perf_analyzer(srv, name, c, input_data(name.removesuffix("_raw"),
+                                                                    workdir / "canary.json"), args.window_ms, args.trials))
+    privacy = run_privacy(args, workdir) if args.privacy else None
     report = {
+        "privacy": privacy,
         "timestamp": stamp, "machine": {"cpus": os.cpu_count()},
         "settings": {"window_ms": args.window_ms, "trials": args.trials, "rounds": args.rounds, "protocol": "http"},
-        "measurements": [asdict(m) for m in results], "ratios": rows,
+        "measurements": [asdict(m) for m in results], "ratios": rows, "canary": canary_rows,
         "targets": {"guarded_over_raw_at_c16": TARGETS, "p99_added_ms": P99_BUDGET_MS},
     }
     json_path = args.out / f"{stamp}.json"
     json_path.write_text(json.dumps(report, indent=2))
     plot(results, args.out / f"{stamp}.png")
     print_table(rows)
+    if canary_rows:
+        print_canary(canary_rows)
     sys.stderr.write(f"results: {json_path} and {json_path.with_suffix('.png')}\n")
     return 0
 
