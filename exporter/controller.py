@@ -1,0 +1,384 @@
+"""Progressive rollout controller: walks a candidate through traffic steps with gates between them.
+
+Each :meth:`RolloutController.tick` is one look: read the guards' metrics, judge the window since
+the step began with :func:`exporter.gates.evaluate`, then
+
+- FAIL at any look: roll back at once (candidate out of the rollout state, ``on_rollback``);
+- PASS once the step has dwelt ``dwell_s``: next step (``on_step``), or after the last one
+  promote (``on_promote`` first, so a refused approval keeps the candidate where it is and
+  pauses; then the candidate becomes primary and the old primary ``previous_primary``);
+- INCONCLUSIVE (too little traffic, missing metrics): hold; never advance. ``max_step_s``
+  optionally turns a step that stays inconclusive that long into a rollback.
+
+Modes: ``split`` (A/B: the steps are the candidate's share of live traffic) and ``shadow``
+(the steps are ``shadow_share``: the candidate runs on mirrored traffic, its answers are
+discarded, its share stays 0). A/B/n (several candidates at once) is not supported: the state
+document holds one candidate.
+
+The routing change goes through :func:`tritonguard.state.open_store`, the store the guards poll.
+Progress (step, step start, look, the step's baseline readings, status, the configuration) is a
+JSON file beside the state, ``<repo>/<guard>/rollout_controller.json``, replaced atomically after
+every change, so a new controller object (another process, after a crash) :meth:`resume` s at
+the same step, dwell and baseline, with the gates it started with. Every read-modify-write of it
+holds ``<file>.lock``; :meth:`run` also holds ``<file>.run`` so that only one process drives a
+rollout, while :meth:`abort` works from anywhere. The file is local even when the state is in
+Redis: drive a rollout from one host. Hooks must be idempotent: a crash between a hook and the
+state write repeats the hook on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tritonguard.errors import TritonGuardError
+from tritonguard.repository import atomic_write
+from tritonguard.state import Candidate, RolloutState, StateError, open_store
+
+from .gates import FAIL, PASS, GateConfig, GateReport, GuardReadings, evaluate, scrape
+
+log = logging.getLogger(__name__)
+
+PROGRESS_FILE = "rollout_controller.json"
+FORMAT_VERSION = 1
+RUNNING, PAUSED, ABORTED, DONE, ROLLED_BACK = "running", "paused", "aborted", "done", "rolled_back"
+ACTIVE = (RUNNING, PAUSED)
+BREAKER_CODES = {"closed": 0, "half_open": 1, "open": 2}
+Reader = Callable[[int, int], GuardReadings]  # (primary, candidate) -> readings
+
+
+class ControllerError(TritonGuardError):
+    """A rollout that cannot start, resume or be driven (another one active, a busy driver)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    steps: tuple[float, ...] = (1, 5, 10, 25, 50, 100)  # percent of traffic (or mirrored traffic)
+    mode: str = "split"  # "split" or "shadow"
+    dwell_s: float = 300.0  # minimum time at each step
+    interval_s: float = 30.0  # time between looks
+    max_step_s: float | None = None  # an inconclusive step this old rolls back; None: hold forever
+    promote: bool = True  # after the last step: make the candidate primary; False: stop there
+    gates: GateConfig = field(default_factory=GateConfig)
+
+    def __post_init__(self) -> None:
+        self.steps = tuple(float(s) for s in self.steps)
+        if not self.steps or any(not 0 < s <= 100 for s in self.steps) or \
+                list(self.steps) != sorted(set(self.steps)):
+            raise ValueError(f"rollout.steps must be increasing percentages in (0, 100], got {self.steps}")
+        if self.mode not in ("split", "shadow"):
+            raise ValueError(f"rollout.mode must be 'split' or 'shadow', got {self.mode!r}")
+        if self.dwell_s < 0 or self.interval_s <= 0:
+            raise ValueError("rollout.dwell_s must be >= 0 and rollout.interval_s > 0")
+        if self.max_step_s is not None and self.max_step_s < self.dwell_s:
+            raise ValueError(f"rollout.max_step_s ({self.max_step_s}) must be >= dwell_s ({self.dwell_s})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RolloutConfig:
+        gates = dict(d.get("gates", {}))
+        if "agree_verdicts" in gates:
+            gates["agree_verdicts"] = tuple(gates["agree_verdicts"])
+        return cls(**{**d, "steps": tuple(d["steps"]), "gates": GateConfig(**gates)})
+
+
+@dataclass(kw_only=True)
+class Progress:
+    model: str
+    candidate: int
+    primary: int
+    mode: str
+    steps: list[float]
+    config: dict[str, Any] = field(default_factory=dict)  # the RolloutConfig it was started with
+    status: str = RUNNING
+    step_index: int = 0
+    step_started_at: float = 0.0
+    started_at: float = 0.0
+    look: int = 0
+    baseline: dict[str, Any] | None = None  # GuardReadings at the start of the step's window
+    reference: dict[str, float] | None = None  # primary latency buckets of an earlier window
+    last_report: dict[str, Any] | None = None
+    reason: str = ""
+    updated_at: float = 0.0
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def share(self) -> float:
+        return self.steps[self.step_index] / 100
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def metrics_reader(urls: Sequence[str], model: str, *, target: str | None = None,
+                   timeout: float = 5.0) -> Reader:
+    """A reader scraping every Triton metrics URL (one per replica) and summing them."""
+    def read(primary: int, candidate: int) -> GuardReadings:
+        return GuardReadings.from_scrapes([scrape(u, timeout) for u in urls], model, primary,
+                                          candidate, target=target)
+    return read
+
+
+class RolloutController:
+    def __init__(self, model: str, repo: str | os.PathLike, reader: Reader, *,
+                 config: RolloutConfig | None = None, store: Any = None,
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                 on_promote: Callable[[int], Any] | None = None,
+                 on_rollback: Callable[[int, str], Any] | None = None,
+                 on_step: Callable[[int, float, GateReport | None], Any] | None = None,
+                 by: str = "controller"):
+        self.model, self.reader = model, reader
+        self.config = config or RolloutConfig()
+        self.path = Path(repo) / model / PROGRESS_FILE
+        self.store = store if store is not None else open_store(model, repo)
+        self.clock, self.sleep, self.by = clock, sleep, by
+        self.on_promote, self.on_rollback, self.on_step = on_promote, on_rollback, on_step
+
+    # -- progress file ------------------------------------------------------------------------
+    def status(self) -> Progress | None:
+        if not self.path.exists():
+            return None
+        try:
+            d = json.loads(self.path.read_text())
+            if d.get("format_version") != FORMAT_VERSION:
+                raise ValueError(f"format_version {d.get('format_version')} is not {FORMAT_VERSION}")
+            return Progress(**d)
+        except (ValueError, TypeError) as exc:
+            raise ControllerError(f"rollout progress {self.path} is unreadable: {exc}") from None
+
+    def _save(self, p: Progress) -> Progress:
+        p.updated_at = self.clock()
+        atomic_write(self.path, json.dumps(p.to_dict(), indent=1, sort_keys=True))
+        return p
+
+    @contextlib.contextmanager
+    def _lock(self, suffix: str = ".lock", blocking: bool = True):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{self.path}{suffix}", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                raise ControllerError(f"another process is driving the rollout of '{self.model}'") from None
+            yield
+        finally:
+            os.close(fd)
+
+    # -- commands -----------------------------------------------------------------------------
+    def start(self, candidate: int, primary: int | None = None) -> Progress:
+        """Route the first step to ``candidate`` and persist the rollout as running."""
+        cfg = self.config
+        with self._lock():
+            old = self.status()
+            if old is not None and old.status in ACTIVE:
+                raise ControllerError(f"a rollout of '{self.model}' v{old.candidate} is {old.status}; "
+                                      "abort it first")
+            state = self.store.load() or RolloutState(model=self.model)
+            primary = state.primary if primary is None else primary
+            if primary < 1:
+                raise ControllerError(f"'{self.model}' has no pinned primary version: pass primary=N "
+                                      "(or route --primary N) before a rollout")
+            if candidate == primary:
+                raise ControllerError(f"v{candidate} is already the primary of '{self.model}'")
+            share = cfg.steps[0] / 100
+
+            def route(s: RolloutState) -> RolloutState:
+                if s.primary != primary:
+                    if s.primary > 0:
+                        s.previous_primary = s.primary
+                    s.primary = primary
+                split = cfg.mode == "split"
+                s.candidate = Candidate(candidate, share if split else 0.0)
+                s.shadow_share = 0.0 if split else share
+                s.breakers.pop(str(candidate), None)  # a fresh rollout starts with a closed breaker
+                return s
+
+            self.store.update(route, by=self.by)
+            now = self.clock()
+            p = self._save(Progress(model=self.model, candidate=candidate, primary=primary, mode=cfg.mode,
+                                    steps=list(cfg.steps), config=cfg.to_dict(), step_started_at=now,
+                                    started_at=now))
+        log.info("rollout of '%s' v%d started (%s, %g %%)", self.model, candidate, cfg.mode, cfg.steps[0])
+        self._hook(self.on_step, 0, share, None)
+        return p
+
+    def tick(self) -> Progress:
+        """One look: read, judge, act. Returns the progress (unchanged when not running)."""
+        with self._lock():
+            p = self.status()
+            if p is None:
+                raise ControllerError(f"no rollout of '{self.model}' to drive")
+            if p.status != RUNNING:
+                return p
+            cfg = self._config(p)
+            state = self.store.load()
+            if state is None or state.candidate is None or state.candidate.version != p.candidate:
+                return self._finish(p, ABORTED, "the candidate was changed outside the controller",
+                                    touch_state=False)
+            try:
+                readings = self.reader(p.primary, p.candidate)
+            except Exception as exc:  # noqa: BLE001 - unreachable metrics: hold, never pass
+                log.warning("rollout of '%s': metrics unavailable: %s", self.model, exc)
+                p.reason = f"metrics unavailable: {type(exc).__name__}: {exc}"
+                return self._timeout(p, cfg) or self._save(p)
+            self._breaker_from_state(readings, state, p.candidate)
+            if p.baseline is None:  # the first look of a window only sets its start
+                p.baseline, p.reason = readings.to_dict(), "baseline taken"
+                return self._save(p)
+            p.look += 1
+            ref = {float(k): v for k, v in p.reference.items()} if p.reference else None
+            report = evaluate(GuardReadings.from_dict(p.baseline), readings, cfg.gates,
+                              look=p.look, mode=p.mode, primary_reference=ref)
+            p.last_report, p.reason = report.to_dict(), report.summary()
+            if report.reset:
+                p.baseline, p.look = readings.to_dict(), 0
+                return self._save(p)
+            used = report.primary_latency
+            if used and ref is None and max(used.values(), default=0) >= cfg.gates.min_latency_samples:
+                p.reference = used
+            if report.verdict == FAIL:
+                return self._finish(p, ROLLED_BACK, f"gate failed at {p.share:.0%}: {report.summary()}")
+            dwelt = self.clock() - p.step_started_at >= cfg.dwell_s
+            if report.verdict != PASS or not dwelt:
+                return self._timeout(p, cfg) or self._save(p)
+            if p.step_index + 1 < len(p.steps):
+                return self._advance(p, readings, report)
+            return self._complete(p, cfg)
+
+    def run(self, *, max_ticks: int | None = None) -> Progress:
+        """Tick every ``interval_s`` until the rollout stops running (or ``max_ticks`` looks)."""
+        with self._lock(".run", blocking=False):
+            ticks = 0
+            while True:
+                try:
+                    p = self.tick()
+                except StateError as exc:  # e.g. Redis down: nothing was applied; look again later
+                    log.warning("rollout of '%s': state store unavailable, holding: %s", self.model, exc)
+                    p = self.status()
+                ticks += 1
+                if p.status != RUNNING or (max_ticks is not None and ticks >= max_ticks):
+                    return p
+                self.sleep(self._config(p).interval_s)
+
+    def resume(self, *, max_ticks: int | None = None) -> Progress:
+        """Continue a paused or interrupted rollout where its progress file left it."""
+        with self._lock():
+            p = self.status()
+            if p is None or p.status not in ACTIVE:
+                raise ControllerError(f"no paused or running rollout of '{self.model}' to resume")
+            if p.status == PAUSED:
+                p.status, p.reason = RUNNING, "resumed"
+                self._save(p)
+        log.info("rollout of '%s' v%d resumes at step %d (%g %%)", self.model, p.candidate,
+                 p.step_index, p.steps[p.step_index])
+        return self.run(max_ticks=max_ticks)
+
+    def pause(self, reason: str = "paused by operator") -> Progress:
+        with self._lock():
+            p = self.status()
+            if p is None or p.status != RUNNING:
+                raise ControllerError(f"no running rollout of '{self.model}' to pause")
+            p.status, p.reason = PAUSED, reason
+            return self._save(p)
+
+    def abort(self, reason: str = "aborted by operator") -> Progress:
+        """Stop the rollout and take the candidate out of the routing state."""
+        with self._lock():
+            p = self.status()
+            if p is None or p.status not in ACTIVE:
+                raise ControllerError(f"no active rollout of '{self.model}' to abort")
+            return self._finish(p, ABORTED, reason)
+
+    # -- transitions --------------------------------------------------------------------------
+    def _advance(self, p: Progress, readings: GuardReadings, report: GateReport) -> Progress:
+        p.step_index += 1
+        share, split = p.share, p.mode == "split"
+
+        def route(s: RolloutState) -> RolloutState:
+            if s.candidate is not None and s.candidate.version == p.candidate:
+                s.candidate.share = share if split else 0.0
+                s.shadow_share = 0.0 if split else share
+            return s
+
+        self.store.update(route, by=self.by)
+        p.step_started_at, p.look, p.baseline = self.clock(), 0, readings.to_dict()
+        self._save(p)
+        log.info("rollout of '%s' v%d: step %d, %g %%", self.model, p.candidate, p.step_index, share * 100)
+        self._hook(self.on_step, p.step_index, share, report)
+        return p
+
+    def _complete(self, p: Progress, cfg: RolloutConfig) -> Progress:
+        if not cfg.promote:
+            p.status, p.reason = DONE, "all steps passed; left at the last step (promote=False)"
+            return self._save(p)
+        if self.on_promote is not None:
+            try:
+                self.on_promote(p.candidate)
+            except Exception as exc:  # noqa: BLE001 - e.g. ApprovalRefused: hold, an operator decides
+                log.warning("rollout of '%s' v%d: promotion refused: %s", self.model, p.candidate, exc)
+                p.status, p.reason = PAUSED, f"promotion refused: {type(exc).__name__}: {exc}"
+                return self._save(p)
+
+        def promote(s: RolloutState) -> RolloutState:
+            if s.primary != p.candidate:
+                s.previous_primary = s.primary if s.primary > 0 else s.previous_primary
+                s.primary = p.candidate
+            s.candidate, s.shadow_share = None, 0.0
+            return s
+
+        self.store.update(promote, by=self.by)
+        p.status, p.reason = DONE, "promoted"
+        log.info("rollout of '%s': v%d promoted to primary", self.model, p.candidate)
+        return self._save(p)
+
+    def _finish(self, p: Progress, status: str, reason: str, *, touch_state: bool = True) -> Progress:
+        if touch_state:
+            def remove(s: RolloutState) -> RolloutState:
+                if s.candidate is not None and s.candidate.version == p.candidate:
+                    s.candidate, s.shadow_share = None, 0.0
+                return s
+
+            self.store.update(remove, by=self.by)
+        p.status, p.reason = status, reason
+        self._save(p)
+        log.warning("rollout of '%s' v%d %s: %s", self.model, p.candidate, status, reason)
+        self._hook(self.on_rollback, p.candidate, reason)
+        return p
+
+    def _timeout(self, p: Progress, cfg: RolloutConfig) -> Progress | None:
+        limit = cfg.max_step_s
+        if limit is not None and self.clock() - p.step_started_at > limit:
+            return self._finish(p, ROLLED_BACK, f"no conclusive gate within max_step_s={limit:g} s "
+                                                f"at {p.share:.0%} ({p.reason})")
+        return None
+
+    def _config(self, p: Progress) -> RolloutConfig:
+        """The configuration the rollout was started with: a resumed one keeps its gates."""
+        return RolloutConfig.from_dict(p.config) if p.config else self.config
+
+    @staticmethod
+    def _breaker_from_state(readings: GuardReadings, state: RolloutState, candidate: int) -> None:
+        # guards share tripped breakers through the state document: count them even when the
+        # breaker gauge is missing or was scraped from a replica that has not seen the trip
+        doc = state.breakers.get(str(candidate))
+        if doc is not None:
+            code = BREAKER_CODES.get(doc.get("state", "closed"), 2)
+            readings.breaker_state = max(code, readings.breaker_state or 0)
+
+    def _hook(self, fn: Callable[..., Any] | None, *args: Any) -> None:
+        if fn is None:
+            return
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - a hook must not wedge the rollout; it is logged
+            log.exception("rollout of '%s': hook %s failed", self.model, getattr(fn, "__name__", fn))

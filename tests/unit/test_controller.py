@@ -1,0 +1,326 @@
+"""The rollout controller with simulated traffic and a fake clock: milliseconds per rollout.
+
+The traffic simulator reads the real rollout state file (the one the guards poll) to split its
+requests, and produces cumulative guard counters the way the guards' metrics would.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from exporter.controller import (
+    ABORTED,
+    DONE,
+    PAUSED,
+    ROLLED_BACK,
+    RUNNING,
+    ControllerError,
+    RolloutConfig,
+    RolloutController,
+)
+from exporter.gates import GuardReadings
+from tritonguard.state import Candidate, StateUnavailable, open_store
+
+LE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
+MODEL = "digits"
+
+
+class Clock:
+    def __init__(self, t: float = 1_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def _shape(median: float) -> np.ndarray:
+    """Share of requests at or below each bucket bound, for a lognormal latency."""
+    x = np.random.default_rng(0).lognormal(math.log(median), 0.4, 20000)
+    return np.array([(x <= le).mean() for le in LE])
+
+
+class Traffic:
+    """``rate`` requests per second since the last reading, split by the current state."""
+
+    def __init__(self, store, clock, *, rate=100, cand_err=0.0, cand_ms=2.0, prim_ms=2.0):
+        self.store, self.clock, self.rate, self.cand_err = store, clock, rate, cand_err
+        self.shape = {"cand": _shape(cand_ms / 1000), "prim": _shape(prim_ms / 1000)}
+        self.last = clock()
+        self.served: dict[int, float] = {}
+        self.errors: dict[int, float] = {}
+        self.compared: dict[str, dict[str, float]] = {}
+        self.latency: dict[int, np.ndarray] = {}
+        self.calls = 0
+
+    def _add(self, d, key, n):
+        d[key] = d.get(key, 0.0) + n
+
+    def __call__(self, primary: int, candidate: int) -> GuardReadings:
+        self.calls += 1
+        now, state = self.clock(), self.store.load()
+        n = round(self.rate * (now - self.last))
+        self.last = now
+        share = state.candidate.share if state.candidate else 0.0
+        shadow = state.shadow_share if state.candidate else 0.0
+        n_c = round(n * share)
+        n_p = n - n_c
+        err = round(n_c * self.cand_err)
+        self._add(self.served, candidate, n_c - err)
+        self._add(self.errors, candidate, err)
+        self._add(self.served, primary, n_p)
+        canary = self.compared.setdefault("canary", {})
+        self._add(canary, "PASS", n_c - err)
+        mirrored = round(n_p * shadow)
+        self._add(self.compared.setdefault("shadow", {}), "PASS", mirrored)
+        for v, k, count in ((candidate, "cand", n_c - err), (primary, "prim", n_p)):
+            self.latency[v] = self.latency.get(v, np.zeros(len(LE))) + np.round(count * self.shape[k])
+        return GuardReadings(
+            model=MODEL, primary=primary, candidate=candidate, served=dict(self.served),
+            errors=dict(self.errors), compared={k: dict(v) for k, v in self.compared.items()},
+            breaker_state=0, replicas=2,
+            latency={v: dict(zip(LE, b.tolist(), strict=True)) for v, b in self.latency.items()})
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITONGUARD_STATE_URL", raising=False)
+    clock = Clock()
+    store = open_store(MODEL, tmp_path, clock=clock)
+    store.update(lambda s: setattr(s, "primary", 1) or s)
+    return tmp_path, clock, store
+
+
+class Hooks:
+    def __init__(self):
+        self.steps, self.promoted, self.rolled_back = [], [], []
+
+    def kwargs(self):
+        return {"on_step": lambda i, share, rep: self.steps.append((i, share, rep)),
+                "on_promote": self.promoted.append,
+                "on_rollback": lambda v, why: self.rolled_back.append((v, why))}
+
+
+def controller(env, traffic, hooks=None, **cfg):
+    repo, clock, _ = env
+    config = RolloutConfig(**{"dwell_s": 300, "interval_s": 30, **cfg})
+    return RolloutController(MODEL, repo, traffic, config=config, store=open_store(MODEL, repo, clock=clock),
+                             clock=clock, sleep=clock.sleep, **(hooks.kwargs() if hooks else {}))
+
+
+def test_good_candidate_walks_every_step_to_promotion(env):
+    repo, clock, store = env
+    hooks = Hooks()
+    c = controller(env, Traffic(store, clock), hooks)
+    c.start(2)
+    assert store.load().candidate == Candidate(2, 0.01)
+    p = c.run(max_ticks=2000)
+    assert p.status == DONE and p.reason == "promoted"
+    assert [(i, share) for i, share, _ in hooks.steps] == [
+        (0, 0.01), (1, 0.05), (2, 0.10), (3, 0.25), (4, 0.50), (5, 1.0)]
+    assert all(rep.verdict == "PASS" for _, _, rep in hooks.steps[1:])
+    assert hooks.promoted == [2] and hooks.rolled_back == []
+    state = store.load()
+    assert (state.primary, state.previous_primary, state.candidate) == (2, 1, None)
+    # the 100 % step had no primary traffic: latency was judged against an earlier window's
+    final = {g["name"]: g for g in p.last_report["gates"]}
+    assert set(final) == {"error_rate", "breaker", "agreement", "latency"}
+    assert all(g["verdict"] == "PASS" for g in final.values())
+    assert final["latency"]["figures"]["primary_samples"] >= 100
+
+
+def test_bad_candidate_rolls_back_at_the_first_step_with_enough_samples(env):
+    repo, clock, store = env
+    hooks = Hooks()
+    traffic = Traffic(store, clock, cand_err=0.2)
+    c = controller(env, traffic, hooks)
+    c.start(2)
+    p = c.run(max_ticks=200)
+    assert p.status == ROLLED_BACK and p.step_index == 0
+    assert "error_rate FAIL" in p.reason
+    assert store.load().candidate is None and hooks.rolled_back[0][0] == 2
+    # caught as soon as the SPRT had its evidence: a handful of looks, well before the dwell
+    assert traffic.calls <= 5
+    assert c.tick().status == ROLLED_BACK  # later ticks do nothing
+
+
+def test_slow_candidate_rolls_back_on_latency(env):
+    _, clock, store = env
+    c = controller(env, Traffic(store, clock, rate=2000, cand_ms=5.0))
+    c.start(2)
+    p = c.run(max_ticks=200)
+    assert p.status == ROLLED_BACK and "latency FAIL" in p.reason
+
+
+def test_insufficient_traffic_holds_and_never_advances(env):
+    _, clock, store = env
+    hooks = Hooks()
+    c = controller(env, Traffic(store, clock, rate=1), hooks)
+    c.start(2)
+    p = c.run(max_ticks=300)  # 2.5 hours of looks at ~0.3 candidate requests each
+    assert p.status == RUNNING and p.step_index == 0
+    assert p.last_report["verdict"] == "INCONCLUSIVE"
+    assert store.load().candidate == Candidate(2, 0.01)
+    assert len(hooks.steps) == 1 and not hooks.promoted and not hooks.rolled_back
+
+
+def test_inconclusive_step_times_out_into_rollback_when_configured(env):
+    _, clock, store = env
+    c = controller(env, Traffic(store, clock, rate=1), max_step_s=3600)
+    c.start(2)
+    p = c.run(max_ticks=500)
+    assert p.status == ROLLED_BACK and "max_step_s" in p.reason
+    assert store.load().candidate is None
+
+
+def test_dwell_is_respected(env):
+    _, clock, store = env
+    hooks = Hooks()
+    entered = []
+    c = controller(env, Traffic(store, clock, rate=5000), hooks, dwell_s=600)
+    c.on_step = lambda i, share, rep: entered.append(clock())
+    c.start(2)
+    assert c.run(max_ticks=1000).status == DONE
+    # 5k req/s passes every gate at the first look; only the dwell holds each step
+    gaps = np.diff(entered)
+    assert len(gaps) == 5 and all(g >= 600 for g in gaps) and all(g < 600 + 2 * 30 for g in gaps)
+
+
+def test_killed_mid_rollout_resumes_at_the_same_step(env):
+    repo, clock, store = env
+    traffic = Traffic(store, clock)
+    first = controller(env, traffic)
+    first.start(2)
+    while first.status().step_index < 2:
+        first.tick()
+        clock.sleep(30)
+    before = first.status()
+    del first  # the process dies; only the files remain
+    hooks = Hooks()
+    # restarted with other settings: the rollout keeps the configuration it started with
+    second = controller(env, traffic, hooks, dwell_s=0, steps=(50, 100))
+    assert second.status() == before and before.config["dwell_s"] == 300
+    p = second.resume(max_ticks=1)
+    assert p.step_index == 2 and p.step_started_at == before.step_started_at
+    assert p.look == before.look + 1  # the same window, judged against the same baseline
+    starts = [p.step_started_at]
+    while p.status == RUNNING:
+        clock.sleep(30)
+        p = second.resume(max_ticks=1)
+        starts.append(p.step_started_at)
+    assert p.status == DONE and hooks.promoted == [2] and p.steps == [1, 5, 10, 25, 50, 100]
+    assert all(g >= 300 for g in np.diff(sorted(set(starts))))
+
+
+def test_abort_rolls_back(env):
+    _, clock, store = env
+    hooks = Hooks()
+    c = controller(env, Traffic(store, clock), hooks)
+    c.start(2)
+    c.run(max_ticks=20)
+    p = controller(env, Traffic(store, clock)).abort("operator said so")  # from another process
+    assert p.status == ABORTED and store.load().candidate is None
+    assert c.tick().status == ABORTED
+    with pytest.raises(ControllerError, match="resume"):
+        c.resume()
+    with pytest.raises(ControllerError, match="abort"):
+        c.abort()
+
+
+def test_pause_and_resume(env):
+    _, clock, store = env
+    c = controller(env, Traffic(store, clock))
+    c.start(2)
+    c.run(max_ticks=3)
+    assert c.pause().status == PAUSED
+    step = c.status().step_index
+    c.tick()
+    assert c.status().status == PAUSED and c.status().step_index == step
+    assert c.resume(max_ticks=5000).status == DONE
+
+
+def test_refused_promotion_pauses_with_the_candidate_in_place(env):
+    _, clock, store = env
+
+    def refuse(version):
+        raise PermissionError("change freeze")
+
+    c = controller(env, Traffic(store, clock))
+    c.on_promote = refuse
+    c.start(2)
+    p = c.run(max_ticks=5000)
+    assert p.status == PAUSED and "change freeze" in p.reason
+    assert store.load().candidate == Candidate(2, 1.0) and store.load().primary == 1
+
+
+def test_shadow_mode_mirrors_and_never_serves(env):
+    _, clock, store = env
+    shares = []
+    c = controller(env, Traffic(store, clock), mode="shadow", steps=(10, 50, 100))
+    c.on_step = lambda i, share, rep: shares.append((store.load().candidate.share, store.load().shadow_share))
+    c.start(2)
+    assert c.run(max_ticks=5000).status == DONE
+    assert shares == [(0.0, 0.1), (0.0, 0.5), (0.0, 1.0)]
+    assert store.load().primary == 2
+
+
+def test_state_store_outage_holds_then_continues(env):
+    repo, clock, store = env
+
+    class Flaky:
+        def __init__(self, inner):
+            self.inner, self.failures = inner, 3
+
+        def load(self):
+            return self.inner.load()
+
+        def update(self, fn, **kw):
+            if self.inner.load().candidate is not None and self.failures:
+                self.failures -= 1
+                raise StateUnavailable("redis down")
+            return self.inner.update(fn, **kw)
+
+    c = controller(env, Traffic(store, clock))
+    c.store = Flaky(c.store)
+    c.start(2)
+    assert c.run(max_ticks=5000).status == DONE and c.store.failures == 0
+
+
+def test_candidate_removed_outside_the_controller_stops_it(env):
+    _, clock, store = env
+    hooks = Hooks()
+    c = controller(env, Traffic(store, clock), hooks)
+    c.start(2)
+    store.update(lambda s: setattr(s, "candidate", None) or s)
+    p = c.tick()
+    assert p.status == ABORTED and "outside" in p.reason and hooks.rolled_back
+
+
+def test_start_is_validated(env):
+    repo, clock, store = env
+    c = controller(env, Traffic(store, clock))
+    with pytest.raises(ControllerError, match="already the primary"):
+        c.start(1)
+    c.start(2)
+    with pytest.raises(ControllerError, match="abort it first"):
+        c.start(3)
+    store.update(lambda s: setattr(s, "primary", -1) or s)
+    other = RolloutController("other", repo, Traffic(store, clock), clock=clock)
+    with pytest.raises(ControllerError, match="primary"):
+        other.start(2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"steps": (5, 1)}, "increasing"),
+    ({"steps": (0, 50)}, "increasing"),
+    ({"mode": "abn"}, "mode"),
+    ({"dwell_s": 600, "max_step_s": 60}, "max_step_s"),
+])
+def test_config_is_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutConfig(**kwargs)
