@@ -177,8 +177,8 @@ class AuditedMetrics:
                                        state=self.STATES.get(int(value), str(value)), **labels)
                 self._breakers[key] = value
 
-    def observe(self, family: str, value: float) -> None:
-        self._inner.observe(family, value)
+    def observe(self, family: str, value: float, **labels: str) -> None:
+        self._inner.observe(family, value, **labels)
 
 
 # -- the stage --------------------------------------------------------------------------------
@@ -251,6 +251,7 @@ class PrivacyStage:
         self.tiers = self._tiers()
         self.router: Any = None
         self._revision: int | None = None
+        self._epoch: int | None = None
         self._sha: dict[int, str | None] = {}
         self._labels: set[str] = set()
         self._cache_errors = {"l2": 0, "l3": 0}
@@ -325,6 +326,14 @@ class PrivacyStage:
             refresh(self.clock())  # the primary that routing will use for this batch
         state = getattr(router, "state", None)
         rev = getattr(state, "revision", None)
+        epoch = getattr(state, "cache_epoch", 0)
+        if self.cache is not None and epoch != self._epoch:
+            if self._epoch is not None:  # a rollback/promote asked every instance to forget
+                dropped = self.cache.purge_local(self.guard)
+                log.info("guard %s: cache epoch %s -> %s, dropped %d L1 entries", self.guard, self._epoch,
+                         epoch, dropped)
+                self.audit.record("cache_purge", model=self.guard, epoch=epoch, l1=dropped)
+            self._epoch = epoch
         if rev is not None and rev != self._revision:
             cand = getattr(state, "candidate", None)
             self.audit.record("state_change", model=self.guard, revision=rev, previous_revision=self._revision,

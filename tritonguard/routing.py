@@ -327,7 +327,6 @@ class Router:
         try:
             out = self.target_for(version).infer(sub)
         except TargetError as exc:
-            self.metrics.inc("target_errors", 1, code=exc.code)
             if len(idx) > 1:  # isolate: one poisonous request must not fail its neighbours
                 ok: list[int] = []
                 for i in idx:
@@ -335,13 +334,15 @@ class Router:
                 return ok
             latency = (time.perf_counter() - t0) * 1000
             self._record(version, 1, errors=1, latency_ms=latency)
+            # one count per request this version failed (the rollout gates divide by requests)
+            self.metrics.inc("target_errors", 1, code=exc.code, target_version=str(version))
             reasons[idx[0]] = "error"
             self._last_error[idx[0]] = str(exc)
             log.warning("guard %s: %s v%d failed a request: %s", self.guard, self.target, version, exc)
             return []
         latency = (time.perf_counter() - t0) * 1000
         self.metrics.inc("target_calls", 1)
-        self.metrics.observe("latency", latency / 1000)
+        self.metrics.observe("latency", latency / 1000, target_version=str(version))
         sub_starts = offsets(sub_sizes)
         parts = {k: split(v, sub_starts) for k, v in out.items()}
         ok, bad = [], 0
@@ -355,6 +356,7 @@ class Router:
             served[i] = f"{self.target}:{version}"
             ok.append(i)
         self._record(version, len(idx), non_finite=bad, latency_ms=latency)
+        self.metrics.inc("target_errors", bad, code="NON_FINITE", target_version=str(version))
         return ok
 
     def _default(self, idx, reasons, served, errors, out_rows, sizes) -> None:

@@ -205,13 +205,13 @@ class Metrics:
         with self._lock:
             self._gauges[key] = value
 
-    def observe(self, family: str, value: float) -> None:
+    def observe(self, family: str, value: float, **labels: str) -> None:
         if not self.enabled:
             return
         if len(self._observations) == self._observations.maxlen:
             self._dropped += 1  # a deque with maxlen would silently evict the oldest
             return
-        self._observations.append((family, value))
+        self._observations.append((family, value, tuple(sorted(labels.items()))))
 
     # -- flusher thread --------------------------------------------------------------
     def _child(self, family: str, labels: tuple) -> Any:
@@ -240,9 +240,9 @@ class Metrics:
             for (family, *labels), value in gauges.items():
                 self._child(family, tuple(labels)).set(value)
             while self._observations:
-                family, value = self._observations.popleft()
+                family, value, labels = self._observations.popleft()
                 if self._families.get(family) is not None:
-                    self._child(family, ()).observe(value)
+                    self._child(family, labels).observe(value)
         except Exception:  # noqa: BLE001
             log.exception("flushing metrics failed")
 

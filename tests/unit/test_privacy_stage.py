@@ -46,7 +46,7 @@ class Metrics:
     def set(self, family, value, **labels):
         self.gauges[(family, *sorted(labels.items()))] = value
 
-    def observe(self, family, value):
+    def observe(self, family, value, **labels):
         pass
 
     def total(self, family, **labels):
