@@ -631,6 +631,11 @@ class TieredCache:
         if blobs and self._health["l3"].available():
             self._call("l3", self._l3.put_many, blobs)
 
+    def purge_local(self, model: str | None = None) -> int:
+        """Drop this process's L1 entries (of ``model``); L2/L3 are purged by whoever changed the
+        rollout (``exporter rollback``), once, not by every guard instance."""
+        return self._l1.purge(model) if self._l1 is not None else 0
+
     def purge(self, model: str | None = None) -> dict[str, int]:
         """Drop every entry, or one model's, from all tiers; entries removed per tier."""
         done = {"l1": self._l1.purge(model) if self._l1 is not None else 0}

@@ -74,6 +74,8 @@ class RolloutState:
     breakers: dict[str, dict[str, Any]] = field(default_factory=dict)
     updated_at: float = 0.0
     updated_by: str = ""
+    # bumped by rollback/promote: every guard instance drops its in-process (L1) cache entries
+    cache_epoch: int = 0
 
     # -- routing helpers ----------------------------------------------------------------
     def chain(self) -> list[tuple[str, int | None]]:
@@ -108,7 +110,7 @@ class RolloutState:
             "shadow_share": self.shadow_share, "fallback": self.fallback,
             "previous_primary": self.previous_primary, "default_response": self.default_response,
             "goldens": self.goldens, "breakers": self.breakers,
-            "updated_at": self.updated_at, "updated_by": self.updated_by,
+            "updated_at": self.updated_at, "updated_by": self.updated_by, "cache_epoch": self.cache_epoch,
         })
 
     def to_json(self) -> str:
@@ -151,7 +153,8 @@ class RolloutState:
             previous_primary=None if prev is None else _version(prev, "previous_primary"),
             goldens=_goldens(d.get("goldens", {})), breakers=_breakers(d.get("breakers", {})),
             updated_at=_number(d.get("updated_at", 0.0), "updated_at"),
-            updated_by=_str(d.get("updated_by", ""), "updated_by"))
+            updated_by=_str(d.get("updated_by", ""), "updated_by"),
+            cache_epoch=_int(d.get("cache_epoch", 0), "cache_epoch", minimum=0))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RolloutState:
@@ -163,7 +166,7 @@ class RolloutState:
 
 
 _OPTIONAL = ("revision", "candidate", "shadow_share", "fallback", "previous_primary", "default_response",
-             "goldens", "breakers", "updated_at", "updated_by")
+             "goldens", "breakers", "updated_at", "updated_by", "cache_epoch")
 
 
 def _check_keys(d: Any, where: str, *, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
