@@ -164,3 +164,10 @@ def main() -> None:
 from .audit_cmd import audit_app  # noqa: E402
 
 app.add_typer(audit_app, name="audit")
+
+# registry stages and progressive rollouts
+from .rollout_cmd import promote, rollback, rollout_app  # noqa: E402
+
+app.command()(promote)
+app.command()(rollback)
+app.add_typer(rollout_app, name="rollout")

@@ -1,0 +1,297 @@
+"""``python -m exporter promote | rollback | rollout …``: registry stages and progressive rollouts.
+
+``promote`` registers the version in the MLflow registry (idempotent), stages it, and walks it
+through the traffic steps with the statistical gates between them; PRODUCTION comes from the
+rollout's last passing gate (through the approvers, if any), ARCHIVED from a failing one.
+Exit codes: 0 promoted/done, 1 rolled back or aborted, 2 bad input, 3 paused/holding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+out = Console()
+err = Console(stderr=True)
+EXIT_ROLLED_BACK, EXIT_BAD_INPUT, EXIT_HOLDING = 1, 2, 3
+
+Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
+Model = Annotated[str, typer.Argument(help="Guard model name, e.g. digits.")]
+rollout_app = typer.Typer(help="Inspect or steer a progressive rollout.", no_args_is_help=True, add_completion=False)
+
+
+def _registry(repository: Path, approve_cmd: list[str] | None = None):
+    from .registry import Registry, default_uri  # noqa: PLC0415
+
+    return Registry(default_uri(repository), approvers={"PRODUCTION": approve_cmd} if approve_cmd else None)
+
+
+def _purge(repository: Path, model: str, why: str) -> None:
+    from .serving import purge_cache  # noqa: PLC0415
+
+    try:
+        done = purge_cache(repository, model, by=why)
+    except Exception as exc:  # noqa: BLE001 - keys carry the artifact hash: a failed purge is not fatal
+        err.print(f"[yellow]![/] cache purge of {model} failed: {exc}")
+        return
+    tiers = ", ".join(f"{k} {v}" for k, v in done.items() if k != "epoch") or "no shared tiers"
+    err.print(f"[green]✓[/] cache of {model} purged (epoch {done['epoch']}; {tiers})")
+
+
+def _controller(model: str, repository: Path, urls: list[str], *, approver: str | None = None,
+                approve_cmd: list[str] | None = None, config=None):
+    from .controller import RolloutController, metrics_reader  # noqa: PLC0415
+    from .route import _guard_target  # noqa: PLC0415
+
+    target = _guard_target(repository, model)
+    reg = _registry(repository, approve_cmd)
+
+    # hooks are idempotent: a resumed rollout may call them again
+    def on_promote(v: int) -> None:
+        stage = reg.stage(model, v)
+        if stage != "PRODUCTION":
+            reg.transition(model, v, "PRODUCTION", stage, approver, reason="rollout gates passed")
+
+    def on_rollback(v: int, reason: str) -> None:
+        stage = reg.stage(model, v)
+        if stage in ("DRAFT", "STAGING"):
+            reg.transition(model, v, "ARCHIVED", stage, approver, reason=reason)
+        err.print(f"[bold red]↩[/] v{v} rolled back: {reason}")
+        _purge(repository, model, "rollback")
+
+    def on_step(step: int, share: float, report) -> None:
+        err.print(f"[green]→[/] step {step + 1}: {share:.0%}" + (f"  ({report.summary()})" if report else ""))
+
+    return RolloutController(model, repository, metrics_reader(urls, model, target=target), config=config,
+                             on_promote=on_promote, on_rollback=on_rollback, on_step=on_step), reg, target
+
+
+def _exit_for(progress) -> None:
+    style = {"done": "green", "running": "yellow", "paused": "yellow"}.get(progress.status, "red")
+    out.print(f"[bold]{progress.model}[/] v{progress.candidate}: [{style}]{progress.status}[/] at step "
+              f"{progress.step_index + 1}/{len(progress.steps)} ({progress.steps[progress.step_index]:g} %): "
+              f"{progress.reason}")
+    if progress.status in ("rolled_back", "aborted"):
+        raise typer.Exit(EXIT_ROLLED_BACK)
+    if progress.status in ("running", "paused"):
+        raise typer.Exit(EXIT_HOLDING)
+
+
+Servers = Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of each replica "
+                                                   "(repeat): the version is loaded there if needed.")]
+
+
+def promote(
+    model: Model,
+    version: Annotated[int, typer.Option("--version", help="Version of the guard's target to promote.")],
+    to: Annotated[str, typer.Option("--to", help="staging (registered, loaded, no traffic) or production.")] = "production",
+    rollout: Annotated[bool, typer.Option("--rollout/--no-rollout", help="production: walk the traffic steps "
+                                          "with gates (default), or switch at once (goldens still apply).")] = True,
+    server: Servers = None,
+    metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Triton metrics URL of each "
+                           "replica (repeat; default: each --server's port + 2).")] = None,
+    repository: Repository = Path("model_repository"),
+    primary: Annotated[int | None, typer.Option(help="Primary version (default: the state's).")] = None,
+    mode: Annotated[str, typer.Option(help="split (A/B share) or shadow (mirrored traffic).")] = "split",
+    steps: Annotated[str, typer.Option(help="Percent steps.")] = "1,5,10,25,50,100",
+    dwell_s: Annotated[float, typer.Option(help="Minimum seconds at each step.")] = 300.0,
+    interval_s: Annotated[float, typer.Option(help="Seconds between looks.")] = 30.0,
+    max_step_s: Annotated[float | None, typer.Option(help="Roll back a step inconclusive this long.")] = None,
+    min_requests: Annotated[int, typer.Option(help="Candidate requests before a gate may pass.")] = 200,
+    max_error_rate: Annotated[float, typer.Option(help="Error rate that must fail (SPRT p1).")] = 0.01,
+    min_compared: Annotated[int, typer.Option(help="Compared candidate rows before the agreement gate may pass.")] = 100,
+    min_agreement: Annotated[float, typer.Option(help="Validator agreement the candidate needs on compared rows.")] = 0.98,
+    min_latency_samples: Annotated[int, typer.Option(help="Target calls per version before the latency gate may pass.")] = 100,
+    latency_tolerance: Annotated[float, typer.Option(help="Candidate median may exceed the primary's by this "
+                                                     "fraction before the rank test may fail it.")] = 0.25,
+    approver: Annotated[str | None, typer.Option(help="Who approves (recorded in the history).")] = None,
+    approve_cmd: Annotated[list[str] | None, typer.Option(help="Shell command that must exit 0 before PRODUCTION (repeat).")] = None,
+    detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
+) -> None:
+    """Register VERSION, load it on the servers, and stage it or roll it out to production."""
+    from tritonguard.repository import read_manifest  # noqa: PLC0415
+    from tritonguard.state import open_store  # noqa: PLC0415
+
+    from .controller import ControllerError, RolloutConfig  # noqa: PLC0415
+    from .gates import GateConfig  # noqa: PLC0415
+    from .registry import RegistryError  # noqa: PLC0415
+    from .route import RouteChange, RouteError, apply  # noqa: PLC0415
+    from .serving import ServingError, ensure_loaded, metrics_urls  # noqa: PLC0415
+
+    to = to.lower()
+    servers = list(server or [])
+    try:
+        if to not in ("staging", "production"):
+            raise ValueError(f"--to must be staging or production, got {to!r}")
+        config = None
+        if to == "production" and rollout:
+            config = RolloutConfig(steps=tuple(float(s) for s in steps.split(",")), mode=mode, dwell_s=dwell_s,
+                                   interval_s=interval_s, max_step_s=max_step_s,
+                                   gates=GateConfig(min_requests=min_requests, max_error_rate=max_error_rate,
+                                                    min_compared=min_compared, min_agreement=min_agreement,
+                                                    min_latency_samples=min_latency_samples,
+                                                    latency_tolerance=latency_tolerance))
+            urls = metrics_urls(servers, metrics_url or [])
+            if not urls:
+                raise ValueError("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL)")
+        else:
+            urls = []
+        ctl, reg, target = _controller(model, repository, urls, approver=approver,
+                                       approve_cmd=approve_cmd, config=config)
+
+        def register(v: int):
+            vdir = repository / target / str(v)
+            manifest = read_manifest(vdir)
+            if manifest is None:
+                raise RegistryError(f"v{v} of '{target}' has no manifest in {vdir}: not an exported version")
+            return reg.register(model, v, manifest, {}, source=str(vdir.resolve()))
+
+        # the version serving before the first registered rollout becomes PRODUCTION, so that
+        # a later `rollback` has somewhere to go back to
+        state = open_store(model, repository).load()
+        serving = primary or (state.primary if state else -1)
+        if reg.production(model) is None and serving > 0 and serving != version:
+            stage = register(serving).stage
+            if stage != "PRODUCTION":
+                reg.transition(model, serving, "PRODUCTION", stage, approver, reason="serving before rollout")
+        info = register(version)
+        for item in ensure_loaded(servers, repository, model, version):
+            err.print(f"[green]✓[/] loaded {item}")
+        if info.stage in ("DRAFT", "ARCHIVED"):
+            reason = "staged" if to == "staging" else "rollout started"
+            info = reg.transition(model, version, "STAGING", info.stage, approver, reason=reason)
+        if to == "staging":
+            out.print(f"[bold]{model}[/] v{version}: STAGING (no traffic; `promote --to production` rolls it out)")
+            return
+        if not rollout:
+            if info.stage != "PRODUCTION":
+                reg.transition(model, version, "PRODUCTION", info.stage, approver, reason="promoted without rollout")
+            apply(repository, model, RouteChange(primary=version, candidate=0), by="promote")
+            _purge(repository, model, "promote")
+            out.print(f"[bold]{model}[/] v{version}: PRODUCTION and primary (no gradual rollout)")
+            return
+        progress = ctl.start(version, primary=primary)
+        if detach:
+            out.print(f"[bold]{model}[/] v{version}: rollout started at {progress.steps[0]:g} %; "
+                      f"drive it with `exporter rollout resume {model} --server …`")
+            return
+        progress = ctl.run()
+        if progress.status == "done":
+            _purge(repository, model, "promote")
+    except (ValueError, RouteError, RegistryError, ControllerError, ServingError) as exc:
+        err.print(f"[bold red]✗ promote failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    _exit_for(progress)
+
+
+def rollback(
+    model: Model,
+    repository: Repository = Path("model_repository"),
+    server: Servers = None,
+    approver: Annotated[str | None, typer.Option(help="Who decided (recorded in the history).")] = None,
+    reason: Annotated[str, typer.Option(help="Why (recorded in the history).")] = "manual rollback",
+) -> None:
+    """Abort MODEL's active rollout, or else restore the previous production version; purge the cache."""
+    from .controller import ACTIVE, ControllerError  # noqa: PLC0415
+    from .registry import RegistryError  # noqa: PLC0415
+    from .route import RouteChange, RouteError, apply  # noqa: PLC0415
+    from .serving import ServingError, ensure_loaded  # noqa: PLC0415
+
+    try:
+        ctl, reg, _ = _controller(model, repository, [], approver=approver)
+        progress = ctl.status()
+        if progress is not None and progress.status in ACTIVE:
+            progress = ctl.abort(reason)
+            _purge(repository, model, "rollback")
+            out.print(f"[bold]{model}[/]: rollout of v{progress.candidate} aborted, candidate removed")
+            return
+        target_version = reg.previous_production(model)
+        if target_version is None:
+            raise RegistryError(f"'{model}' has no previous production version to roll back to")
+        ensure_loaded(list(server or []), repository, model, target_version)
+        info = reg.rollback(model, approver=approver, reason=reason)
+        apply(repository, model, RouteChange(primary=info.version, candidate=0), by="rollback")
+        _purge(repository, model, "rollback")
+    except (RouteError, RegistryError, ControllerError, ServingError) as exc:
+        err.print(f"[bold red]✗ rollback failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    out.print(f"[bold]{model}[/]: v{info.version} is primary and PRODUCTION again")
+
+
+@rollout_app.command("status")
+def rollout_status(
+    model: Model,
+    repository: Repository = Path("model_repository"),
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable progress on stdout.")] = False,
+) -> None:
+    """Show the rollout's step, dwell, status and last gate report."""
+    from .controller import RolloutController  # noqa: PLC0415
+
+    progress = RolloutController(model, repository, reader=None).status()
+    if as_json:
+        typer.echo(json.dumps(progress.to_dict() if progress else None, indent=2))
+        return
+    if progress is None:
+        out.print(f"{model}: no rollout")
+        return
+    out.print(f"[bold]{model}[/] v{progress.candidate} ({progress.mode}) {progress.status}, step "
+              f"{progress.step_index + 1}/{len(progress.steps)} at {progress.steps[progress.step_index]:g} %, "
+              f"look {progress.look}: {progress.reason}")
+    for g in (progress.last_report or {}).get("gates", []):
+        out.print(f"  {g['name']:<11} {g['verdict']:<12} n={g['samples']:<7} {g['reason']}")
+
+
+@rollout_app.command("abort")
+def rollout_abort(model: Model, repository: Repository = Path("model_repository"),
+                  reason: Annotated[str, typer.Option(help="Why.")] = "aborted by operator") -> None:
+    """Stop MODEL's rollout and take the candidate out of the routing state."""
+    from .controller import ControllerError  # noqa: PLC0415
+
+    try:
+        ctl, _, _ = _controller(model, repository, [])
+        progress = ctl.abort(reason)
+    except ControllerError as exc:
+        err.print(f"[bold red]✗ abort failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    out.print(f"[bold]{model}[/] v{progress.candidate}: aborted, candidate removed ({reason})")
+
+
+@rollout_app.command("pause")
+def rollout_pause(model: Model, repository: Repository = Path("model_repository")) -> None:
+    """Hold the rollout at its current step (the candidate keeps its share)."""
+    from .controller import ControllerError, RolloutController  # noqa: PLC0415
+
+    try:
+        progress = RolloutController(model, repository, reader=None).pause()
+    except ControllerError as exc:
+        err.print(f"[bold red]✗ pause failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    _exit_for(progress)
+
+
+@rollout_app.command("resume")
+def rollout_resume(model: Model, server: Servers = None,
+                   metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of "
+                                          "each replica (repeat; default: each --server's port + 2).")] = None,
+                   repository: Repository = Path("model_repository"),
+                   approver: Annotated[str | None, typer.Option(help="Who approves PRODUCTION.")] = None) -> None:
+    """Continue a paused or interrupted rollout where it stopped (step, dwell and baseline)."""
+    from .controller import ControllerError  # noqa: PLC0415
+    from .serving import ServingError, metrics_urls  # noqa: PLC0415
+
+    try:
+        urls = metrics_urls(list(server or []), metrics_url or [])
+        if not urls:
+            raise ControllerError("resume reads the guards' metrics: pass --server URL (or --metrics-url URL)")
+        ctl, _, _ = _controller(model, repository, urls, approver=approver)
+        progress = ctl.resume()
+        if progress.status == "done":
+            _purge(repository, model, "promote")
+    except (ControllerError, ServingError) as exc:
+        err.print(f"[bold red]✗ resume failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    _exit_for(progress)
