@@ -99,19 +99,31 @@ def export(
 @app.command()
 def status(
     repository: Repository = Path("model_repository"),
+    server: Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of a replica (repeat): "
+                      "live breaker states, drift and answers per version from its metrics port (+2).")] = None,
+    metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of a replica (repeat).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")] = False,
 ) -> None:
-    """List the models in the repository with versions, hashes and golden verdicts."""
-    from .status import collect, table  # noqa: PLC0415
+    """Models with versions, hashes and goldens; per guard: routing, rollout step and gates,
+    registry stages, and (with --server) live breaker states and drift."""
+    from .serving import ServingError, metrics_urls  # noqa: PLC0415
+    from .status import collect, live, print_live, table  # noqa: PLC0415
 
+    try:
+        urls = metrics_urls(list(server or []), metrics_url or [])
+    except ServingError as exc:
+        err.print(f"[bold red]✗ status failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     models = collect(repository)
+    guards = live(repository, urls)
     if as_json:
-        typer.echo(json.dumps({"repository": str(repository), "models": models}, indent=2))
+        typer.echo(json.dumps({"repository": str(repository), "models": models, "guards": guards}, indent=2))
         return
     if not models:
         out.print(f"no models in {repository}")
         return
     out.print(table(models, repository))
+    print_live(out, guards)
 
 
 @app.command()
@@ -171,3 +183,4 @@ from .rollout_cmd import promote, rollback, rollout_app  # noqa: E402
 app.command()(promote)
 app.command()(rollback)
 app.add_typer(rollout_app, name="rollout")
+

@@ -92,3 +92,129 @@ def table(models: list[dict[str, Any]], repository: Path) -> Table:
             t.add_row(m["name"] if i == 0 else "", m["kind"] if i == 0 else "", str(v["version"]),
                       (v["sha256"] or "")[:8], golden, figures, _created(v["created"]))
     return t
+
+
+# -- live rollout view ----------------------------------------------------------------------------
+def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
+    """Stages by version from the registry, or None when there is none (never creates one)."""
+    import os  # noqa: PLC0415
+
+    from .registry import Registry, _sqlite_path, default_uri  # noqa: PLC0415
+
+    uri = default_uri(repository)
+    db = _sqlite_path(uri)
+    if db is not None and not db.exists() and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    try:
+        return {info.version: info.stage for info in Registry(uri).versions(model)}
+    except Exception as exc:  # noqa: BLE001 - status must show what it can
+        return {"error": f"{type(exc).__name__}: {exc}"}  # type: ignore[dict-item]
+
+
+def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
+    """Breaker states, input drift and answers per version, summed/maxed over replicas."""
+    from .gates import parse  # noqa: PLC0415
+
+    out: dict[str, Any] = {"replicas": 0, "breaker": {}, "drift": {}, "served": {}, "errors": {}, "unreachable": []}
+    import urllib.request  # noqa: PLC0415
+
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - operator-given URL
+                series = parse(resp.read().decode())
+        except OSError as exc:
+            out["unreachable"].append(f"{url}: {exc}")
+            continue
+        seen = False
+        for (name, labelset), value in series.items():
+            labels = dict(labelset)
+            if labels.get("model") != model:
+                continue
+            seen = True
+            tv = labels.get("target_version", "")
+            if name == "tritonguard_breaker_state":
+                out["breaker"][tv] = max(out["breaker"].get(tv, 0), int(value))
+            elif name == "tritonguard_input_drift_fraction":
+                out["drift"][tv] = max(out["drift"].get(tv, 0.0), value)
+            elif name == "tritonguard_served_total":
+                who = labels.get("served_by", "?")
+                out["served"][who] = out["served"].get(who, 0) + value
+            elif name == "tritonguard_target_errors_total" and tv:
+                out["errors"][tv] = out["errors"].get(tv, 0) + value
+        out["replicas"] += seen
+    return out
+
+
+def live(repository: Path, metrics_urls: list[str]) -> list[dict[str, Any]]:
+    """Per guard model: routing state, rollout progress and last gate readings, registry stages,
+    and (with metrics URLs) breaker states, drift and answers per version from the replicas."""
+    from tritonguard.state import StateError, open_store  # noqa: PLC0415
+
+    from .controller import ControllerError, RolloutController  # noqa: PLC0415
+
+    repository = Path(repository)
+    guards = []
+    for m in collect(repository):
+        if m.get("kind") != "guard":
+            continue
+        name = m["name"]
+        entry: dict[str, Any] = {"model": name, "target": m.get("target")}
+        try:
+            st = open_store(name, repository).load()
+            entry["state"] = st.to_dict() if st else None
+        except (StateError, OSError) as exc:
+            entry["state"] = {"error": str(exc)}
+        try:
+            p = RolloutController(name, repository, reader=None).status()  # type: ignore[arg-type]
+            entry["rollout"] = None if p is None else {
+                "candidate": p.candidate, "primary": p.primary, "mode": p.mode, "status": p.status,
+                "step": p.step_index + 1, "steps": p.steps, "share": p.share, "look": p.look,
+                "reason": p.reason, "gates": (p.last_report or {}).get("gates", [])}
+        except ControllerError as exc:
+            entry["rollout"] = {"error": str(exc)}
+        entry["stages"] = _registry_stages(repository, name)
+        if metrics_urls:
+            entry["metrics"] = _scrape_guard(metrics_urls, name)
+        guards.append(entry)
+    return guards
+
+
+def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
+    for g in guards:
+        st = g.get("state") or {}
+        console.print(f"\n[bold]{g['model']}[/] → {g['target']}")
+        if "error" in st:
+            console.print(f"  state: [red]{st['error']}[/]")
+        elif not st:
+            console.print("  routing: no state yet (the guard writes one when it loads)")
+        else:
+            cand = st.get("candidate")
+            console.print(f"  routing r{st['revision']}: primary v{st['primary']['version']}"
+                          + (f", candidate v{cand['version']} at {cand['share']:.0%}" if cand else ", no candidate")
+                          + f", shadow {st['shadow_share']:.0%}, chain {' → '.join(st['fallback'])}")
+            for v, b in sorted(st.get("breakers", {}).items()):
+                console.print(f"  breaker v{v}: {b.get('state', 'closed')} (trips {b.get('trips', 0)})")
+        stages = g.get("stages")
+        if isinstance(stages, dict) and "error" in stages:
+            console.print(f"  registry: [red]{stages['error']}[/]")
+        elif stages:
+            console.print("  registry: " + ", ".join(f"v{v} {s}" for v, s in sorted(stages.items())))
+        r = g.get("rollout")
+        if r and "error" not in r:
+            console.print(f"  rollout v{r['candidate']} ({r['mode']}): {r['status']}, step {r['step']}/{len(r['steps'])} "
+                          f"at {r['share']:.0%}, look {r['look']}: {r['reason']}")
+            for gate in r["gates"]:
+                console.print(f"    {gate['name']:<11} {gate['verdict']:<12} n={gate['samples']:<7} {gate['reason']}")
+        elif r:
+            console.print(f"  rollout: [red]{r['error']}[/]")
+        met = g.get("metrics")
+        if met:
+            names = {0: "closed", 1: "half-open", 2: "open"}
+            console.print(f"  live ({met['replicas']} replica{'s' if met['replicas'] != 1 else ''}): "
+                          + ", ".join(f"{k} {v:.0f}" for k, v in sorted(met["served"].items())))
+            for v, code in sorted(met["breaker"].items()):
+                console.print(f"    breaker v{v}: {names.get(code, code)} (worst replica)")
+            for v, frac in sorted(met["drift"].items()):
+                console.print(f"    input drift v{v}: {frac:.0%} of features")
+            for u in met["unreachable"]:
+                console.print(f"    [red]unreachable[/] {u}")

@@ -311,3 +311,24 @@ def test_bad_input_gets_a_clear_error(ctx):
     assert r.returncode == 2 and "nosuch" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = cli(ctx, "promote", "digits", "--version", str(ctx["v"]["good_c"]), "--to", "prod")
     assert r.returncode == 2 and "--to must be staging or production" in r.stderr, r.stderr
+
+
+def test_status_shows_stages_rollout_gates_and_live_breakers(ctx):
+    """After the rollouts above: `status --json` has the registry stages, the last rollout with its
+    gate readings and sample counts, and the live breaker states of the server."""
+    r = cli(ctx, "status", *server_args(ctx), "--json")
+    assert r.returncode == 0, r.stderr
+    g = next(x for x in json.loads(r.stdout)["guards"] if x["model"] == "digits")
+    v = ctx["v"]
+    stages = {int(k): s for k, s in g["stages"].items()}
+    assert stages[v["good_b"]] == "PRODUCTION"
+    assert all(stages[v[f]] == "ARCHIVED" for f in ("nan_subset", "accuracy_drop", "slow"))
+    assert g["state"]["primary"]["version"] == v["good_b"]
+    assert g["rollout"]["status"] == "done" and g["rollout"]["candidate"] == v["good_b"]
+    gates = {x["name"]: x for x in g["rollout"]["gates"]}
+    assert {"error_rate", "breaker", "latency"} <= set(gates) and gates["error_rate"]["samples"] >= 60
+    live = g["metrics"]
+    assert live["replicas"] == 1 and live["served"].get(f"digits_raw:{v['good_b']}", 0) > 0
+    assert live["breaker"].get(str(v["nan_subset"])) == 2  # its breaker tripped during its rollout
+    r = cli(ctx, "status", *server_args(ctx))
+    assert r.returncode == 0 and "rollout v" in r.stdout and "breaker v" in r.stdout, r.stdout
