@@ -184,3 +184,7 @@ app.command()(promote)
 app.command()(rollback)
 app.add_typer(rollout_app, name="rollout")
 
+# optimised variants of an exported version, admitted on goldens and measured speed
+from .compile_cmd import compile_command  # noqa: E402
+
+app.command("compile")(compile_command)
