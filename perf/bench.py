@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -211,6 +212,36 @@ def run_privacy(args: argparse.Namespace, workdir: Path) -> dict:
     return result
 
 
+def run_rollout(args: argparse.Namespace, workdir: Path) -> dict:
+    """Time to full promotion, user-visible errors and throughput during vs before (perf/rollout_bench.py)."""
+    from perf import rollout_bench
+
+    result = rollout_bench.run(args.repository.resolve(), workdir, input_data("digits", workdir / "rollout.json"))
+    rollout_bench.print_rollout(result)
+    return result
+
+
+def run_only(args: argparse.Namespace) -> int:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    args.out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="tritonguard-bench-"))
+    if args.only == "rollout":
+        result: Any = run_rollout(args, workdir)
+    elif args.only == "privacy":
+        result = run_privacy(args, workdir)
+    else:
+        from perf import canary
+
+        result = canary.run(args.repository.resolve(), workdir, args.models,
+                            lambda srv, name, c: perf_analyzer(srv, name, c, input_data(name.removesuffix("_raw"),
+                                                               workdir / "canary.json"), args.window_ms, args.trials))
+        print_canary(result)
+    json_path = args.out / f"{stamp}-{args.only}.json"
+    json_path.write_text(json.dumps({"timestamp": stamp, args.only: result}, indent=2))
+    sys.stderr.write(f"results: {json_path}\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repository", type=Path, default=ROOT / "model_repository")
@@ -223,7 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-canary", action="store_true", help="skip the canary 10 %% + shadow 10 %% scenario")
     ap.add_argument("--privacy", action=argparse.BooleanOptionalAction, default=True,
                     help="cache-hit latency per tier and redaction on/off throughput (~2 min)")
+    ap.add_argument("--rollout", action=argparse.BooleanOptionalAction, default=True,
+                    help="one gated rollout of digits v2 under perf_analyzer load (~4 min)")
+    ap.add_argument("--only", choices=["canary", "privacy", "rollout"],
+                    help="run just this scenario (skips the guarded/raw sweep)")
     args = ap.parse_args(argv)
+    if args.only:
+        return run_only(args)
 
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -255,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                                  lambda srv, name, c: perf_analyzer(srv, name, c, input_data(name.removesuffix("_raw"),
                                                                     workdir / "canary.json"), args.window_ms, args.trials))
     privacy = run_privacy(args, workdir) if args.privacy else None
+    rollout = run_rollout(args, workdir) if args.rollout and "digits" in args.models else None
     report = {
-        "privacy": privacy,
+        "privacy": privacy, "rollout": rollout,
         "timestamp": stamp, "machine": {"cpus": os.cpu_count()},
         "settings": {"window_ms": args.window_ms, "trials": args.trials, "rounds": args.rounds, "protocol": "http"},
         "measurements": [asdict(m) for m in results], "ratios": rows, "canary": canary_rows,
