@@ -342,16 +342,15 @@ def _tensorrt(parent: Parent, dest: Path) -> dict[str, Any]:
     for i in range(network.num_inputs):
         t = network.get_input(i)
         seen = parent.feed[t.name].shape
-        mn, opt, mx = [], [], []
+        dims = []  # (min, opt, max) per axis
         for axis, d in enumerate(t.shape):
             if axis == 0:
-                mn.append(1), opt.append(min(8, parent.max_batch_size)), mx.append(parent.max_batch_size)
+                dims.append((1, min(8, parent.max_batch_size), parent.max_batch_size))
             elif d == -1:  # a sequence dim: up to the tokenizer's max_length
-                top = max(seen[axis], parent.max_length or seen[axis])
-                mn.append(1), opt.append(seen[axis]), mx.append(top)
+                dims.append((1, seen[axis], max(seen[axis], parent.max_length or seen[axis])))
             else:
-                mn.append(d), opt.append(d), mx.append(d)
-        profile.set_shape(t.name, tuple(mn), tuple(opt), tuple(mx))
+                dims.append((d, d, d))
+        profile.set_shape(t.name, *(tuple(x) for x in zip(*dims, strict=True)))
     config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -461,13 +460,18 @@ def _write_version(parent: Parent, variant: Variant, built: Path, result: Varian
                 if any((repo / m / str(version)).exists() for m in parent.models):
                     continue  # a concurrent export/compile took the number: stage again
                 raise
-        if parent.text:
-            cfg = repo_mod.read_config(repo / parent.target)
-            pinned = layout.version_ensemble_name(parent.target, version)
-            for step in cfg["ensemble_scheduling"]["step"]:
-                step["model_version"] = version
-            layout.write(repo / pinned, {**cfg, "name": pinned})
-            (repo / pinned / "1").mkdir(parents=True, exist_ok=True)
+        if parent.text:  # the ensemble the guard routes this version to
+            try:
+                cfg = repo_mod.read_config(repo / parent.target)
+                pinned = layout.version_ensemble_name(parent.target, version)
+                for step in cfg["ensemble_scheduling"]["step"]:
+                    step["model_version"] = version
+                layout.write(repo / pinned, {**cfg, "name": pinned})
+                (repo / pinned / "1").mkdir(parents=True, exist_ok=True)
+            except BaseException:  # a version the guard cannot route to must not stay
+                for _, dest in moves:
+                    shutil.rmtree(dest, ignore_errors=True)
+                raise
         return version
     raise ExportError(f"could not claim a free version of {parent.target} after 3 attempts")
 
@@ -585,9 +589,13 @@ def compile_model(repository: Path, model: str, version: int, variants: Iterable
                     result.reason = "; ".join(reasons)
                 else:
                     progress.step(variant.name, "write")
-                    result.verdict = ADMITTED
-                    result.version = _write_version(parent, variant, built, result)
-                    result.reason = f"v{result.version} from v{parent.version}"
+                    try:
+                        result.version = _write_version(parent, variant, built, result)
+                    except Exception as exc:  # noqa: BLE001 - disk full, permissions: nothing stays
+                        result.reason = f"write failed: {_first_line(exc)}"
+                    else:
+                        result.verdict = ADMITTED
+                        result.reason = f"v{result.version} from v{parent.version}"
         results.append(result)
         progress.done(result)
     admitted = [r for r in results if r.verdict == ADMITTED]

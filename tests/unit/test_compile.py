@@ -18,8 +18,8 @@ from exporter import goldens
 from exporter.artifacts import sha256_file
 from exporter.cli import app
 from exporter.compile import ADMITTED, REJECTED, SKIPPED, CompileError, Skip, Variant, compile_model
-from exporter.export import export, export_source
-from exporter.sources import ExportSpec, TensorDef, TextFront
+from exporter.export import export
+from exporter.sources import ExportSpec, TensorDef, TextFront, load_source
 from tritonguard import repository
 from tritonguard.engines import EngineConfig, load_engine
 
@@ -29,7 +29,8 @@ FAST = {"rounds": 5}  # timing rounds: enough to exercise the measurement, short
 @pytest.fixture(scope="module")
 def digits_repo(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("compile") / "model_repository"
-    export_source("examples.digits:build", name="digits", repository=repo)
+    # export() itself, not export_source(): only what compile registers goes to a registry here
+    export(load_source("examples.digits:build"), name="digits", repository=repo, source="examples.digits:build")
     return repo
 
 
