@@ -230,3 +230,26 @@ def test_metrics_report_fallbacks_and_trips(rollout):
     assert "tritonguard_fallbacks_total" in text
     assert 'tritonguard_served_total{model="digits",served_by="digits_raw:' in text
     assert "tritonguard_breaker_state" in text
+
+
+def test_primary_failing_its_goldens_is_not_ready(rollout, tmp_path):
+    """A guard pinned to a primary whose artifact fails its goldens on this server refuses to
+    load: Triton reports the model not ready, with the golden figures as the reason."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "digits_raw").symlink_to((rollout["repo"] / "digits_raw").resolve())
+    cfg = read_config(rollout["repo"] / "digits")
+    cfg["name"] = "digits_badprimary"
+    cfg["parameters"] = {**cfg["parameters"], "target_version": {"string_value": str(rollout["versions"]["tampered"])}}
+    write_config(repo / "digits_badprimary", cfg)
+    (repo / "digits_badprimary" / "1").mkdir()
+    server = Server(repository=repo, log_path=tmp_path / "tritonserver.log")
+    try:
+        with pytest.raises(RuntimeError, match="models failed to load") as info:
+            server.start(wait_models=["digits_badprimary"], timeout=120)
+        # Triton's repository index gives the reason; Server.start stops the server on a failed load
+        msg = str(info.value)
+        assert "digits_badprimary" in msg and "failed its goldens on this server" in msg, msg
+        assert "agreement" in msg, msg  # the golden figures
+    finally:
+        server.stop()
