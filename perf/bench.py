@@ -153,7 +153,7 @@ def plot(results: list[Measurement], path: Path) -> None:
 
     models = [m for m in TARGETS if any(r.model == m for r in results)]
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    for ax, model in zip(axes[0], models, strict=True):
         for variant, style in (("raw", "o-"), ("guarded", "s-"), ("ceiling", "^--")):
             pts = sorted((m for m in results if m.model == model and m.variant == variant), key=lambda m: m.concurrency)
             if pts:

@@ -88,7 +88,7 @@ class OnnxEngine(Engine):
     def run(self, inputs, outputs=None):
         names = list(outputs or self.output_names)
         feed = {k: inputs[k] for k in self.input_names}
-        return dict(zip(names, self.session.run(names, feed)))
+        return dict(zip(names, self.session.run(names, feed), strict=True))
 
 
 class TorchScriptEngine(Engine):
@@ -113,7 +113,7 @@ class TorchScriptEngine(Engine):
             res = (res,)
         elif isinstance(res, dict):
             res = tuple(res[n] for n in self.output_names)
-        got = dict(zip(self.output_names, (r.numpy() for r in res)))
+        got = dict(zip(self.output_names, (r.numpy() for r in res), strict=False))
         return {n: got[n] for n in (outputs or self.output_names)}
 
 

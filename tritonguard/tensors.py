@@ -46,7 +46,7 @@ class TensorSpec:
         return "BYTES" if name == "STRING" else name
 
     def shape_ok(self, shape: Sequence[int]) -> bool:
-        return len(shape) == len(self.dims) and all(d == -1 or d == s for d, s in zip(self.dims, shape))
+        return len(shape) == len(self.dims) and all(d == -1 or d == s for d, s in zip(self.dims, shape, strict=True))
 
 
 @dataclass(frozen=True)

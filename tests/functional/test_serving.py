@@ -159,7 +159,7 @@ def test_bad_request_does_not_fail_its_neighbours(http, digits_data):
             reqs.append((True, images[k:k + 1]))
     for model in ("digits", "digits_bls"):
         futures = [(ok, x, http.async_infer(model, [http_input("IMAGE", x)])) for ok, x in reqs]
-        for ok, x, fut in futures:
+        for ok, _x, fut in futures:
             if ok:
                 probs = fut.get_result().as_numpy("PROBS")
                 assert probs.shape == (1, 10)

@@ -3,7 +3,7 @@ import pytest
 
 from tritonguard.config import from_params
 from tritonguard.errors import ConfigError
-from tritonguard.tensors import ModelSignature, rows_any, offsets
+from tritonguard.tensors import ModelSignature, offsets, rows_any
 from tritonguard.validation import BatchValidator, ValidationConfig
 
 DIGITS = ModelSignature.from_config({
