@@ -21,6 +21,7 @@ SEED = 0
 EPOCHS = 30
 BATCH = 64
 LR = 2e-3
+TEST_SIZE = 0.25
 N_GOLDEN = 64
 PIXEL_MAX = 16.0
 
@@ -52,13 +53,31 @@ def _seed(seed: int) -> None:
 
 def train() -> tuple[DigitsCNN, np.ndarray, np.ndarray]:
     """Train on 75 % of load_digits; returns the model and the held-out images/labels."""
+    model, x_te, y_te, _ = train_with_metrics()
+    return model, x_te, y_te
+
+
+def hyperparameters() -> dict[str, object]:
+    return {"seed": SEED, "epochs": EPOCHS, "batch_size": BATCH, "lr": LR, "optimizer": "Adam",
+            "loss": "cross_entropy", "test_size": TEST_SIZE, "architecture": "conv16-conv32-pool-fc64-fc10"}
+
+
+def data_version() -> str:
+    """load_digits ships with scikit-learn: its version pins the data set."""
+    import sklearn  # noqa: PLC0415
+
+    return f"sklearn.datasets.load_digits@scikit-learn=={sklearn.__version__}"
+
+
+def train_with_metrics() -> tuple[DigitsCNN, np.ndarray, np.ndarray, dict[str, float]]:
+    """:func:`train`, plus final training loss/accuracy and held-out accuracy."""
     from sklearn.datasets import load_digits  # noqa: PLC0415
     from sklearn.model_selection import train_test_split  # noqa: PLC0415
 
     _seed(SEED)
     data = load_digits()
     images = data.images.astype(np.float32)
-    x_tr, x_te, y_tr, y_te = train_test_split(images, data.target, test_size=0.25,
+    x_tr, x_te, y_tr, y_te = train_test_split(images, data.target, test_size=TEST_SIZE,
                                               stratify=data.target, random_state=SEED)
     model = DigitsCNN()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
@@ -73,13 +92,17 @@ def train() -> tuple[DigitsCNN, np.ndarray, np.ndarray]:
             opt.step()
     model.eval()
     with torch.inference_mode():
-        acc = (model(torch.from_numpy(x_te)).argmax(-1).numpy() == y_te).mean()
-    log.info("digits CNN: held-out accuracy %.4f on %d images", acc, len(y_te))
-    return model, x_te, y_te
+        train_logits = model.logits(xt)
+        metrics = {"train_loss": float(loss_fn(train_logits, yt)),
+                   "train_accuracy": float((train_logits.argmax(-1) == yt).float().mean()),
+                   "heldout_accuracy": float((model(torch.from_numpy(x_te)).argmax(-1).numpy() == y_te).mean()),
+                   "n_train": float(len(y_tr)), "n_heldout": float(len(y_te))}
+    log.info("digits CNN: held-out accuracy %.4f on %d images", metrics["heldout_accuracy"], len(y_te))
+    return model, x_te, y_te, metrics
 
 
 def build() -> ExportSpec:
-    model, x_te, _ = train()
+    model, x_te, _, metrics = train_with_metrics()
     return ExportSpec(
         module=model,
         inputs=[TensorDef(name="IMAGE", dtype="float32", dims=(8, 8))],
@@ -88,4 +111,7 @@ def build() -> ExportSpec:
         task="classifier",
         max_batch_size=64,
         input_ranges={"IMAGE": (0.0, PIXEL_MAX)},
+        data_version=data_version(),
+        hyperparameters=hyperparameters(),
+        training_metrics=metrics,
     )

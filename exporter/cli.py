@@ -58,19 +58,28 @@ def _step(label: str):
 
 @app.command()
 def export(
-    source: Annotated[str, typer.Option(help="package.module:function, a .onnx/.pt file, or models:/… runs:/…")],
+    source: Annotated[str, typer.Option(help="package.module:function, a .onnx/.pt file, a Hugging Face "
+                                        "model folder, or models:/name@alias, models:/name/version, runs:/…")],
     name: Annotated[str, typer.Option(help="Public model name (the guard); targets get suffixes.")],
     repository: Repository = Path("model_repository"),
     fmt: Annotated[Format | None, typer.Option("--format", help="Artifact format (default: onnx; a .pt source stays torchscript).")] = None,
     opset: Annotated[int, typer.Option(help="ONNX opset.")] = 17,
-    inputs: Annotated[Path | None, typer.Option(help="Golden inputs .npz (file and MLflow sources).")] = None,
-    task: Annotated[Task | None, typer.Option(help="Task (file and MLflow sources).")] = None,
+    inputs: Annotated[Path | None, typer.Option(help="Golden inputs .npz (file and MLflow sources); for a "
+                                                "Hugging Face folder .txt (one sentence a line) or .npz.")] = None,
+    task: Annotated[Task | None, typer.Option(help="Task (file and MLflow sources; inferred for Hugging Face).")] = None,
     input_name: Annotated[list[str] | None, typer.Option(help="Artifact input names, in order (repeat).")] = None,
     output_name: Annotated[list[str] | None, typer.Option(help="Artifact output names, in order (repeat).")] = None,
     native: Annotated[bool, typer.Option(help="Serve the artifact with Triton's onnxruntime backend "
                                           "(platform onnxruntime_onnx; NGC image) instead of `runtime`.")] = False,
+    mlflow_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI that models:/ and runs:/ sources "
+                                                   "are read from (default: $MLFLOW_TRACKING_URI).")] = None,
+    register: Annotated[bool, typer.Option(help="Register the version in the MLflow registry beside the "
+                                           "repository (or $MLFLOW_TRACKING_URI) as DRAFT.")] = True,
+    register_timeout: Annotated[float, typer.Option(help="Seconds to wait for the registry; the export "
+                                                    "stands either way.")] = 60.0,
 ) -> None:
-    """Export SOURCE as a new version, check it against its goldens, write it behind a guard."""
+    """Export SOURCE as a new version, check it against its goldens, write it behind a guard,
+    and register it in the MLflow model registry."""
     from tritonguard.errors import ConfigError  # noqa: PLC0415
 
     from .export import ExportError, GoldenCheckFailed, export_source  # noqa: PLC0415
@@ -80,7 +89,8 @@ def export(
         result = export_source(
             source, name=name, repository=repository, fmt=fmt.value if fmt else None, opset=opset,
             inputs=inputs, task=task.value if task else None, input_names=input_name or (),
-            output_names=output_name or (), step=_step, native=native)
+            output_names=output_name or (), step=_step, native=native, mlflow_uri=mlflow_uri,
+            register=register, register_timeout=register_timeout)
     except GoldenCheckFailed as exc:
         err.print(f"[bold red]✗ {exc}[/]")
         raise typer.Exit(EXIT_GOLDEN_FAILED) from None
@@ -94,6 +104,15 @@ def export(
               f"on {rep.n} samples ({figures})")
     out.print(f"  artifact {result.artifact}  sha256 {result.sha256[:16]}…")
     out.print(f"  models   {', '.join(result.models)}  (total {sum(result.timings.values()):.1f} s)")
+    if result.registration is not None:
+        reg = result.registration
+        out.print(f"  registry {reg.name} v{reg.version} = MLflow version {reg.mlflow_version}, "
+                  f"stage [bold]{reg.stage}[/]  ({result.registry_uri})")
+    elif result.registration_error:
+        err.print(f"[bold yellow]! not registered:[/] {result.registration_error}\n"
+                  "  the export stands; `exporter promote` registers the version when it is promoted")
+    else:
+        out.print("  registry skipped (--no-register)")
 
 
 @app.command()

@@ -8,6 +8,11 @@ Models written for ``--name NAME``:
 - plain model: ``NAME_raw`` (backend runtime, the artifact) and ``NAME`` (guard, in-process);
 - text model: ``NAME_tokenizer`` + ``NAME_encoder`` joined by the ensemble ``NAME_raw``, and
   ``NAME`` (guard, over BLS). The three share one version number per export.
+
+:func:`export_source` then registers the version in the MLflow model registry
+(:mod:`exporter.registry`) as DRAFT, with the artifact hash, golden verdict and lineage. A
+registry that fails or does not answer in time does not undo the export: the result carries
+the error, and ``exporter promote`` registers the version later (registration is idempotent).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +30,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from tritonguard import repository as repo_mod
 
@@ -32,6 +39,7 @@ from .goldens import GoldenReport
 from .sources import ExportSpec, load_source
 
 FORMAT_VERSION = 1
+REGISTER_TIMEOUT_S = 60.0  # a registry that has not answered by then does not hold up the export
 # Triton model names become folder names and URL path segments
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -58,6 +66,9 @@ class ExportResult:
     sha256: str
     report: GoldenReport
     timings: dict[str, float] = field(default_factory=dict)  # seconds per step
+    registration: Any = None  # exporter.registry.ModelVersionInfo once registered
+    registration_error: str | None = None  # why it was not (the export itself stands)
+    registry_uri: str | None = None
 
 
 def _fmt(v) -> str:
@@ -76,15 +87,60 @@ def next_version(repository: Path, models: Sequence[str]) -> int:
 
 def export_source(source: str, *, name: str, repository: Path, fmt: str | None = None, opset: int = 17,
                   inputs: Path | None = None, task: str | None = None, input_names: Sequence[str] = (),
-                  output_names: Sequence[str] = (), step: Step | None = None, native: bool = False) -> ExportResult:
-    """Load ``source`` (see :mod:`exporter.sources`) and export it."""
+                  output_names: Sequence[str] = (), step: Step | None = None, native: bool = False,
+                  mlflow_uri: str | None = None, register: bool = True,
+                  register_timeout: float = REGISTER_TIMEOUT_S) -> ExportResult:
+    """Load ``source`` (see :mod:`exporter.sources`), export it, and register the new version
+    (unless ``register`` is false; a registry failure is reported in the result, not raised)."""
     timings: dict[str, float] = {}
     with _timed(step, timings, "load source"):
-        spec = load_source(source, inputs=inputs, task=task, input_names=input_names, output_names=output_names)
+        spec = load_source(source, inputs=inputs, task=task, input_names=input_names, output_names=output_names,
+                           mlflow_uri=mlflow_uri)
     result = export(spec, name=name, repository=repository, source=source, fmt=fmt, opset=opset, step=step,
                     native=native)
     result.timings = {**timings, **result.timings}
+    if register:
+        t0 = time.perf_counter()
+        register_version(result, spec, Path(repository), timeout=register_timeout)
+        result.timings["register"] = time.perf_counter() - t0
     return result
+
+
+def register_version(result: ExportResult, spec: ExportSpec, repository: Path, *,
+                     timeout: float = REGISTER_TIMEOUT_S) -> None:
+    """Register ``result``'s version under the guard's name, in the registry beside the
+    repository (or ``$MLFLOW_TRACKING_URI``); fills ``result.registration`` or
+    ``result.registration_error``. Runs in a daemon thread so that a registry that hangs costs
+    at most ``timeout`` seconds (register() is idempotent: a later ``promote`` registers a
+    version whose registration did not finish)."""
+    from .registry import Registry, default_uri  # noqa: PLC0415 - imports mlflow lazily, on use
+
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # no "creating tables" INFO lines
+    uri = result.registry_uri = default_uri(repository)
+    raw = model_names(result.name, spec.text is not None)["raw"]
+    vdir = (repository / raw / str(result.version)).resolve()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            manifest = repo_mod.read_manifest(vdir)
+            if manifest is None:
+                raise ExportError(f"{vdir} has no manifest")
+            box["info"] = Registry(uri).register(result.name, result.version, manifest, spec.lineage(),
+                                                 source=str(vdir))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller; the export stands
+            lines = str(exc).strip().splitlines()
+            box["error"] = f"{type(exc).__name__}: {lines[0][:500] if lines else ''}"
+
+    worker = threading.Thread(target=work, name="tritonguard-register", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        result.registration_error = f"the registry {uri} did not answer within {timeout:g} s"
+    elif "info" in box:
+        result.registration = box["info"]
+    else:
+        result.registration_error = box.get("error", "unknown error")
 
 
 def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: str | None = None,
