@@ -156,15 +156,18 @@ def route(
     fallback: Annotated[str | None, typer.Option(help="Chain, e.g. candidate,primary,previous_primary,default.")] = None,
     default: Annotated[str | None, typer.Option(help="End of the chain: abstain (503) or none.")] = None,
     reset_breaker: Annotated[int | None, typer.Option(help="Close this version's breaker now.")] = None,
+    arms: Annotated[str | None, typer.Option(
+        help="A/B/n split: VERSION=WEIGHT,... (e.g. 2=0.3,3=0.2); the primary answers the rest. "
+             "'none' ends it.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the state as JSON.")] = False,
 ) -> None:
     """Show or set a guarded model's rollout state (guards pick it up within a second)."""
-    from .route import RouteChange, RouteError, apply, show  # noqa: PLC0415
+    from .route import RouteChange, RouteError, apply, parse_arms, show  # noqa: PLC0415
 
-    change = RouteChange(primary=primary, candidate=candidate, share=share, shadow=shadow,
-                         fallback=fallback.split(",") if fallback else None, default=default,
-                         reset_breaker=reset_breaker)
     try:
+        change = RouteChange(primary=primary, candidate=candidate, share=share, shadow=shadow,
+                             fallback=fallback.split(",") if fallback else None, default=default,
+                             reset_breaker=reset_breaker, arms=None if arms is None else parse_arms(arms))
         if any(v is not None for v in vars(change).values()):
             apply(repository, model, change)
         state = show(repository, model)
@@ -181,6 +184,10 @@ def route(
     out.print(f"[bold]{model}[/] r{state['revision']}: primary v{state['primary']['version']}"
               + (f", candidate v{cand['version']} at {cand['share']:.0%}" if cand else ", no candidate")
               + f", shadow {state['shadow_share']:.0%}, chain {' → '.join(state['fallback'])}")
+    if state.get("arms"):
+        rest = 1 - sum(a["weight"] for a in state["arms"])
+        out.print("  A/B/n: " + ", ".join(f"v{a['version']} {a['weight']:.0%}" for a in state["arms"])
+                  + f", primary v{state['primary']['version']} {rest:.0%}")
     for v, g in sorted(state.get("goldens", {}).items()):
         out.print(f"  goldens v{v}: {g.get('verdict')}")
     for v, b in sorted(state.get("breakers", {}).items()):

@@ -190,6 +190,10 @@ class RolloutController:
                                       "(or route --primary N) before a rollout")
             if candidate == primary:
                 raise ControllerError(f"v{candidate} is already the primary of '{self.model}'")
+            if state.arms:
+                raise ControllerError(f"'{self.model}' runs an A/B/n split (arms "
+                                      f"{', '.join(f'v{a.version}' for a in state.arms)}): end it first "
+                                      f"(exporter route {self.model} --arms none)")
             share = cfg.steps[0] / 100
 
             def route(s: RolloutState) -> RolloutState:

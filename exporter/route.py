@@ -12,7 +12,7 @@ from typing import Any
 
 from tritonguard import repository
 from tritonguard.breaker import CLOSED
-from tritonguard.state import Candidate, RolloutState, StateError, open_store
+from tritonguard.state import Arm, Candidate, RolloutState, StateError, open_store
 
 DEFAULT_CHOICES = ("abstain", "none")
 
@@ -30,6 +30,24 @@ class RouteChange:
     fallback: list[str] | None = None
     default: str | None = None  # "abstain", "none"
     reset_breaker: int | None = None  # close this version's breaker (operator override)
+    arms: list[tuple[int, float]] | None = None  # A/B/n weights; [] ends the split
+
+
+def parse_arms(text: str) -> list[tuple[int, float]]:
+    """``"2=0.3,3=0.2"`` -> ``[(2, 0.3), (3, 0.2)]``; ``"none"`` -> ``[]``."""
+    if text.strip().lower() == "none":
+        return []
+    arms = []
+    for part in text.split(","):
+        version, sep, weight = part.strip().partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            arms.append((int(version), float(weight)))
+        except ValueError:
+            raise RouteError(f"--arms: {part.strip()!r} is not VERSION=WEIGHT (e.g. --arms 2=0.3,3=0.2, "
+                             "or --arms none)") from None
+    return arms
 
 
 def _guard_target(repo: Path, model: str) -> str:
@@ -51,9 +69,13 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli") -> Ro
         if versions and v not in versions:
             raise RouteError(f"{what} v{v} is not a version of '{target}' (have {sorted(versions)})")
 
-    for v, what in ((change.primary, "primary"), (change.candidate or None, "candidate")):
+    for v, what in ((change.primary, "primary"), (change.candidate or None, "candidate"),
+                    *((v, "arm") for v, _ in change.arms or [])):
         if v is not None:
             known(v, what)
+    for v, w in change.arms or []:
+        if not 0.0 < w <= 1.0:
+            raise RouteError(f"arm v{v}: weight must be in (0, 1], got {w}")
     for value, what in ((change.share, "share"), (change.shadow, "shadow")):
         if value is not None and not 0.0 <= value <= 1.0:
             raise RouteError(f"{what} must be in [0, 1], got {value}")
@@ -79,6 +101,21 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli") -> Ro
             state.default_response = None if change.default == "none" else change.default
         if change.reset_breaker is not None:
             state.breakers.pop(str(change.reset_breaker), None)
+        if change.arms is not None:
+            if change.arms and state.candidate is not None:
+                raise RouteError(f"'{model}' has candidate v{state.candidate.version} in rollout: an A/B/n "
+                                 "split cannot run beside it (abort the rollout or --candidate 0 first)")
+            if any(v == state.primary for v, _ in change.arms):
+                raise RouteError(f"v{state.primary} is the primary: it answers the traffic the arms leave, "
+                                 "so it cannot be an arm")
+            state.arms = [Arm(v, w) for v, w in change.arms]
+            for a in state.arms:
+                state.breakers.pop(str(a.version), None)  # a fresh arm starts with a closed breaker
+        elif state.arms and change.candidate:
+            raise RouteError(f"'{model}' runs an A/B/n split (arms {', '.join(f'v{a.version}' for a in state.arms)}): "
+                             "end it with --arms none before setting a candidate")
+        # a version promoted to primary leaves the split (the primary answers the rest anyway)
+        state.arms = [a for a in state.arms if a.version != state.primary]
         return state
 
     store = open_store(model, repo)

@@ -192,6 +192,10 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
             console.print(f"  routing r{st['revision']}: primary v{st['primary']['version']}"
                           + (f", candidate v{cand['version']} at {cand['share']:.0%}" if cand else ", no candidate")
                           + f", shadow {st['shadow_share']:.0%}, chain {' → '.join(st['fallback'])}")
+            if st.get("arms"):
+                rest = 1 - sum(a["weight"] for a in st["arms"])
+                console.print("  A/B/n: " + ", ".join(f"v{a['version']} {a['weight']:.0%}" for a in st["arms"])
+                              + f", primary v{st['primary']['version']} {rest:.0%}")
             for v, b in sorted(st.get("breakers", {}).items()):
                 console.print(f"  breaker v{v}: {b.get('state', 'closed')} (trips {b.get('trips', 0)})")
         stages = g.get("stages")
@@ -214,6 +218,8 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
                           + ", ".join(f"{k} {v:.0f}" for k, v in sorted(met["served"].items())))
             for v, code in sorted(met["breaker"].items()):
                 console.print(f"    breaker v{v}: {names.get(code, code)} (worst replica)")
+            for v, count in sorted(met["errors"].items()):
+                console.print(f"    target errors v{v}: {count:.0f}")
             for v, frac in sorted(met["drift"].items()):
                 console.print(f"    input drift v{v}: {frac:.0%} of features")
             for u in met["unreachable"]:

@@ -3,7 +3,8 @@
 Per ``execute()`` batch the router
 1. re-reads the rollout state (rate-limited; a file ``stat`` or one Redis GET),
 2. assigns each request to the candidate (its traffic share, if its breaker is closed and its
-   goldens passed) or to the primary,
+   goldens passed) or, in an A/B/n split, to the arm its draw falls in (same conditions), or to
+   the primary,
 3. calls each version once with its fused sub-batch,
 4. sends requests whose route failed (error, NaN/Inf outputs, open breaker) down the fallback
    chain — candidate → primary → previous primary → default — and records who served each,
@@ -258,6 +259,11 @@ class Router:
         cand = state.candidate.version if state.candidate else None
         draws = self.rng.random(n)
         to_cand = state.candidate_mask(draws) if cand is not None and self.routable(cand, now) else np.zeros(n, bool)
+        # A/B/n: each arm takes its band of the same draw; an unroutable arm's band goes home
+        arm_of = state.arm_choice(draws) if state.arms else np.zeros(n, np.int64)
+        for a in state.arms:
+            if not self.routable(a.version, now):
+                arm_of[arm_of == a.version] = 0
 
         served: list[str] = [""] * n
         self._last_error: dict[int, str] = {}
@@ -267,7 +273,7 @@ class Router:
         # first hop: candidate share, the rest to the primary; then down the chain
         # an open primary breaker sends its share down the chain (e.g. to the previous primary)
         home = primary if self.routable(primary, now) else self._next_in_chain(chain, set(), now)
-        first = {i: (cand if to_cand[i] else home) for i in range(n)}
+        first = {i: (cand if to_cand[i] else int(arm_of[i]) or home) for i in range(n)}
         tried: dict[int, set[int]] = {i: set() for i in range(n)}
         reasons: dict[int, str] = {}
         for hop in range(len(chain) + 1):
@@ -437,9 +443,8 @@ class Router:
             self.alert("input_drift", version, report.to_dict(top=5))
 
     def _latency_vs_primary(self, version: int, b: Breaker, now: float) -> Any:
-        cand = self.state.candidate
         ratio = self.config.latency_ratio
-        if ratio <= 0 or cand is None or version != cand.version or b.state != CLOSED or b.shielded(now):
+        if ratio <= 0 or version not in self._experiments() or b.state != CLOSED or b.shielded(now):
             return None
         need = max(self.breaker_config.min_requests, 50)  # p95 of fewer is one outlier
         c95 = b.latency_p95(need)
@@ -458,26 +463,33 @@ class Router:
             self.metrics.inc("compare_drops", 1)
             return False
 
+    def _experiments(self) -> dict[int, float]:
+        """Versions under test (the candidate, or the A/B/n arms) and their shadow share."""
+        st = self.state
+        if st.candidate is not None:
+            return {st.candidate.version: st.shadow_share}
+        return {a.version: 0.0 for a in st.arms}
+
     def _enqueue_comparisons(self, fused, starts, out_rows, served, first, cand, primary, draws, to_cand) -> None:
-        if cand is None:
-            return
-        shadow = self.state.shadow_share
-        canary = [i for i in out_rows if served[i] == f"{self.target}:{cand}"] if self.config.canary_compare else []
-        # shadow: a sample of primary-served requests is also run on the candidate; while its
-        # breaker is half-open, mirrored traffic is what probes it (at least 10 %)
-        b = self.breaker(cand)
         now = self.clock()
-        rate = shadow if b.allow(now) else (max(shadow, 0.1) if b.wants_probe(now) else 0.0)
-        shadow_idx = []
-        if rate > 0:
-            u = (draws * 7919.0) % 1.0  # a second draw, independent of the canary one
-            shadow_idx = [i for i in out_rows if served[i] == f"{self.target}:{primary}" and u[i] < rate]
-        for kind, idx, other, served_v in (("canary", canary, primary, cand), ("shadow", shadow_idx, cand, primary)):
-            if not idx:
-                continue
-            sub = {k: concat([v[starts[i]:starts[i + 1]] for i in idx]) for k, v in fused.items()}
-            got = {name: concat([out_rows[i][name] for i in idx]) for name in self.output_names}
-            self._submit((kind, other, served_v, sub, got))
+        for version, shadow in self._experiments().items():
+            canary = ([i for i in out_rows if served[i] == f"{self.target}:{version}"]
+                      if self.config.canary_compare else [])
+            # shadow: a sample of primary-served requests is also run on the candidate; while its
+            # breaker is half-open, mirrored traffic is what probes it (at least 10 %)
+            b = self.breaker(version)
+            rate = shadow if b.allow(now) else (max(shadow, 0.1) if b.wants_probe(now) else 0.0)
+            shadow_idx = []
+            if rate > 0:
+                u = (draws * 7919.0) % 1.0  # a second draw, independent of the canary one
+                shadow_idx = [i for i in out_rows if served[i] == f"{self.target}:{primary}" and u[i] < rate]
+            for kind, idx, other, served_v in (("canary", canary, primary, version),
+                                               ("shadow", shadow_idx, version, primary)):
+                if not idx:
+                    continue
+                sub = {k: concat([v[starts[i]:starts[i + 1]] for i in idx]) for k, v in fused.items()}
+                got = {name: concat([out_rows[i][name] for i in idx]) for name in self.output_names}
+                self._submit((kind, other, served_v, sub, got))
 
     def _work(self) -> None:
         while not self._stop.is_set():

@@ -60,6 +60,14 @@ class Candidate:
     share: float  # fraction of live traffic routed to the candidate, 0..1
 
 
+@dataclass
+class Arm:
+    """One extra version of an A/B/n split: ``weight`` is its fraction of live traffic."""
+
+    version: int
+    weight: float
+
+
 @dataclass(kw_only=True)
 class RolloutState:
     model: str
@@ -76,6 +84,9 @@ class RolloutState:
     updated_by: str = ""
     # bumped by rollback/promote: every guard instance drops its in-process (L1) cache entries
     cache_epoch: int = 0
+    # A/B/n: fixed traffic weights for extra versions; the primary answers the rest. Exclusive
+    # with a candidate: a split experiment or a gated rollout, not both at once.
+    arms: list[Arm] = field(default_factory=list)
 
     # -- routing helpers ----------------------------------------------------------------
     def chain(self) -> list[tuple[str, int | None]]:
@@ -95,6 +106,17 @@ class RolloutState:
         share = self.candidate.share if self.candidate is not None else 0.0
         return np.asarray(u) < share
 
+    def arm_choice(self, u: np.ndarray) -> np.ndarray:
+        """Per row, the A/B/n arm version its uniform draw ``u`` lands in, 0 for the primary.
+        Arms take consecutive bands of [0, 1) in their listed order."""
+        u = np.asarray(u)
+        out = np.zeros(u.shape, dtype=np.int64)
+        lo = 0.0
+        for arm in self.arms:
+            out[(u >= lo) & (u < lo + arm.weight)] = arm.version
+            lo += arm.weight
+        return out
+
     def shadow_mask(self, u: np.ndarray) -> np.ndarray:
         """Rows (primary-served) whose draw ``u`` also sends a shadow copy to the candidate."""
         share = self.shadow_share if self.candidate is not None else 0.0
@@ -111,6 +133,7 @@ class RolloutState:
             "previous_primary": self.previous_primary, "default_response": self.default_response,
             "goldens": self.goldens, "breakers": self.breakers,
             "updated_at": self.updated_at, "updated_by": self.updated_by, "cache_epoch": self.cache_epoch,
+            "arms": [{"version": a.version, "weight": a.weight} for a in self.arms],
         })
 
     def to_json(self) -> str:
@@ -146,8 +169,9 @@ class RolloutState:
                     isinstance(k, str) and isinstance(v, list) for k, v in default.items()):
                 raise StateError("state field 'default_response': expected null, \"abstain\" or "
                                  "{\"OUTPUT\": [...]}")
+        arms = _arms(d.get("arms", []), primary, candidate)
         return cls(
-            model=model, revision=_int(d.get("revision", 0), "revision", minimum=0), primary=primary,
+            model=model, revision=_int(d.get("revision", 0), "revision", minimum=0), primary=primary, arms=arms,
             candidate=candidate, shadow_share=_share(d.get("shadow_share", 0.0), "shadow_share"),
             fallback=list(fallback), default_response=copy.deepcopy(default),
             previous_primary=None if prev is None else _version(prev, "previous_primary"),
@@ -166,7 +190,31 @@ class RolloutState:
 
 
 _OPTIONAL = ("revision", "candidate", "shadow_share", "fallback", "previous_primary", "default_response",
-             "goldens", "breakers", "updated_at", "updated_by", "cache_epoch")
+             "goldens", "breakers", "updated_at", "updated_by", "cache_epoch", "arms")
+
+
+def _arms(d: Any, primary: int, candidate: Candidate | None) -> list[Arm]:
+    if not isinstance(d, list):
+        raise StateError(f"state field 'arms': expected a list, got {type(d).__name__}")
+    arms: list[Arm] = []
+    for k, a in enumerate(d):
+        _check_keys(a, f"arms[{k}]", required=("version", "weight"))
+        arm = Arm(_version(a["version"], f"arms[{k}].version"), _share(a["weight"], f"arms[{k}].weight"))
+        if arm.weight <= 0:
+            raise StateError(f"state field 'arms[{k}].weight': must be > 0, got {arm.weight}")
+        if arm.version == primary:
+            raise StateError(f"state field 'arms[{k}].version': v{arm.version} is the primary, which "
+                             f"answers the traffic the arms leave")
+        if any(x.version == arm.version for x in arms):
+            raise StateError(f"state field 'arms[{k}].version': v{arm.version} is listed twice")
+        arms.append(arm)
+    total = sum(a.weight for a in arms)
+    if total > 1.0 + 1e-9:
+        raise StateError(f"state field 'arms': weights sum to {total:g} > 1 (the primary answers 1 - sum)")
+    if arms and candidate is not None:
+        raise StateError("state field 'arms': an A/B/n split and a candidate rollout cannot run at once "
+                         f"(candidate v{candidate.version}); end one first")
+    return arms
 
 
 def _check_keys(d: Any, where: str, *, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:

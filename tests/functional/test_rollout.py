@@ -170,6 +170,52 @@ def test_good_candidate_never_trips(rollout):
         assert r["served_by_candidate"] > 150, r  # it really served its share
 
 
+def test_abn_split_follows_its_weights_and_skips_an_arm_failing_goldens(rollout):
+    """A/B/n through the CLI: the good version takes its weight of live traffic, the tampered one
+    (goldens FAIL on this server) takes none (its band goes to the primary); nobody sees an
+    error, and the good arm's answers are compared against the primary's."""
+    import subprocess
+    import sys
+
+    v = rollout["versions"]
+    good, tampered, base = v["good"], v["tampered"], v["base"]
+    route = [sys.executable, "-m", "exporter", "route", "digits", "-r", str(rollout["repo"])]
+
+    def run(*args):
+        r = subprocess.run([*route, *args], capture_output=True, text=True, timeout=60)
+        return r.returncode, " ".join((r.stdout + r.stderr).split())  # rich wraps long lines
+
+    try:
+        rc, text = run("--arms", f"{good}=0.3,{tampered}=0.2")
+        assert rc == 0 and f"A/B/n: v{good} 30%, v{tampered} 20%, primary v{base} 50%" in text, text
+        rc, text = run("--candidate", str(good), "--share", "0.1")  # not beside the split
+        assert rc == 2 and "end it with --arms none" in text, text
+        time.sleep(0.5)  # > routing.poll_interval_s
+        images = rollout["faults"].load_all()[0]
+        n = 800
+        order = np.random.default_rng(7).integers(0, len(images), n)
+        served = []
+        for _, results in send(rollout, images[order]):
+            served += [s for _, s in results]
+    finally:
+        rc, text = run("--arms", "none")
+    assert rc == 0 and "A/B/n" not in text, text
+    assert None not in served, "a user saw an error"
+    counts = {s: served.count(s) for s in set(served)}
+    REPORT["abn"] = {"weights": {good: 0.3, tampered: 0.2}, "served": counts}
+    assert counts.get(f"digits_raw:{tampered}", 0) == 0, counts
+    got = counts.get(f"digits_raw:{good}", 0)
+    sd = (n * 0.3 * 0.7) ** 0.5
+    assert abs(got - 0.3 * n) < 5 * sd, counts  # binomial(800, 0.3): 240 +- 65
+    assert got + counts.get(f"digits_raw:{base}", 0) == n, counts
+    assert state(rollout)["goldens"][str(tampered)]["verdict"] == "FAIL"
+    time.sleep(1.5)  # canary comparisons run on the worker; metrics are pushed every second
+    text = urllib.request.urlopen(rollout["server"].metrics_url, timeout=10).read().decode()
+    compared = [ln for ln in text.splitlines() if ln.startswith("tritonguard_compared_total")
+                and 'kind="canary"' in ln and f'target_version="{good}"' in ln]
+    assert compared and sum(float(ln.split()[-1]) for ln in compared) > 0, compared
+
+
 @pytest.mark.parametrize("fault,reason", [
     ("nan_subset", "non_finite"),
     ("accuracy_drop", "validator_fail"),

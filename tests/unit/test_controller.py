@@ -22,7 +22,7 @@ from exporter.controller import (
     RolloutController,
 )
 from exporter.gates import GuardReadings
-from tritonguard.state import Candidate, StateUnavailable, open_store
+from tritonguard.state import Arm, Candidate, StateUnavailable, open_store
 
 LE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
 MODEL = "digits"
@@ -313,6 +313,14 @@ def test_start_is_validated(env):
     other = RolloutController("other", repo, Traffic(store, clock), clock=clock)
     with pytest.raises(ControllerError, match="primary"):
         other.start(2)
+
+
+def test_start_refuses_while_an_abn_split_runs(env):
+    repo, clock, store = env
+    store.update(lambda s: setattr(s, "arms", [Arm(3, 0.2)]) or s)
+    with pytest.raises(ControllerError, match="A/B/n split .*v3.*--arms none"):
+        controller(env, Traffic(store, clock)).start(2)
+    assert store.load().candidate is None
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from exporter.cli import app
-from exporter.route import RouteChange, RouteError, apply, show
+from exporter.route import RouteChange, RouteError, apply, parse_arms, show
 from tritonguard.repository import write_config
 
 GUARD = {"name": "m", "backend": "guard", "max_batch_size": 4,
@@ -57,3 +57,48 @@ def test_route_cli(repo):
     assert state["candidate"] == {"version": 3, "share": 0.05}
     res = runner.invoke(app, ["route", "m", "-r", str(repo), "--candidate", "7"])
     assert res.exit_code == 2 and "not a version" in res.output
+
+
+def test_abn_arms_set_show_and_end(repo):
+    apply(repo, "m", RouteChange(primary=1))
+    st = apply(repo, "m", RouteChange(arms=parse_arms("2=0.3, 3=0.2")))
+    assert [(a.version, a.weight) for a in st.arms] == [(2, 0.3), (3, 0.2)]
+    res = CliRunner().invoke(app, ["route", "m", "-r", str(repo)])
+    assert res.exit_code == 0 and "A/B/n: v2 30%, v3 20%, primary v1 50%" in res.output, res.output
+    # a candidate cannot join the split; promoting an arm to primary takes it out of the split
+    with pytest.raises(RouteError, match="--arms none"):
+        apply(repo, "m", RouteChange(candidate=2, share=0.1))
+    st = apply(repo, "m", RouteChange(primary=3))
+    assert st.primary == 3 and [(a.version, a.weight) for a in st.arms] == [(2, 0.3)]
+    st = apply(repo, "m", RouteChange(arms=parse_arms("none")))
+    assert st.arms == []
+    st = apply(repo, "m", RouteChange(candidate=2, share=0.1))
+    assert st.candidate.version == 2
+    with pytest.raises(RouteError, match="candidate v2 in rollout"):
+        apply(repo, "m", RouteChange(arms=[(1, 0.2)]))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("2", "not VERSION=WEIGHT"), ("2=x", "not VERSION=WEIGHT"), ("v2=0.1", "not VERSION=WEIGHT"),
+])
+def test_abn_arms_parse_errors(text, message):
+    with pytest.raises(RouteError, match=message):
+        parse_arms(text)
+
+
+@pytest.mark.parametrize("arms, message", [
+    ([(9, 0.1)], "arm v9 is not a version"),
+    ([(2, 0.0)], "weight must be in \\(0, 1\\]"),
+    ([(1, 0.2)], "v1 is the primary"),
+    ([(2, 0.7), (3, 0.5)], "sum to 1.2 > 1"),
+])
+def test_abn_bad_arms_are_refused_and_nothing_is_written(repo, arms, message):
+    apply(repo, "m", RouteChange(primary=1))
+    with pytest.raises(RouteError, match=message):
+        apply(repo, "m", RouteChange(arms=arms))
+    assert show(repo, "m")["arms"] == []
+
+
+def test_abn_cli_errors_are_clear(repo):
+    res = CliRunner().invoke(app, ["route", "m", "-r", str(repo), "--primary", "1", "--arms", "2:0.3"])
+    assert res.exit_code == 2 and "not VERSION=WEIGHT" in res.output and "Traceback" not in res.output, res.output

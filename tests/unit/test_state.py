@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tritonguard.state import (
+    Arm,
     Candidate,
     FileStateStore,
     RedisStateStore,
@@ -56,6 +57,42 @@ def test_batch_masks():
     assert s.candidate_mask(u).tolist() == [True, True, True, False, False, False]
     assert s.shadow_mask(u).tolist() == [True, False, False, False, False, False]
     assert not sample_state(candidate=None).shadow_mask(u).any()
+
+
+def test_abn_arms_take_consecutive_bands_and_round_trip():
+    s = sample_state(candidate=None, arms=[Arm(2, 0.3), Arm(3, 0.2)])
+    u = np.array([0.0, 0.29, 0.3, 0.49, 0.5, 0.99])
+    assert s.arm_choice(u).tolist() == [2, 2, 3, 3, 0, 0]
+    assert RolloutState.from_json(s.to_json()) == s
+    assert s.to_dict()["arms"] == [{"version": 2, "weight": 0.3}, {"version": 3, "weight": 0.2}]
+    assert not sample_state().arm_choice(u).any()  # no arms: everyone stays home
+    # large batches follow the weights
+    got = s.arm_choice(np.random.default_rng(0).random(100_000))
+    assert abs((got == 2).mean() - 0.3) < 0.01 and abs((got == 3).mean() - 0.2) < 0.01
+
+
+@pytest.mark.parametrize("arms, message", [
+    ({"version": 2, "weight": 0.1}, "expected a list"),
+    ([{"version": 2}], "arms\\[0\\].weight': required"),
+    ([{"version": 2, "weight": 0}], "must be > 0"),
+    ([{"version": 2, "weight": 1.2}], "not in \\[0, 1\\]"),
+    ([{"version": 1, "weight": 0.2}], "is the primary"),
+    ([{"version": 2, "weight": 0.2}, {"version": 2, "weight": 0.1}], "listed twice"),
+    ([{"version": 2, "weight": 0.6}, {"version": 3, "weight": 0.5}], "sum to 1.1 > 1"),
+    ([{"version": 2, "weight": 0.2}, {"version": 3, "weight": 0.2, "share": 1}], "arms\\[1\\].share': unknown"),
+])
+def test_abn_arms_are_validated(arms, message):
+    d = sample_state(candidate=None).to_dict()
+    d["arms"] = arms
+    with pytest.raises(StateError, match=message):
+        RolloutState.from_dict(d)
+
+
+def test_abn_arms_and_a_candidate_are_exclusive():
+    d = sample_state().to_dict()
+    d["arms"] = [{"version": 3, "weight": 0.2}]
+    with pytest.raises(StateError, match="cannot run at once .*candidate v2"):
+        RolloutState.from_dict(d)
 
 
 @pytest.mark.parametrize("mutate, field", [
