@@ -158,7 +158,16 @@ class Router:
         new = self.store.poll(self.state.revision)
         if new is not None and new.revision != self.state.revision:
             log.info("guard %s: rollout state r%d -> r%d", self.guard, self.state.revision, new.revision)
+            # a breaker document that was shared and is now gone was removed on purpose
+            # (`route --reset-breaker`, a fresh rollout or arm): this process forgets its trip too
+            # (a trip of ours not yet stored was never in the old state, so it is kept)
+            dropped = set(self.state.breakers) - set(new.breakers)
             self.state = new
+            with self._lock:
+                for key in dropped:
+                    if key.isdigit() and int(key) in self._breakers:
+                        log.info("guard %s: breaker of %s v%s reset by the rollout state", self.guard, self.target, key)
+                        self._breakers[int(key)] = Breaker(self.breaker_config, name=f"{self.target}:{key}")
         with self._lock:
             for version, shared in self.state.breakers.items():
                 try:

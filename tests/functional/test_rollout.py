@@ -259,6 +259,22 @@ def test_hysteresis_keeps_a_tripped_candidate_off(rollout):
     assert state(rollout)["breakers"][str(v)]["state"] in ("open", "half_open")
 
 
+def test_reset_breaker_lets_the_candidate_serve_again_in_every_instance(rollout):
+    """`route --reset-breaker` closes a tripped breaker in the store and in every guard process:
+    the candidate answers again at once (its finite answers), until its NaNs trip it anew."""
+    v = rollout["versions"]["nan_subset"]
+    assert state(rollout)["breakers"][str(v)]["state"] in ("open", "half_open")
+    apply(rollout["repo"], "digits", RouteChange(candidate=v, share=1.0, reset_breaker=v))
+    time.sleep(0.5)  # > routing.poll_interval_s
+    images = rollout["faults"].load_all()[0][:64]
+    results = [x for _, chunk in send(rollout, images, chunk=8) for x in chunk]
+    apply(rollout["repo"], "digits", RouteChange(candidate=0))
+    served = [s for _, s in results]
+    assert None not in served, "a user saw an error"
+    assert f"digits_raw:{v}" in served, set(served)
+    assert all(np.isfinite(p).all() for p, _ in results)
+
+
 def test_input_drift_is_measured(rollout):
     drifted = rollout["faults"].drifted_inputs(300)
     for _ in send(rollout, drifted):
