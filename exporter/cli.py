@@ -162,7 +162,7 @@ def route(
     as_json: Annotated[bool, typer.Option("--json", help="Print the state as JSON.")] = False,
 ) -> None:
     """Show or set a guarded model's rollout state (guards pick it up within a second)."""
-    from .route import RouteChange, RouteError, apply, parse_arms, show  # noqa: PLC0415
+    from .route import RouteChange, RouteError, apply, describe_arms, parse_arms, show  # noqa: PLC0415
 
     try:
         change = RouteChange(primary=primary, candidate=candidate, share=share, shadow=shadow,
@@ -184,10 +184,8 @@ def route(
     out.print(f"[bold]{model}[/] r{state['revision']}: primary v{state['primary']['version']}"
               + (f", candidate v{cand['version']} at {cand['share']:.0%}" if cand else ", no candidate")
               + f", shadow {state['shadow_share']:.0%}, chain {' → '.join(state['fallback'])}")
-    if state.get("arms"):
-        rest = 1 - sum(a["weight"] for a in state["arms"])
-        out.print("  A/B/n: " + ", ".join(f"v{a['version']} {a['weight']:.0%}" for a in state["arms"])
-                  + f", primary v{state['primary']['version']} {rest:.0%}")
+    if arms_line := describe_arms(state):
+        out.print(f"  {arms_line}")
     for v, g in sorted(state.get("goldens", {}).items()):
         out.print(f"  goldens v{v}: {g.get('verdict')}")
     for v, b in sorted(state.get("breakers", {}).items()):

@@ -125,6 +125,16 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli") -> Ro
         raise RouteError(str(exc)) from None
 
 
+def describe_arms(state: dict[str, Any]) -> str | None:
+    """``"A/B/n: v2 30%, v3 20%, primary v1 50%"`` for a state document with arms, else None."""
+    arms = state.get("arms") or []
+    if not arms:
+        return None
+    rest = 1 - sum(a["weight"] for a in arms)
+    return ("A/B/n: " + ", ".join(f"v{a['version']} {a['weight']:.0%}" for a in arms)
+            + f", primary v{state['primary']['version']} {rest:.0%}")
+
+
 def show(repo: Path, model: str) -> dict[str, Any]:
     _guard_target(repo, model)
     state = open_store(model, repo).load()

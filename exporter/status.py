@@ -180,6 +180,8 @@ def live(repository: Path, metrics_urls: list[str]) -> list[dict[str, Any]]:
 
 
 def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
+    from .route import describe_arms  # noqa: PLC0415
+
     for g in guards:
         st = g.get("state") or {}
         console.print(f"\n[bold]{g['model']}[/] → {g['target']}")
@@ -192,10 +194,8 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
             console.print(f"  routing r{st['revision']}: primary v{st['primary']['version']}"
                           + (f", candidate v{cand['version']} at {cand['share']:.0%}" if cand else ", no candidate")
                           + f", shadow {st['shadow_share']:.0%}, chain {' → '.join(st['fallback'])}")
-            if st.get("arms"):
-                rest = 1 - sum(a["weight"] for a in st["arms"])
-                console.print("  A/B/n: " + ", ".join(f"v{a['version']} {a['weight']:.0%}" for a in st["arms"])
-                              + f", primary v{st['primary']['version']} {rest:.0%}")
+            if arms_line := describe_arms(st):
+                console.print(f"  {arms_line}")
             for v, b in sorted(st.get("breakers", {}).items()):
                 console.print(f"  breaker v{v}: {b.get('state', 'closed')} (trips {b.get('trips', 0)})")
         stages = g.get("stages")

@@ -102,3 +102,21 @@ def test_abn_bad_arms_are_refused_and_nothing_is_written(repo, arms, message):
 def test_abn_cli_errors_are_clear(repo):
     res = CliRunner().invoke(app, ["route", "m", "-r", str(repo), "--primary", "1", "--arms", "2:0.3"])
     assert res.exit_code == 2 and "not VERSION=WEIGHT" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_status_shows_the_split_and_errors_per_version():
+    from rich.console import Console
+
+    from exporter.status import print_live
+
+    st = {"revision": 4, "primary": {"version": 1}, "candidate": None, "shadow_share": 0.0,
+          "fallback": ["candidate", "primary"], "breakers": {"3": {"state": "open", "trips": 1}},
+          "arms": [{"version": 2, "weight": 0.25}, {"version": 3, "weight": 0.25}]}
+    met = {"replicas": 2, "served": {"m_raw:1": 50, "m_raw:2": 25}, "breaker": {"3": 2}, "drift": {},
+           "errors": {"3": 7}, "unreachable": []}
+    console = Console(record=True, width=200)
+    print_live(console, [{"model": "m", "target": "m_raw", "state": st, "stages": None, "rollout": None,
+                          "metrics": met}])
+    text = console.export_text()
+    assert "A/B/n: v2 25%, v3 25%, primary v1 50%" in text, text
+    assert "breaker v3: open (worst replica)" in text and "target errors v3: 7" in text, text
