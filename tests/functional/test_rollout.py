@@ -251,6 +251,12 @@ def test_hysteresis_keeps_a_tripped_candidate_off(rollout):
     apply(rollout["repo"], "digits", RouteChange(candidate=v, share=0.5, shadow=0.5))
     time.sleep(0.5)
     images = rollout["faults"].load_all()[0]
+    # tripped by an earlier test or now (the file may run alone): wait for the trip, bounded
+    for _, _results in send(rollout, images[:MAX_REQUESTS]):
+        if state(rollout).get("breakers", {}).get(str(v), {}).get("state") in ("open", "half_open"):
+            break
+    assert state(rollout)["breakers"][str(v)]["state"] in ("open", "half_open")
+    time.sleep(0.5)  # > routing.poll_interval_s: every instance has adopted the trip
     for _ in range(3):  # across the 3 s off time and the probes after it
         served = [s for _, results in send(rollout, images[:200]) for _, s in results]
         assert f"digits_raw:{v}" not in served
