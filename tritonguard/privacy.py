@@ -41,7 +41,7 @@ from .audit import AuditConfig, AuditLog
 from .cache import PrivacyMode, TieredCache, canonical_params, load_key, row_keys
 from .errors import ConfigError, QuotaExceeded, TritonGuardError
 from .redaction import Redactor
-from .tenancy import QuotaManager, TenantResolver
+from .tenancy import QUOTA_FILE, QuotaManager, SharedQuotaManager, TenantResolver
 from .tensors import ModelSignature, concat
 
 if TYPE_CHECKING:
@@ -85,9 +85,6 @@ def security_findings(config: GuardConfig, signature: ModelSignature, explicit: 
     if not ten.enabled:
         shared = " and share every cache entry and quota" if cache.enabled else ""
         warn(f"tenant isolation is off (tenancy.enabled=false): all requests are tenant '{ten.default}'{shared}")
-    if ten.quotas and instances > 1:
-        warn(f"tenancy.quotas are enforced per instance: with {instances} instances a tenant gets up to "
-             f"{instances}x its quota")
     # redaction where inputs are text
     if text_in:
         if not red.enabled:
@@ -230,7 +227,7 @@ class PrivacyStage:
         self.tenancy_on = tcfg.enabled
         self.default_tenant = tcfg.default
         self.resolver = TenantResolver(tcfg)
-        self.quotas = QuotaManager(tcfg) if tcfg.enabled and tcfg.quotas else None
+        self.quotas = self._quotas(tcfg) if tcfg.enabled and tcfg.quotas else None
         self.cache: TieredCache | None = None
         if config.cache.enabled and self.batched:
             cache = TieredCache(config.cache, environ=environ)
@@ -280,11 +277,24 @@ class PrivacyStage:
         on = {"l1": c.l1_entries > 0, "l2": persisted and bool(c.l2_path), "l3": persisted and bool(c.l3_url)}
         return [t for t in _TIERS if on[t]]
 
+    def _quotas(self, tcfg: Any) -> QuotaManager:
+        """Buckets shared by every instance of this guard on the host (a file beside its rollout
+        state); per process if that file cannot be used."""
+        path = self.repo / self.guard / QUOTA_FILE
+        try:
+            return SharedQuotaManager(tcfg, path)
+        except OSError as exc:
+            log.warning("guard %s: tenant quotas are per instance: cannot share them through %s: %s",
+                        self.guard, path, exc)
+            return QuotaManager(tcfg)
+
     def close(self) -> None:
         self.audit.record("guard_stop", model=self.guard)
         self.audit.close()
         if self.cache is not None:
             self.cache.close()
+        if isinstance(self.quotas, SharedQuotaManager):
+            self.quotas.close()
 
     @property
     def needs_parameters(self) -> bool:

@@ -256,6 +256,17 @@ def test_invalid_tenant_and_quota(env):
             codes.append(exc.status())
             assert "retry after" in exc.message() and "limited" in exc.message()
     assert codes[:2] == ["ok", "ok"] and "503" in codes[2:], codes
+    # the bucket lives in a file every instance of the guard maps: a third process (this one)
+    # opening it finds the tenant's burst spent by the server's instance (refill: 1 per 5 s)
+    from tritonguard.tenancy import QUOTA_FILE, SharedQuotaManager, TenancyConfig
+
+    path = env["base"] / "repo" / "minilm_priv" / QUOTA_FILE
+    other = SharedQuotaManager(TenancyConfig(quotas={"limited": {"rps": 0.2, "burst": 2}}), path)
+    try:
+        out = other.admit(["limited"])
+        assert out != [None] and "over its rate limit" in out[0], out
+    finally:
+        other.close()
 
 
 def test_l3_hits_and_l2_holds_no_plaintext(env):

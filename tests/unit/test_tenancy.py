@@ -1,11 +1,19 @@
 import json
+import multiprocessing
+import os
 import threading
 
 import pytest
 
 from tritonguard.config import from_params
 from tritonguard.errors import ConfigError, InvalidInput
-from tritonguard.tenancy import MAX_TRACKED, QuotaManager, TenancyConfig, TenantResolver
+from tritonguard.tenancy import (
+    MAX_TRACKED,
+    QuotaManager,
+    SharedQuotaManager,
+    TenancyConfig,
+    TenantResolver,
+)
 
 QUOTAS = {
     "acme": {"rps": 10, "burst": 3, "priority": 2},
@@ -18,6 +26,14 @@ QUOTAS = {
 def config(**params):
     raw = {k: (json.dumps(v) if isinstance(v, dict) else str(v)) for k, v in params.items()}
     return from_params(TenancyConfig, raw, section="tenancy")
+
+
+@pytest.fixture(params=["per_process", "shared"])
+def make_q(request, tmp_path):
+    """Both implementations keep the same semantics; the shared one also across processes."""
+    if request.param == "per_process":
+        return QuotaManager
+    return lambda cfg: SharedQuotaManager(cfg, tmp_path / "quota_buckets.bin")
 
 
 def test_resolve_from_parameter_header_and_default():
@@ -70,8 +86,8 @@ def test_config_errors(params, word):
         config(**params)
 
 
-def test_token_bucket_burst_refill_and_retry_advice():
-    q = QuotaManager(config(quotas=QUOTAS))
+def test_token_bucket_burst_refill_and_retry_advice(make_q):
+    q = make_q(config(quotas=QUOTAS))
     out = q.admit(["acme"] * 5, now=0.0)
     assert out[:3] == [None] * 3
     assert "retry after 100 ms" in out[3] and "rate limit of 10" in out[3]
@@ -84,8 +100,8 @@ def test_token_bucket_burst_refill_and_retry_advice():
     assert q.rejected == 6
 
 
-def test_in_flight_cap_and_release():
-    q = QuotaManager(config(quotas=QUOTAS))
+def test_in_flight_cap_and_release(make_q):
+    q = make_q(config(quotas=QUOTAS))
     out = q.admit(["pool"] * 3, now=0.0)
     assert out[:2] == [None, None] and "2 requests in flight" in out[2] and "retry after" in out[2]
     assert q.in_flight("pool") == 2
@@ -95,11 +111,11 @@ def test_in_flight_cap_and_release():
     assert q.in_flight("pool") == 0
 
 
-def test_fallback_quota_per_unknown_tenant_and_unlimited_without_fallback():
-    q = QuotaManager(config(quotas=QUOTAS))
+def test_fallback_quota_per_unknown_tenant_and_unlimited_without_fallback(make_q):
+    q = make_q(config(quotas=QUOTAS))
     out = q.admit(["u1", "u1", "u2"], now=0.0)  # each unknown tenant has its own "*" bucket
     assert out[0] is None and "retry after 1000 ms" in out[1] and out[2] is None
-    free = QuotaManager(config(quotas={"acme": {"rps": 1}}))
+    free = make_q(config(quotas={"acme": {"rps": 1}}))
     assert free.admit(["other"] * 100, now=0.0) == [None] * 100
 
 
@@ -118,8 +134,8 @@ def test_tracked_tenants_are_bounded():
     assert len(q._buckets) <= MAX_TRACKED and q.in_flight("busy") == 1
 
 
-def test_thread_safety():
-    q = QuotaManager(config(quotas={"t": {"rps": 1e9, "burst": 100000}}))
+def test_thread_safety(make_q):
+    q = make_q(config(quotas={"t": {"rps": 1e9, "burst": 100000}}))
 
     def worker():
         for _ in range(1000):
@@ -132,3 +148,68 @@ def test_thread_safety():
     for t in threads:
         t.join()
     assert q.in_flight("t") == 0
+
+
+# -- shared by the processes of one host (each Triton instance is a process) -----------------------
+def _admit_in_child(path, tenants, now, conn, hold):
+    q = SharedQuotaManager(config(quotas=QUOTAS), path)
+    out = q.admit(tenants, now=now)
+    conn.send(out)
+    if not hold:  # hold: exit with the requests still counted in flight, as a crashed instance would
+        q.release([t for t, why in zip(tenants, out, strict=True) if why is None])
+    conn.close()
+
+
+def _child(path, tenants, now, hold=False):
+    parent, child = multiprocessing.Pipe()
+    p = multiprocessing.get_context("fork").Process(target=_admit_in_child, args=(path, tenants, now, child, hold))
+    p.start()
+    out = parent.recv()
+    p.join(10)
+    return out
+
+
+def test_shared_bucket_is_one_bucket_for_every_process(tmp_path):
+    path = tmp_path / "quota_buckets.bin"
+    q = SharedQuotaManager(config(quotas=QUOTAS), path)
+    assert q.admit(["acme"] * 2, now=0.0) == [None, None]  # burst 3: one token left
+    child = _child(path, ["acme"] * 2, now=0.0)  # another instance of the same guard
+    assert child[0] is None and "rate limit of 10" in child[1], child
+    assert q.admit(["acme"], now=0.0) != [None]
+    assert q.admit(["acme"], now=0.1) == [None]  # refilled for everyone
+    # a per-process manager would have let the child take a full burst of its own
+    assert QuotaManager(config(quotas=QUOTAS)).admit(["acme"] * 3, now=0.0) == [None] * 3
+
+
+def test_shared_in_flight_cap_counts_every_process_and_forgets_dead_ones(tmp_path):
+    path = tmp_path / "quota_buckets.bin"
+    q = SharedQuotaManager(config(quotas=QUOTAS), path)  # pool: max_in_flight 2
+    assert q.admit(["pool"], now=0.0) == [None]
+    assert _child(path, ["pool"], now=0.0, hold=True) == [None]  # it exits holding one
+    assert q.in_flight("pool") == 2  # counted until the cap is reached
+    assert q.admit(["pool"], now=0.0) == [None]  # at the cap: the dead process's request is dropped
+    assert q.in_flight("pool") == 2
+    out = q.admit(["pool"], now=0.0)
+    assert out != [None] and "2 requests in flight" in out[0], out
+    q.release(["pool"] * 3)  # over-release never goes negative
+    assert q.in_flight("pool") == 0
+
+
+def test_shared_slots_of_idle_tenants_are_reused(tmp_path):
+    q = SharedQuotaManager(config(quotas={"*": {"rps": 1, "burst": 1}}), tmp_path / "q.bin", slots=8)
+    for i in range(8):
+        assert q.admit([f"t{i}"], now=0.0) == [None]
+        q.release([f"t{i}"])
+    # every slot holds an empty bucket: new tenants get their own bucket only once old ones are full again
+    assert q.admit(["late"], now=0.5) == [None]  # no slot: this process's own bucket
+    assert q.admit(["late"], now=0.5) != [None]
+    assert q.admit(["later"], now=2.0) == [None]  # t* refilled: a slot is reused
+    assert q.admit(["later"], now=2.0) != [None]
+
+
+def test_shared_file_of_another_layout_is_reset(tmp_path):
+    path = tmp_path / "q.bin"
+    path.write_bytes(b"junk" * 10)
+    q = SharedQuotaManager(config(quotas=QUOTAS), path)
+    assert q.admit(["acme"] * 4, now=0.0).count(None) == 3
+    assert os.path.getsize(path) > 1000
