@@ -139,6 +139,7 @@ def ratio_table(results: list[Measurement], concurrencies: list[int]) -> list[di
                 "raw_over_ceiling": round(r.throughput / ceil.throughput, 3) if ceil else None,
                 "p99_guarded_ms": round(g.p99_ms, 2), "p99_raw_ms": round(r.p99_ms, 2),
                 "p99_added_ms": round(g.p99_ms - r.p99_ms, 2),
+                "p99_budget_ms": P99_BUDGET_MS, "meets_p99": g.p99_ms - r.p99_ms <= P99_BUDGET_MS,
                 "target": TARGETS[model] if c == 16 else None,
                 "meets_target": (g.throughput / r.throughput >= TARGETS[model]) if c == 16 else None,
             })
@@ -177,13 +178,14 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="guarded vs raw (one run, same server; ratios are what to read)")
-    for col in ("model", "c", "guarded inf/s", "raw inf/s", "guarded/raw", "raw/ceiling", "p99 g/r ms", "p99 added", "target"):
+    for col in ("model", "c", "guarded inf/s", "raw inf/s", "guarded/raw", "raw/ceiling", "p99 g/r ms", f"p99 added (≤{P99_BUDGET_MS:g} ms)", "target"):
         table.add_column(col, justify="right")
     for r in rows:
         verdict = "" if r["target"] is None else (f"≥{r['target']} " + ("ok" if r["meets_target"] else "SHORT"))
+        p99 = f"{r['p99_added_ms']:+.2f} " + ("ok" if r["meets_p99"] else "SHORT")
         table.add_row(r["model"], str(r["concurrency"]), f"{r['guarded_ips']:.0f}", f"{r['raw_ips']:.0f}",
                       f"{r['guarded_over_raw']:.3f}", "" if r["raw_over_ceiling"] is None else f"{r['raw_over_ceiling']:.3f}",
-                      f"{r['p99_guarded_ms']:.2f}/{r['p99_raw_ms']:.2f}", f"{r['p99_added_ms']:+.2f}", verdict)
+                      f"{r['p99_guarded_ms']:.2f}/{r['p99_raw_ms']:.2f}", p99, verdict)
     Console().print(table)
 
 
@@ -201,7 +203,7 @@ def print_canary(rows: list[dict]) -> None:
 
 
 def run_privacy(args: argparse.Namespace, workdir: Path) -> dict:
-    """Cache-hit latency per tier and redaction on/off throughput (perf/privacy_bench.py)."""
+    """Cache-hit latency per tier, redaction and shared-quota on/off throughput (perf/privacy_bench.py)."""
     from perf import privacy_bench
 
     window, trials = min(args.window_ms, 2000), min(args.trials, 4)
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--no-canary", action="store_true", help="skip the canary 10 %% + shadow 10 %% scenario")
     ap.add_argument("--privacy", action=argparse.BooleanOptionalAction, default=True,
-                    help="cache-hit latency per tier and redaction on/off throughput (~2 min)")
+                    help="cache-hit latency per tier, redaction and shared-quota on/off throughput (~3 min)")
     ap.add_argument("--rollout", action=argparse.BooleanOptionalAction, default=True,
                     help="one gated rollout of digits v2 under perf_analyzer load (~4 min)")
     ap.add_argument("--only", choices=["canary", "privacy", "rollout"],

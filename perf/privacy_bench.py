@@ -10,6 +10,9 @@
 2. Redaction: ``minilm`` guards with redaction on and off at c=16, alternating (the order flips
    each round), median of 3 rounds; 4 of the 8 input sentences hold PII (the redacted ones are a
    few tokens shorter for the model), the others are scanned and left as they are.
+3. Tenant quotas: ``digits`` guards (two instances each, no cache) with and without a quota
+   that never refuses, at c=16, alternating, median of the rounds: the cost of the host-shared
+   token buckets (a memory-mapped file under ``flock``, taken twice per batch).
 
 Everything runs on a private repository (version folders linked) with its own server and its own
 redis-server on a free port, so the user's repository and Redis are never touched.
@@ -36,6 +39,7 @@ from tritonguard.server import Server
 
 TIER_TARGETS_MS = {"l1": 0.1, "l2": 1.0, "l3": 2.0}  # added p50 per hit
 REDACTION_TARGET = 0.95  # minilm throughput, redaction on / off, c=16
+QUOTA_TARGET = 0.95  # digits throughput, shared quotas on / off, c=16
 KEY_HEX = "6b" * 32
 REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
 SENTENCES = [
@@ -97,10 +101,10 @@ def _repo(src: Path, dest: Path, redis_url: str | None, l2: Path) -> dict[str, s
             (dest / model.name).symlink_to(model.resolve())
     variants: dict[str, str] = {}
 
-    def variant(name: str, base: str, role: str, **params: Any) -> None:
+    def variant(name: str, base: str, role: str, config: dict[str, Any] | None = None, **params: Any) -> None:
         cfg = repository.read_config(src / base)
         old = {k: v["string_value"] for k, v in (cfg.get("parameters") or {}).items()}
-        cfg = {**cfg, "name": name, "parameters": _params(**{**old, **params})}
+        cfg = {**cfg, **(config or {}), "name": name, "parameters": _params(**{**old, **params})}
         repository.write_config(dest / name, cfg)
         (dest / name / "1").mkdir()
         variants[name] = role
@@ -113,6 +117,10 @@ def _repo(src: Path, dest: Path, redis_url: str | None, l2: Path) -> dict[str, s
         variant("digits_l3", "digits", "l3", **persisted, **{"cache.l3_url": redis_url})
     variant("minilm_redact_on", "minilm", "redaction on", **{"redaction.enabled": "true"})
     variant("minilm_redact_off", "minilm", "redaction off", **{"redaction.enabled": "false"})
+    two = {"instance_group": [{"kind": "KIND_CPU", "count": 2}]}
+    variant("digits_quota_on", "digits", "quotas on", config=two,
+            **{"tenancy.quotas": json.dumps({"*": {"rps": 1e9, "burst": 10**9, "max_in_flight": 10**6}})})
+    variant("digits_quota_off", "digits", "quotas off", config=two)
     return variants
 
 
@@ -198,7 +206,8 @@ def run(src_repo: Path, workdir: Path, measure: Callable[..., Any], digits_data:
             # tiers: c=1, the 16 images repeated (hits after the first 16 requests)
             p50: dict[str, list[float]] = {}
             # the raw model first and last: its p50 is the mean of both (drift on a shared box)
-            for name in ("digits_raw", *(v for v in variants if v.startswith("digits_")), "digits_raw"):
+            tiers = [v for v, role in variants.items() if role in TIER_TARGETS_MS or v == "digits_nocache"]
+            for name in ("digits_raw", *tiers, "digits_raw"):
                 m = measure(server, name, 1, digits_data)
                 p50.setdefault(name, []).append(m.p50_ms)
                 sys.stderr.write(f"privacy {name:16s} c=1  p50 {m.p50_ms:6.3f} ms  {m.throughput:8.1f} inf/s\n")
@@ -212,18 +221,21 @@ def run(src_repo: Path, workdir: Path, measure: Callable[..., Any], digits_data:
                     "p50_raw_ms": round(p50["digits_raw"], 3), "p50_guard_nocache_ms": round(p50["digits_nocache"], 3),
                     "added_vs_raw_ms": round(added, 3), "added_vs_guard_nocache_ms": round(p50[name] - p50["digits_nocache"], 3),
                     "target_ms": TIER_TARGETS_MS[role], "meets_target": added <= TIER_TARGETS_MS[role]})
-            # redaction on vs off, c=16, alternating (and which goes first), median of the rounds
-            runs: dict[str, list] = {"minilm_redact_on": [], "minilm_redact_off": []}
-            for r in range(rounds):
-                for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                    m = measure(server, name, 16, text)
-                    runs[name].append(m)
-                    sys.stderr.write(f"privacy {name:18s} c=16 {m.throughput:8.1f} inf/s  p99 {m.p99_ms:7.2f} ms\n")
-            on = float(np.median([m.throughput for m in runs["minilm_redact_on"]]))
-            off = float(np.median([m.throughput for m in runs["minilm_redact_off"]]))
-            out["redaction"] = {"model": "minilm", "concurrency": 16, "on_ips": round(on, 1), "off_ips": round(off, 1),
-                                "on_over_off": round(on / off, 3), "target": REDACTION_TARGET,
-                                "meets_target": on / off >= REDACTION_TARGET}
+            # redaction on vs off, and shared quotas on vs off: c=16, alternating (and which goes
+            # first), median of the rounds
+            for key, model, on_name, off_name, data, target in (
+                    ("redaction", "minilm", "minilm_redact_on", "minilm_redact_off", text, REDACTION_TARGET),
+                    ("quotas", "digits", "digits_quota_on", "digits_quota_off", digits_data, QUOTA_TARGET)):
+                runs: dict[str, list] = {on_name: [], off_name: []}
+                for r in range(rounds):
+                    for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                        m = measure(server, name, 16, data)
+                        runs[name].append(m)
+                        sys.stderr.write(f"privacy {name:18s} c=16 {m.throughput:8.1f} inf/s  p99 {m.p99_ms:7.2f} ms\n")
+                on = float(np.median([m.throughput for m in runs[on_name]]))
+                off = float(np.median([m.throughput for m in runs[off_name]]))
+                out[key] = {"model": model, "concurrency": 16, "on_ips": round(on, 1), "off_ips": round(off, 1),
+                            "on_over_off": round(on / off, 3), "target": target, "meets_target": on / off >= target}
         # the stage alone, in this process: the guard's own cost of a hit per tier
         stage_dir = Path(tempfile.mkdtemp(prefix="stage-", dir=workdir))
         for row in out["tiers"]:
@@ -248,8 +260,9 @@ def print_privacy(result: dict) -> None:
                       "" if r.get("stage_p50_us") is None else f"{r['stage_p50_us']:.0f}",
                       f"≤{r['target_ms']} ms " + ("ok" if r["meets_target"] else "SHORT"))
     Console().print(table)
-    red = result.get("redaction")
-    if red:
-        Console().print(f"redaction on/off throughput, minilm c=16: {red['on_ips']:.0f} / {red['off_ips']:.0f} inf/s "
-                        f"= {red['on_over_off']:.3f} (target ≥ {red['target']}: "
-                        f"{'ok' if red['meets_target'] else 'SHORT'})")
+    for key, what in (("redaction", "redaction"), ("quotas", "shared tenant quotas (2 instances)")):
+        r = result.get(key)
+        if r:
+            Console().print(f"{what} on/off throughput, {r['model']} c=16: {r['on_ips']:.0f} / {r['off_ips']:.0f} "
+                            f"inf/s = {r['on_over_off']:.3f} (target ≥ {r['target']}: "
+                            f"{'ok' if r['meets_target'] else 'SHORT'})")
