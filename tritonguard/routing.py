@@ -111,6 +111,7 @@ class Router:
         self._lock = threading.Lock()  # breakers are fed by execute() and by the worker
         self._drift_lock = threading.Lock()
         self._last_poll = 0.0
+        self._state_errors = 0  # store errors already counted in the metrics
         self.dropped = 0
         self.pin = pin
         self._output_drift: dict[int, Ewma] = {}
@@ -156,6 +157,11 @@ class Router:
             return
         self._last_poll = now
         new = self.store.poll(self.state.revision)
+        if (errs := getattr(self.store, "errors", 0)) > self._state_errors:
+            # an unreadable / corrupt document or an unreachable Redis: the last good state
+            # stays in force (the store logged it); the count goes to the metrics port
+            self.metrics.inc("state_errors", errs - self._state_errors)
+            self._state_errors = errs
         if new is not None and new.revision != self.state.revision:
             log.info("guard %s: rollout state r%d -> r%d", self.guard, self.state.revision, new.revision)
             # a breaker document that was shared and is now gone was removed on purpose
@@ -275,7 +281,7 @@ class Router:
                 arm_of[arm_of == a.version] = 0
 
         served: list[str] = [""] * n
-        self._last_error: dict[int, str] = {}
+        self._last_error: dict[int, TargetError] = {}  # request -> the last target error it met
         errors: list[TritonGuardError | None] = [None] * n
         out_rows: dict[int, dict[str, np.ndarray]] = {}
         pending = {i for i in range(n)}
@@ -352,7 +358,7 @@ class Router:
             # one count per request this version failed (the rollout gates divide by requests)
             self.metrics.inc("target_errors", 1, code=exc.code, target_version=str(version))
             reasons[idx[0]] = "error"
-            self._last_error[idx[0]] = str(exc)
+            self._last_error[idx[0]] = exc
             log.warning("guard %s: %s v%d failed a request: %s", self.guard, self.target, version, exc)
             return []
         latency = (time.perf_counter() - t0) * 1000
@@ -383,9 +389,14 @@ class Router:
                 served[i] = "default"
             else:
                 why = reasons.get(i, "unavailable")
-                detail = self._last_error.get(i)
-                errors[i] = TargetError(f"no healthy version of '{self.target}' could answer ({why}"
-                                        f"{': ' + detail if detail else ''}); retry later", "UNAVAILABLE")
+                last = self._last_error.get(i)
+                if why == "error" and last is not None:
+                    # every version tried failed with its own error: the client gets the target's
+                    # code (a 400 stays a 400, a 500 a 500), not a generic "unavailable"
+                    errors[i] = TargetError(str(last), last.code)
+                else:
+                    errors[i] = TargetError(f"no healthy version of '{self.target}' could answer ({why}"
+                                            f"{': ' + str(last) if last else ''}); retry later", "UNAVAILABLE")
             self.metrics.inc("fallbacks", 1, reason="default" if isinstance(default, dict) else "abstain")
 
     def _record(self, version: int, n: int, *, errors: int = 0, non_finite: int = 0, latency_ms: float = 0.0,

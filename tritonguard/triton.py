@@ -149,6 +149,8 @@ class Metrics:
         "redactions": ("tritonguard_redactions_total", "PII spans redacted, by type, direction (input/output) and tenant"),
         "quota_rejects": ("tritonguard_quota_rejects_total", "Requests refused by a tenant quota (UNAVAILABLE), by tenant and reason"),
         "audit_drops": ("tritonguard_audit_drops_total", "Audit records dropped because the writer's queue was full"),
+        "state_errors": ("tritonguard_state_errors_total",
+                         "Rollout state reads that failed (file missing or corrupt, Redis unreachable); the last good state stays"),
     }
     GAUGES = {
         "breaker_state": ("tritonguard_breaker_state", "Breaker per target version: 0 closed, 1 half-open, 2 open"),
