@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -163,6 +163,9 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
     def timed(label: str):
         return _timed(step, timings, label)
 
+    if text:  # PII never lands in goldens: they hold what the guard would pass on
+        with timed("redact golden text"):
+            spec = redact_golden_text(spec, repository, names["guard"])
     with tempfile.TemporaryDirectory(prefix="tritonguard-export-") as tmp:
         stage = Path(tmp)
         vdir = {m: stage / m / str(version) for m in targets}
@@ -202,6 +205,32 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
     return ExportResult(name=name, version=version, models=[*targets, name],
                         artifact=repository / art_model / str(version) / artifact.name,
                         sha256=sha, report=report, timings=timings)
+
+
+def redact_golden_text(spec: ExportSpec, repository: Path, guard: str) -> ExportSpec:
+    """``spec`` with its BYTES golden inputs redacted as the guard ``guard`` redacts requests
+    (its config.pbtxt where it exists, else the same layers it reads: [tool.tritonguard],
+    TRITONGUARD_* and the defaults). The reference outputs are then taken on the redacted text,
+    which is what the model sees behind a guard (``redaction.model_sees_redacted``, default on);
+    with redaction off, the goldens stay as given."""
+    from tritonguard.config import from_params, layered_parameters, model_parameters  # noqa: PLC0415
+    from tritonguard.redaction import RedactionConfig, Redactor  # noqa: PLC0415
+
+    own = model_parameters(repo_mod.read_config(repository / guard)) if (repository / guard / repo_mod.CONFIG).exists() else {}
+    params = layered_parameters(own, repository)
+    section = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("redaction.")}
+    try:
+        config = from_params(RedactionConfig, section, section="redaction", model=guard)
+    except Exception as exc:  # noqa: BLE001 - a bad redaction setting stops the export, named
+        raise ExportError(f"redaction settings for {guard}: {exc}") from None
+    if not config.enabled:
+        return spec
+    redactor = Redactor(config)
+    redacted = dict(spec.golden_inputs)
+    for name, arr in spec.golden_inputs.items():
+        if arr.dtype == object:
+            redacted[name], _counts = redactor.redact_bytes_array(arr)
+    return replace(spec, golden_inputs=redacted)
 
 
 @contextmanager

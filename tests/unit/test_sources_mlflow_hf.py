@@ -263,6 +263,26 @@ def test_hf_sentence_encoder_folder_via_cli_matches_sentence_transformers(minilm
     assert info.tags["tritonguard.golden.verdict"] == "PASS" and info.tags["tritonguard.task"] == "embedding"
 
 
+def test_golden_text_is_redacted_before_it_is_stored(minilm_dir, tmp_path):
+    """PII in the golden sentences never reaches the repository: the goldens hold the redacted
+    text (what the guard passes on) and outputs taken on it; no written file holds the PII."""
+    pii = ["alice.smith@example.com", "+1 415 555 0132", "4111 1111 1111 1111"]
+    sentences = [f"Mail me at {pii[0]} please.", f"Call {pii[1]} tomorrow.", f"Card {pii[2]} was charged.",
+                 "The cat sits on the mat."]
+    (tmp_path / "golden.txt").write_text("\n".join(sentences) + "\n")
+    repo = tmp_path / "repo"
+    res = export_source(str(minilm_dir), name="st", repository=repo, inputs=tmp_path / "golden.txt", register=False)
+    assert res.report.verdict == "PASS"
+    ins, _ = goldens.load(repo / "st_raw" / "1" / "goldens.npz")
+    got = [b.decode() for b in ins["TEXT"][:, 0]]
+    assert got[0] == "Mail me at [EMAIL] please." and got[3] == sentences[3], got
+    assert all(p not in " ".join(got) for p in pii), got
+    for f in repo.rglob("*"):
+        if f.is_file():
+            data = f.read_bytes()
+            assert not any(p.encode() in data for p in pii), f
+
+
 @pytest.fixture(scope="module")
 def classifier_dir(minilm_dir, tmp_path_factory) -> Path:
     """A real (tiny, randomly initialised) BERT sequence classifier folder with MiniLM's tokenizer."""
