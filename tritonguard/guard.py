@@ -204,6 +204,8 @@ class GuardModel:
 
             def make_target(version: int) -> InProcessTarget:
                 return InProcessTarget(repo, tcfg.target, version, engine_cfg, self.signature, self.output_names)
+
+            ready = None  # the guard runs the artifact itself: always ready
         else:
             def make_target(version: int) -> BlsTarget:  # type: ignore[misc]
                 if tcfg.target_per_version and version > 0:
@@ -211,6 +213,11 @@ class GuardModel:
                                      self.signature.max_batch_size, tcfg.timeout_ms, served_as=f"{tcfg.target}:{version}")
                 return BlsTarget(tcfg.target, version, self.output_names, self.signature.max_batch_size,
                                  tcfg.timeout_ms)
+
+            def ready(version: int) -> bool:  # a golden check ahead of traffic waits for Triton's load
+                if tcfg.target_per_version and version > 0:
+                    return triton.model_ready(tcfg.target_per_version.format(version=version))
+                return triton.model_ready(tcfg.target, version)
 
         instances = sum(int(g.get("count", 1)) for g in cfg.get("instance_group") or [{}]) or 1
         # startup security check: hard failures refuse the load, the rest are logged warnings
@@ -231,6 +238,7 @@ class GuardModel:
             output_names=self.output_names, store=open_store(self.name, repo), config=self.config.routing,
             validator=self.config.validator, registry=ValidatorRegistry.from_config(self.config.validator),
             breaker=self.config.breaker, metrics=self.privacy.wrap_metrics(self.metrics), pin=tcfg.target_version,
+            ready=ready,
         )
         self.privacy.attach(self.router)
         if tcfg.placement == "inprocess":

@@ -68,6 +68,9 @@ class RoutingConfig:
     # budget is not: both versions see the same load. breaker.latency_budget_ms stays absolute.
     latency_ratio: float = 0.0
     input_drift_interval_s: float = 5.0  # how often the input-drift window is scored
+    # a loop in each instance that, without waiting for traffic, re-reads the state, checks the
+    # goldens of versions it names and publishes breaker gauges every this many seconds (0 = off)
+    reconcile_interval_s: float = 2.0
     alert_webhook: str = ""  # POSTed JSON on golden FAIL, trips, input drift
     alert_callable: str = ""  # "package.module:callable", called with the same event
 
@@ -80,6 +83,8 @@ class RoutingConfig:
             raise ValueError("routing.poll_interval_s must be >= 0")
         if self.compare_queue < 1:
             raise ValueError("routing.compare_queue must be >= 1")
+        if self.reconcile_interval_s < 0:
+            raise ValueError("routing.reconcile_interval_s must be >= 0 (0 = off)")
 
 
 @dataclass
@@ -96,7 +101,7 @@ class Router:
                  output_names: list[str], store: StateStore, config: RoutingConfig,
                  validator: ValidatorConfig, registry: ValidatorRegistry, breaker: BreakerConfig,
                  metrics: Any, clock: Callable[[], float] = time.time, seed: int | None = None,
-                 pin: int = -1):
+                 pin: int = -1, ready: Callable[[int], bool] | None = None):
         self.guard, self.repo, self.target = guard, repo, target
         self.make_target = make_target
         self.output_names = output_names
@@ -109,6 +114,11 @@ class Router:
         self._targets: dict[int, Any] = {}
         self._breakers: dict[int, Breaker] = {}
         self._lock = threading.Lock()  # breakers are fed by execute() and by the worker
+        self._refresh_lock = threading.Lock()  # execute() and the reconciler re-read the state
+        self._golden_lock = threading.Lock()  # one golden check at a time, never two of a version
+        self._target_lock = threading.Lock()
+        # whether Triton serves version N of the target yet (goldens ahead of traffic wait for it)
+        self.ready = ready or (lambda _v: True)
         self._drift_lock = threading.Lock()
         self._last_poll = 0.0
         self._state_errors = 0  # store errors already counted in the metrics
@@ -125,6 +135,10 @@ class Router:
         self._stop = threading.Event()
         self._worker = threading.Thread(target=self._work, name=f"compare-{guard}", daemon=True)
         self._worker.start()
+        self._reconciler = None
+        if config.reconcile_interval_s > 0:
+            self._reconciler = threading.Thread(target=self._reconcile, name=f"reconcile-{guard}", daemon=True)
+            self._reconciler.start()
 
     # -- state -----------------------------------------------------------------------------
     def _versions_on_disk(self) -> list[int]:
@@ -152,9 +166,19 @@ class Router:
                         self.guard, exc, pinned)
             return RolloutState(model=self.guard, primary=pinned)
 
-    def refresh(self, now: float) -> None:
+    def refresh(self, now: float, *, wait: bool = False) -> None:
         if now - self._last_poll < self.config.poll_interval_s:
             return
+        # execute() never waits for the reconciler's read: it serves by the state in hand
+        if not self._refresh_lock.acquire(blocking=wait):
+            return
+        try:
+            if now - self._last_poll >= self.config.poll_interval_s:
+                self._refresh(now)
+        finally:
+            self._refresh_lock.release()
+
+    def _refresh(self, now: float) -> None:
         self._last_poll = now
         new = self.store.poll(self.state.revision)
         if (errs := getattr(self.store, "errors", 0)) > self._state_errors:
@@ -196,7 +220,10 @@ class Router:
     def target_for(self, version: int) -> Any:
         t = self._targets.get(version)
         if t is None:
-            t = self._targets[version] = self.make_target(version)
+            with self._target_lock:  # the serving thread, the worker and the reconciler
+                t = self._targets.get(version)
+                if t is None:
+                    t = self._targets[version] = self.make_target(version)
         return t
 
     # -- goldens ---------------------------------------------------------------------------
@@ -207,6 +234,13 @@ class Router:
         known = self.state.goldens.get(str(version))
         if known is not None:
             return known.get("verdict", FAIL)
+        with self._golden_lock:  # the reconciler may be checking it right now: wait for its verdict
+            known = self.state.goldens.get(str(version))
+            if known is not None:
+                return known.get("verdict", FAIL)
+            return self._check_and_record(version)
+
+    def _check_and_record(self, version: int) -> str:
         result = self.check_goldens(version)
         self.state.goldens[str(version)] = result
 
@@ -458,6 +492,10 @@ class Router:
         if report.n < monitor.config.min_samples:
             return
         self.metrics.set("drift", report.fraction, target_version=str(version))
+        tv = str(version)
+        for feature, psi, ks in zip(report.features.tolist(), report.psi.tolist(), report.ks_stat.tolist(), strict=True):
+            self.metrics.set("drift_psi", psi, target_version=tv, feature=str(feature))
+            self.metrics.set("drift_ks", ks, target_version=tv, feature=str(feature))
         if report.flagged:
             log.warning("guard %s: input drift on %s v%d: %s", self.guard, self.target, version, report.to_dict(top=3))
             self.alert("input_drift", version, report.to_dict(top=5))
@@ -474,6 +512,34 @@ class Router:
         return b.trip(now, "latency", {"p95_ms": c95, "primary_p95_ms": p95, "ratio": c95 / p95, "max_ratio": ratio})
 
     # -- off the critical path -------------------------------------------------------------
+    def named_versions(self) -> list[int]:
+        """Versions the state may route to: primary, candidate, arms, the fallback chain."""
+        st = self.state
+        named = [self.primary()]
+        if st.candidate is not None:
+            named.append(st.candidate.version)
+        named += [a.version for a in st.arms]
+        named += st.route_versions()
+        return [v for v in dict.fromkeys(named) if v > 0]
+
+    def _reconcile(self) -> None:
+        """Follow the store without waiting for traffic: an idle guard has the new state, its
+        golden verdicts and its breaker gauges within ``reconcile_interval_s`` of a change."""
+        while not self._stop.wait(self.config.reconcile_interval_s):
+            try:
+                self.refresh(self.clock(), wait=True)
+                named = self.named_versions()
+                for version in named:
+                    if (self.config.golden_check and str(version) not in self.state.goldens
+                            and self.ready(version)):
+                        self.golden_verdict(version)
+                with self._lock:
+                    for version in named:  # a gauge for every routed version, served yet or not
+                        self.breaker(version)
+                self.publish()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+                log.exception("guard %s: reconcile pass failed", self.guard)
+
     def _submit(self, job: tuple) -> bool:
         try:
             self._jobs.put_nowait(job)
@@ -547,6 +613,9 @@ class Router:
         verdict = self.registry.validate(cand_out[name], ref_out[name], cfg)
         rows = len(verdict.per_row)
         self.metrics.inc("compared", rows, kind=kind, verdict=verdict.status, target_version=str(cand))
+        for figure, value in verdict.metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value):
+                self.metrics.set("validator_score", float(value), target_version=str(cand), kind=kind, figure=figure)
         non_finite = int(sum(not np.isfinite(r).all() for r in np.asarray(cand_out[name]).reshape(rows, -1)))
         with self._lock:
             b = self.breaker(cand)
@@ -567,6 +636,7 @@ class Router:
                 ewma = self._output_drift.setdefault(
                     cand, Ewma(self.config.output_drift_alpha, self.config.output_drift_threshold))
                 ewma.update((verdict.per_row == FAIL).astype(np.float64))
+                self.metrics.set("output_drift", float(ewma.value), target_version=str(cand))
                 seen = self._output_rows[cand] = self._output_rows.get(cand, 0) + rows
                 if ewma.exceeded and seen >= self.config.output_drift_min_rows:
                     trip = b.trip(now, "drift", {"fail_share_ewma": ewma.value, "kind": kind, **verdict.metrics})
@@ -594,6 +664,8 @@ class Router:
     def close(self) -> None:
         self._stop.set()
         self._worker.join(timeout=2)
+        if self._reconciler is not None:
+            self._reconciler.join(timeout=2)
         self.alerts.flush(timeout=1)
 
 

@@ -87,6 +87,15 @@ def response(outputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any] | 
     return p.InferenceResponse(output_tensors=tensors)
 
 
+def model_ready(model: str, version: int = -1) -> bool:
+    """Whether Triton serves ``model`` (``version``; -1: any) now. False where the stub has no
+    such call, so callers that only want to act ahead of traffic simply wait for it."""
+    try:
+        return bool(pb().is_model_ready(model, "" if version <= 0 else str(version)))
+    except Exception:  # noqa: BLE001 - an older stub, or a name Triton does not know
+        return False
+
+
 def bls(
     model: str,
     version: int,
@@ -156,6 +165,12 @@ class Metrics:
         "breaker_state": ("tritonguard_breaker_state", "Breaker per target version: 0 closed, 1 half-open, 2 open"),
         "drift": ("tritonguard_input_drift_fraction", "Share of input features drifting (KS/PSI) on the primary"),
         "cache_degraded": ("tritonguard_cache_degraded", "1 while a cache tier is skipped after a failure (backoff), by tier"),
+        "validator_score": ("tritonguard_validator_score",
+                            "Latest canary/shadow validator figure per target version, by kind and figure (e.g. top1_agreement, min_cosine)"),
+        "output_drift": ("tritonguard_output_drift_ewma",
+                         "EWMA of the validator FAIL share on compared rows, per target version (trips at routing.output_drift_threshold)"),
+        "drift_psi": ("tritonguard_input_drift_psi", "PSI of one monitored input feature, live window vs the version's reference"),
+        "drift_ks": ("tritonguard_input_drift_ks", "KS statistic of one monitored input feature, live window vs the version's reference"),
     }
 
     def __init__(self, model: str, version: str, interval: float = 1.0, max_pending: int = 8192):

@@ -107,6 +107,37 @@ def test_every_replica_follows_a_route_change(replicas):
     assert r.returncode == 0, r.stderr
 
 
+def test_idle_replicas_follow_and_check_goldens_without_traffic(replicas):
+    """The reconciler loop of each guard: with no request at all, a newly routed version gets its
+    golden verdict in the store and a breaker gauge on every replica's metrics port."""
+    import urllib.request
+
+    v3 = replicas["v"]["nan"]
+    assert str(v3) not in state(replicas).goldens  # never routed to before
+    r = exporter(replicas, "route", "digits", "--candidate", str(v3), "--share", "0.5")
+    assert r.returncode == 0, r.stderr
+    t0 = time.monotonic()
+    try:
+        want = f'tritonguard_breaker_state{{model="digits",target_version="{v3}",version="1"}}'
+        pending = set(range(2))
+        while (pending or str(v3) not in state(replicas).goldens) and time.monotonic() - t0 < PICKUP_S + 5:
+            for i in list(pending):
+                text = urllib.request.urlopen(replicas["servers"][i].metrics_url, timeout=10).read().decode()
+                if any(ln.startswith(want) for ln in text.splitlines()):
+                    pending.discard(i)
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+        print(f"idle replicas followed after {took:.1f} s")
+        assert not pending, f"replicas {pending} published no breaker gauge for v{v3}"
+        g = state(replicas).goldens.get(str(v3))
+        # the NaN fault answers its goldens finitely (only a subset of live inputs turn NaN)
+        assert g is not None and g["verdict"] in ("PASS", "MARGINAL"), g
+        assert took <= PICKUP_S + 2
+    finally:
+        r = exporter(replicas, "route", "digits", "--candidate", "0")
+        assert r.returncode == 0, r.stderr
+
+
 def test_a_breaker_tripped_on_one_replica_protects_the_other(replicas):
     v3 = replicas["v"]["nan"]
     a, b = replicas["clients"]

@@ -301,6 +301,23 @@ def test_metrics_report_fallbacks_and_trips(rollout):
     assert 'tritonguard_served_total{model="digits",served_by="digits_raw:' in text
     assert "tritonguard_breaker_state" in text
 
+    def gauges(name: str) -> list[tuple[str, float]]:
+        return [(ln.split()[0], float(ln.split()[-1])) for ln in text.splitlines() if ln.startswith(name + "{")]
+
+    # validator figures and the output-drift EWMA of the compared candidates (the accuracy-dropping
+    # one included: its FAIL share shows), per target version
+    v = rollout["versions"]
+    scores = gauges("tritonguard_validator_score")
+    assert any(f'target_version="{v["good"]}"' in k and 'figure="agreement"' in k and 0.9 <= x <= 1
+               for k, x in scores), scores
+    ewma = dict(gauges("tritonguard_output_drift_ewma"))
+    assert any(f'target_version="{v["accuracy_drop"]}"' in k and x > 0 for k, x in ewma.items()), ewma
+    # per-feature input drift of the primary, after the drifted traffic of test_input_drift_is_measured
+    for name in ("tritonguard_input_drift_psi", "tritonguard_input_drift_ks"):
+        per_feature = gauges(name)
+        assert len(per_feature) >= 10 and all('feature="' in k for k, _ in per_feature), per_feature[:3]
+        assert max(x for _, x in per_feature) > 0.1, name
+
 
 def test_corrupt_state_keeps_the_last_good_state(rollout):
     """A corrupt rollout_state.json never stops serving: every guard instance keeps the last good
