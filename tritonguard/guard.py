@@ -180,6 +180,7 @@ class GuardModel:
         self.input_names = [s.name for s in self.signature.inputs]
         self.output_names = [s.name for s in self.signature.outputs if s.name != SERVED_BY]
         self.served_by_output = any(s.name == SERVED_BY for s in self.signature.outputs)
+        self._served = False  # set by the first execute()
 
         tcfg = self.config.target
         target_dir = repo / tcfg.target
@@ -214,10 +215,12 @@ class GuardModel:
                 return BlsTarget(tcfg.target, version, self.output_names, self.signature.max_batch_size,
                                  tcfg.timeout_ms)
 
-            def ready(version: int) -> bool:  # a golden check ahead of traffic waits for Triton's load
-                if tcfg.target_per_version and version > 0:
-                    return triton.model_ready(tcfg.target_per_version.format(version=version))
-                return triton.model_ready(tcfg.target, version)
+            # Goldens ahead of traffic over BLS wait until this guard has served a batch: by then
+            # Triton serves the targets (no BLS in initialize(); and pb_utils' model-control
+            # calls such as is_model_ready, made from a thread, aborted the server here)
+            def ready(_version: int) -> bool:
+                return self._served
+
 
         instances = sum(int(g.get("count", 1)) for g in cfg.get("instance_group") or [{}]) or 1
         # startup security check: hard failures refuse the load, the rest are logged warnings
@@ -268,6 +271,7 @@ class GuardModel:
         return responses
 
     def _execute(self, requests: list[Any], responses: list[Any]) -> None:
+        self._served = True
         self.metrics.inc("requests", len(requests))
         inputs = [triton.request_inputs(r, self.input_names) for r in requests]
         verdict = self.validator.validate(inputs)
@@ -287,15 +291,19 @@ class GuardModel:
         for i, err in batch.errors.items():
             responses[i] = triton.error(err)
         routed = None
+        # SERVED_BY only for requests that ask for it (or name no outputs, and so get them all):
+        # a BYTES tensor per response is measurable work on the hot path
+        served_by = ([self._wants_served_by(r) for r in requests] if self.served_by_output
+                     else [False] * len(requests))
         try:
             for i, outs in batch.hits.items():
-                if self.served_by_output:
+                if served_by[i]:
                     outs = {**outs, SERVED_BY: np.full((batch.hit_sizes[i], 1), batch.cache_label.encode(), dtype=object)}
                 responses[i] = triton.response(outs)
             if batch.route:
                 routed = self.router.infer(batch.fused, batch.sizes)
                 self.privacy.redact_outputs(batch, routed)
-                self._respond(batch, routed, responses)
+                self._respond(batch, routed, responses, served_by)
         finally:
             self.privacy.after(batch, routed)  # cache fill, audit, quota release; never raises
         self.router.publish()
@@ -303,7 +311,12 @@ class GuardModel:
     def _parameters(self, requests: list[Any]) -> list[dict[str, Any]] | None:
         return [triton.request_parameters(r) for r in requests] if self.privacy.needs_parameters else None
 
-    def _respond(self, batch: Any, routed: Any, responses: list[Any]) -> None:
+    @staticmethod
+    def _wants_served_by(request: Any) -> bool:
+        names = triton.requested_outputs(request)
+        return names is None or SERVED_BY in names
+
+    def _respond(self, batch: Any, routed: Any, responses: list[Any], served_by: list[bool]) -> None:
         good_sizes = [batch.sizes[k] for k in range(len(batch.route)) if routed.errors[k] is None]
         parts = {n: split(routed.outputs[n], offsets(good_sizes)) for n in self.output_names}
         j = 0
@@ -313,7 +326,7 @@ class GuardModel:
                 responses[i] = triton.error(err)
                 continue
             outs = {n: parts[n][j] for n in self.output_names}
-            if self.served_by_output:
+            if served_by[i]:
                 outs[SERVED_BY] = np.full((batch.sizes[k], 1), routed.served_by[k].encode(), dtype=object)
             responses[i] = triton.response(outs)
             j += 1

@@ -128,6 +128,7 @@ class Router:
         self._output_rows: dict[int, int] = {}
         self._input_drift: tuple[int, DriftMonitor | None] | None = None
         self._last_drift_score = 0.0
+        self._drift_flagged: dict[int, bool] = {}  # per version: flagged at the last scoring
         self.alerts = AlertDispatcher(
             [load_callable(config.alert_callable)] if config.alert_callable else [], config.alert_webhook)
         self.state = self._initial_state()
@@ -400,15 +401,24 @@ class Router:
         self.metrics.observe("latency", latency / 1000, target_version=str(version))
         sub_starts = offsets(sub_sizes)
         parts = {k: split(v, sub_starts) for k, v in out.items()}
+        # NaN/Inf per request, over the whole fused output at once
+        bad_rows = None
+        for name in self.output_names:
+            a = out[name]
+            if np.issubdtype(a.dtype, np.floating):
+                rows_bad = ~np.isfinite(a.reshape(len(a), -1)).all(axis=1)
+                bad_rows = rows_bad if bad_rows is None else bad_rows | rows_bad
+        bad_req = (np.logical_or.reduceat(bad_rows, sub_starts[:-1]) if bad_rows is not None and bad_rows.any()
+                   else None)
         ok, bad = [], 0
+        label = f"{self.target}:{version}"
         for k, i in enumerate(idx):
-            rows = {name: parts[name][k] for name in self.output_names}
-            if any(np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all() for a in rows.values()):
+            if bad_req is not None and bad_req[k]:
                 reasons[i] = "non_finite"
                 bad += 1
                 continue
-            out_rows[i] = rows
-            served[i] = f"{self.target}:{version}"
+            out_rows[i] = {name: parts[name][k] for name in self.output_names}
+            served[i] = label
             ok.append(i)
         self._record(version, len(idx), non_finite=bad, latency_ms=latency)
         self.metrics.inc("target_errors", bad, code="NON_FINITE", target_version=str(version))
@@ -496,9 +506,15 @@ class Router:
         for feature, psi, ks in zip(report.features.tolist(), report.psi.tolist(), report.ks_stat.tolist(), strict=True):
             self.metrics.set("drift_psi", psi, target_version=tv, feature=str(feature))
             self.metrics.set("drift_ks", ks, target_version=tv, feature=str(feature))
-        if report.flagged:
+        # log and alert when drift starts (and log when it ends), not at every scoring pass
+        was = self._drift_flagged.get(version, False)
+        self._drift_flagged[version] = report.flagged
+        if report.flagged and not was:
             log.warning("guard %s: input drift on %s v%d: %s", self.guard, self.target, version, report.to_dict(top=3))
             self.alert("input_drift", version, report.to_dict(top=5))
+        elif was and not report.flagged:
+            log.info("guard %s: input drift on %s v%d has cleared (fraction %.3f)", self.guard, self.target,
+                     version, report.fraction)
 
     def _latency_vs_primary(self, version: int, b: Breaker, now: float) -> Any:
         ratio = self.config.latency_ratio

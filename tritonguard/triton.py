@@ -56,9 +56,18 @@ def request_inputs(request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
 def request_parameters(request: Any) -> dict[str, Any]:
     try:
         raw = request.parameters()
-        return json.loads(raw) if raw else {}
+        return json.loads(raw) if raw and raw != "{}" else {}  # most requests carry none
     except (ValueError, AttributeError):
         return {}
+
+
+def requested_outputs(request: Any) -> set[str] | None:
+    """Output names the client asked for; None when it named none (then all are sent)."""
+    try:
+        names = request.requested_output_names()
+    except AttributeError:
+        return None
+    return set(names) if names else None
 
 
 def error(exc_or_msg: TritonGuardError | str, code: str | None = None) -> Any:
@@ -85,15 +94,6 @@ def response(outputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any] | 
         except TypeError:
             _RESPONSE_PARAMETERS = False
     return p.InferenceResponse(output_tensors=tensors)
-
-
-def model_ready(model: str, version: int = -1) -> bool:
-    """Whether Triton serves ``model`` (``version``; -1: any) now. False where the stub has no
-    such call, so callers that only want to act ahead of traffic simply wait for it."""
-    try:
-        return bool(pb().is_model_ready(model, "" if version <= 0 else str(version)))
-    except Exception:  # noqa: BLE001 - an older stub, or a name Triton does not know
-        return False
 
 
 def bls(
