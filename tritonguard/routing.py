@@ -34,7 +34,7 @@ from .breaker import CLOSED, Breaker, BreakerConfig
 from .drift import REFERENCE_FILE, DriftMonitor, Ewma, ReferenceSummary, featurize
 from .errors import TargetError, TritonGuardError
 from .state import RolloutState, StateError, StateStore
-from .tensors import concat, offsets, split
+from .tensors import concat, offsets, rows_any, split
 from .validators import (
     FAIL,
     PASS,
@@ -117,7 +117,7 @@ class Router:
         self._refresh_lock = threading.Lock()  # execute() and the reconciler re-read the state
         self._golden_lock = threading.Lock()  # one golden check at a time, never two of a version
         self._target_lock = threading.Lock()
-        # whether Triton serves version N of the target yet (goldens ahead of traffic wait for it)
+        # whether goldens of version N may run ahead of traffic (a BLS guard: once it has served)
         self.ready = ready or (lambda _v: True)
         self._drift_lock = threading.Lock()
         self._last_poll = 0.0
@@ -408,8 +408,7 @@ class Router:
             if np.issubdtype(a.dtype, np.floating):
                 rows_bad = ~np.isfinite(a.reshape(len(a), -1)).all(axis=1)
                 bad_rows = rows_bad if bad_rows is None else bad_rows | rows_bad
-        bad_req = (np.logical_or.reduceat(bad_rows, sub_starts[:-1]) if bad_rows is not None and bad_rows.any()
-                   else None)
+        bad_req = rows_any(bad_rows, sub_starts) if bad_rows is not None and bad_rows.any() else None
         ok, bad = [], 0
         label = f"{self.target}:{version}"
         for k, i in enumerate(idx):
