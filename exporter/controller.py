@@ -17,46 +17,41 @@ document holds one candidate.
 
 The routing change goes through :func:`tritonguard.state.open_store`, the store the guards poll.
 Progress (step, step start, look, the step's baseline readings, status, the configuration) is a
-JSON file beside the state, ``<repo>/<guard>/rollout_controller.json``, replaced atomically after
-every change, so a new controller object (another process, after a crash) :meth:`resume` s at
-the same step, dwell and baseline, with the gates it started with. Every read-modify-write of it
-holds ``<file>.lock``; :meth:`run` also holds ``<file>.run`` so that only one process drives a
-rollout, while :meth:`abort` works from anywhere. The file is local even when the state is in
-Redis: drive a rollout from one host. Hooks must be idempotent: a crash between a hook and the
-state write repeats the hook on resume.
+JSON document in the same store as the state (:mod:`exporter.progress`): the file
+``<repo>/<guard>/rollout_controller.json`` beside a file state, the key
+``tritonguard:rollout:<model>`` beside a Redis state. It is rewritten after every change, so a
+new controller object (another process, another host after a crash) :meth:`resume` s at the same
+step, dwell and baseline, with the gates it started with. Every read-modify-write holds the
+store's lock; :meth:`run` also holds the driver lock so that only one process drives a rollout,
+while :meth:`abort` and :meth:`pause` work from anywhere. Hooks must be idempotent: a crash
+between a hook and the state write repeats the hook on resume.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from tritonguard.errors import TritonGuardError
-from tritonguard.repository import atomic_write
 from tritonguard.state import Candidate, RolloutState, StateError, open_store
 
 from .gates import FAIL, PASS, GateConfig, GateReport, GuardReadings, evaluate, scrape
+from .progress import LEASE_S, PROGRESS_FILE, ControllerError, ProgressUnavailable, open_progress
+
+__all__ = ["PROGRESS_FILE", "ControllerError", "ProgressUnavailable", "RolloutConfig", "RolloutController",
+           "Progress", "metrics_reader"]
 
 log = logging.getLogger(__name__)
 
-PROGRESS_FILE = "rollout_controller.json"
 FORMAT_VERSION = 1
 RUNNING, PAUSED, ABORTED, DONE, ROLLED_BACK = "running", "paused", "aborted", "done", "rolled_back"
 ACTIVE = (RUNNING, PAUSED)
 BREAKER_CODES = {"closed": 0, "half_open": 1, "open": 2}
 Reader = Callable[[int, int], GuardReadings]  # (primary, candidate) -> readings
-
-
-class ControllerError(TritonGuardError):
-    """A rollout that cannot start, resume or be driven (another one active, a busy driver)."""
 
 
 @dataclass(kw_only=True)
@@ -136,43 +131,40 @@ class RolloutController:
                  on_promote: Callable[[int], Any] | None = None,
                  on_rollback: Callable[[int, str], Any] | None = None,
                  on_step: Callable[[int, float, GateReport | None], Any] | None = None,
-                 by: str = "controller"):
+                 by: str = "controller", lease_s: float = LEASE_S):
         self.model, self.reader = model, reader
         self.config = config or RolloutConfig()
-        self.path = Path(repo) / model / PROGRESS_FILE
         self.store = store if store is not None else open_store(model, repo)
+        self.progress = open_progress(model, repo, self.store, lease_s=lease_s)
         self.clock, self.sleep, self.by = clock, sleep, by
         self.on_promote, self.on_rollback, self.on_step = on_promote, on_rollback, on_step
 
-    # -- progress file ------------------------------------------------------------------------
+    # -- progress ---------------------------------------------------------------------------
     def status(self) -> Progress | None:
-        if not self.path.exists():
+        text = self.progress.read()
+        if text is None:
             return None
         try:
-            d = json.loads(self.path.read_text())
+            d = json.loads(text)
             if d.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"format_version {d.get('format_version')} is not {FORMAT_VERSION}")
             return Progress(**d)
         except (ValueError, TypeError) as exc:
-            raise ControllerError(f"rollout progress {self.path} is unreadable: {exc}") from None
+            raise ControllerError(f"rollout progress {self.progress.where} is unreadable: {exc}") from None
 
     def _save(self, p: Progress) -> Progress:
         p.updated_at = self.clock()
-        atomic_write(self.path, json.dumps(p.to_dict(), indent=1, sort_keys=True))
+        self.progress.write(json.dumps(p.to_dict(), indent=1, sort_keys=True))
         return p
 
-    @contextlib.contextmanager
-    def _lock(self, suffix: str = ".lock", blocking: bool = True):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(f"{self.path}{suffix}", os.O_RDWR | os.O_CREAT, 0o644)
+    def _lock(self):
+        return self.progress.lock()
+
+    def _status_or(self, last: Progress | None) -> Progress | None:
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                raise ControllerError(f"another process is driving the rollout of '{self.model}'") from None
-            yield
-        finally:
-            os.close(fd)
+            return self.status() or last
+        except StateError:
+            return last
 
     # -- commands -----------------------------------------------------------------------------
     def start(self, candidate: int, primary: int | None = None) -> Progress:
@@ -261,17 +253,22 @@ class RolloutController:
 
     def run(self, *, max_ticks: int | None = None) -> Progress:
         """Tick every ``interval_s`` until the rollout stops running (or ``max_ticks`` looks)."""
-        with self._lock(".run", blocking=False):
-            ticks = 0
+        with self.progress.driver() as lease:
+            ticks, last = 0, None
             while True:
                 try:
-                    p = self.tick()
+                    p = last = self.tick()
                 except StateError as exc:  # e.g. Redis down: nothing was applied; look again later
-                    log.warning("rollout of '%s': state store unavailable, holding: %s", self.model, exc)
-                    p = self.status()
+                    log.warning("rollout of '%s': store unavailable, holding: %s", self.model, exc)
+                    p = self._status_or(last)
+                    if p is None:
+                        raise
                 ticks += 1
                 if p.status != RUNNING or (max_ticks is not None and ticks >= max_ticks):
                     return p
+                if lease.lost:
+                    raise ControllerError(f"rollout of '{self.model}': lost the driver lease "
+                                          f"({self.progress.where}); another process may drive it now")
                 self.sleep(self._config(p).interval_s)
 
     def resume(self, *, max_ticks: int | None = None) -> Progress:

@@ -229,9 +229,13 @@ def rollout_status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable progress on stdout.")] = False,
 ) -> None:
     """Show the rollout's step, dwell, status and last gate report."""
-    from .controller import RolloutController  # noqa: PLC0415
+    from .controller import ControllerError, RolloutController  # noqa: PLC0415
 
-    progress = RolloutController(model, repository, reader=None).status()
+    try:
+        progress = RolloutController(model, repository, reader=None).status()
+    except ControllerError as exc:  # unreadable progress, or its Redis unreachable
+        err.print(f"[bold red]✗ status failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     if as_json:
         typer.echo(json.dumps(progress.to_dict() if progress else None, indent=2))
         return

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import tritonclient.http as httpclient
 
 from exporter.export import export
@@ -46,6 +47,8 @@ def replicas(redis_server, tmp_path_factory):
     write_config(repo / "digits", cfg)
 
     env = {**os.environ, "TRITONGUARD_STATE_URL": redis_server.url}
+    r = redis.Redis.from_url(redis_server.url)  # nothing of digits left by an earlier test
+    r.delete("tritonguard:state:digits", *r.keys("tritonguard:rollout:digits*"))
     servers = [Server(repository=repo, log_path=base / f"logs{i}" / "tritonserver.log", env=env) for i in range(2)]
     try:
         for s in servers:
@@ -202,7 +205,9 @@ def test_a_rollout_reads_both_replicas(replicas):
     assert r.returncode == 0, r.stdout + r.stderr
     import json
 
-    prog = json.loads((replicas["repo"] / "digits" / "rollout_controller.json").read_text())
+    # the controller's progress sits in the same Redis as the state, not in a local file
+    assert not (replicas["repo"] / "digits" / "rollout_controller.json").exists()
+    prog = json.loads(redis.Redis.from_url(replicas["url"]).get("tritonguard:rollout:digits"))
     assert prog["status"] == "done"
     assert prog["last_report"] is not None
     assert prog["baseline"]["replicas"] == 2, "the gates did not read both replicas"

@@ -1,15 +1,22 @@
 """The rollout controller with simulated traffic and a fake clock: milliseconds per rollout.
 
-The traffic simulator reads the real rollout state file (the one the guards poll) to split its
-requests, and produces cumulative guard counters the way the guards' metrics would.
+The traffic simulator reads the real rollout state (the file or Redis hash the guards poll) to
+split its requests, and produces cumulative guard counters the way the guards' metrics would.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from exporter.controller import (
     ABORTED,
@@ -18,11 +25,12 @@ from exporter.controller import (
     ROLLED_BACK,
     RUNNING,
     ControllerError,
+    ProgressUnavailable,
     RolloutConfig,
     RolloutController,
 )
 from exporter.gates import GuardReadings
-from tritonguard.state import Arm, Candidate, StateUnavailable, open_store
+from tritonguard.state import Arm, Candidate, StateError, StateUnavailable, open_store
 
 LE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
 MODEL = "digits"
@@ -87,9 +95,20 @@ class Traffic:
             latency={v: dict(zip(LE, b.tolist(), strict=True)) for v, b in self.latency.items()})
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
+def _forget(url: str) -> None:
+    """Drop this module's keys (state and rollout progress of MODEL) left by an earlier test."""
+    r = redis.Redis.from_url(url)
+    r.delete(f"tritonguard:state:{MODEL}", *r.keys(f"tritonguard:rollout:{MODEL}*"))
+
+
+@pytest.fixture(params=["file", "redis"])
+def env(request, tmp_path, monkeypatch):
+    """Every controller test runs twice: state and progress in files, and both in a real Redis."""
     monkeypatch.delenv("TRITONGUARD_STATE_URL", raising=False)
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_server").url
+        _forget(url)
+        monkeypatch.setenv("TRITONGUARD_STATE_URL", url)
     clock = Clock()
     store = open_store(MODEL, tmp_path, clock=clock)
     store.update(lambda s: setattr(s, "primary", 1) or s)
@@ -332,3 +351,125 @@ def test_start_refuses_while_an_abn_split_runs(env):
 def test_config_is_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RolloutConfig(**kwargs)
+
+
+# -- progress in Redis: any host can watch, steer or take over a rollout ------------------------
+DRIVER = r"""
+import sys, time
+from exporter.controller import RolloutController
+from exporter.gates import GuardReadings
+
+def idle(primary, candidate):  # no traffic: every look is inconclusive and holds
+    return GuardReadings(model="digits", primary=primary, candidate=candidate, breaker_state=0, replicas=1)
+
+c = RolloutController("digits", sys.argv[1], idle, lease_s=1.0)
+c.resume(max_ticks=10_000)  # bounded: stopped (killed, or by an abort) long before
+"""
+
+
+@pytest.fixture
+def redis_env(tmp_path, monkeypatch, redis_server):
+    _forget(redis_server.url)
+    monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)
+    clock = Clock()
+    store = open_store(MODEL, tmp_path, clock=clock)
+    store.update(lambda s: setattr(s, "primary", 1) or s)
+    return tmp_path, clock, store
+
+
+def test_redis_progress_lives_in_the_store_and_any_host_sees_it(redis_env, redis_server, tmp_path_factory):
+    repo, clock, store = redis_env
+    c = controller(redis_env, Traffic(store, clock))
+    c.start(2)
+    c.run(max_ticks=40)
+    assert not (repo / MODEL / "rollout_controller.json").exists(), "progress written locally, not to Redis"
+    doc = json.loads(redis.Redis.from_url(redis_server.url).get(f"tritonguard:rollout:{MODEL}"))
+    assert doc["candidate"] == 2 and doc["status"] == RUNNING and doc["step_index"] >= 1
+    # another host: no files of this repository at all, only the Redis URL
+    elsewhere = tmp_path_factory.mktemp("other-host")
+    other = controller((elsewhere, clock, store), Traffic(store, clock))
+    assert other.status() == c.status()
+    assert other.resume(max_ticks=5000).status == DONE
+    assert store.load().primary == 2 and c.status().status == DONE
+
+
+def test_redis_driver_lease_excludes_others_and_lapses_when_the_driver_is_killed(redis_env, redis_server):
+    repo, clock, store = redis_env
+    controller(redis_env, Traffic(store, clock)).start(2)
+    r = redis.Redis.from_url(redis_server.url)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen([sys.executable, "-c", DRIVER, str(repo)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while r.get(f"tritonguard:rollout:{MODEL}:driver") is None:
+            assert child.poll() is None, "the driver process exited"
+            assert time.monotonic() < deadline, "the driver never took the lease"
+            time.sleep(0.05)
+        time.sleep(1.5)  # longer than its lease: it is renewed, not just fresh
+        second = controller(redis_env, Traffic(store, clock))
+        with pytest.raises(ControllerError, match=rf"another process is driving .* pid {child.pid}"):
+            second.resume(max_ticks=1)
+        assert child.poll() is None, "the driver stopped by itself"
+    finally:
+        child.kill()  # SIGKILL: no cleanup runs, the lease must lapse by itself
+        child.wait(timeout=10)
+    killed = time.monotonic()
+    assert r.get(f"tritonguard:rollout:{MODEL}:driver").decode().split(":")[1] == str(child.pid)
+    while True:
+        try:
+            p = second.resume(max_ticks=1)
+            break
+        except ControllerError:
+            assert time.monotonic() - killed < 5, "the dead driver's lease never lapsed"
+            time.sleep(0.1)
+    assert p.status == RUNNING and p.candidate == 2 and store.load().candidate is not None
+
+
+def test_redis_progress_write_is_fenced_by_the_lock(redis_env):
+    repo, clock, store = redis_env
+    c = RolloutController(MODEL, repo, Traffic(store, clock), lease_s=0.3, clock=clock)
+    c.start(2)
+    before = c.status()
+    with c.progress.lock() as lease:
+        lease._stop.set()  # a stall: the lease is no longer renewed ...
+        time.sleep(0.6)  # ... and lapses; someone else takes the lock meanwhile
+        with RolloutController(MODEL, repo, None, lease_s=5).progress.lock():
+            pass
+        with pytest.raises(ControllerError, match="lapsed before the write"):
+            c.progress.write('{"stale": true}')
+    assert c.status() == before
+
+
+def test_redis_unreachable_progress_is_a_state_outage(tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    monkeypatch.setenv("TRITONGUARD_STATE_URL", f"redis://:secret@127.0.0.1:{port}/0")
+    c = RolloutController(MODEL, tmp_path, None)
+    with pytest.raises(ProgressUnavailable) as info:
+        c.status()
+    assert isinstance(info.value, StateError) and "secret" not in str(info.value)
+
+
+def test_redis_abort_from_another_process_stops_a_live_driver(redis_env, redis_server):
+    repo, clock, store = redis_env
+    # looks every 50 ms (a rollout keeps the settings it started with, whoever resumes it)
+    controller(redis_env, Traffic(store, clock), interval_s=0.05, dwell_s=0).start(2)
+    r = redis.Redis.from_url(redis_server.url)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen([sys.executable, "-c", DRIVER, str(repo)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while r.get(f"tritonguard:rollout:{MODEL}:driver") is None:
+            assert child.poll() is None and time.monotonic() < deadline, "the driver never took the lease"
+            time.sleep(0.05)
+        p = controller(redis_env, Traffic(store, clock)).abort("operator on another host")
+        assert p.status == ABORTED and store.load().candidate is None
+        assert child.wait(timeout=10) == 0  # its next look sees the abort and it stops
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+    assert r.get(f"tritonguard:rollout:{MODEL}:driver") is None, "the driver left its lease behind"
