@@ -16,6 +16,9 @@ COPY backends ./backends
 
 # The image has its own Triton, so nvidia-pytriton's bundled server is not needed; torch is the
 # CUDA build here (GPU host). numpy<2 / protobuf<5 match tritonclient 2.51.
+# g++: exporter compile's torch_compile variant builds C++ with it (serving a model.pt2 does not)
+RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 RUN python3 -m pip install --upgrade pip \
  && python3 -m pip install 'tritonclient[all]==2.51.0' 'numpy<2' 'protobuf<5' 'setuptools<81' \
         onnx==1.22.0 onnxscript onnxruntime-gpu torch==2.13.0 transformers tokenizers typer rich pyyaml \

@@ -37,10 +37,11 @@ help: ## list targets
 
 setup: system-deps venv models ## install everything and export the example models
 
-system-deps: ## Debian packages: libb64-0d (perf_analyzer), redis-server
+system-deps: ## Debian packages: libb64-0d (perf_analyzer), redis-server, g++ (torch_compile variant)
 	@missing=""; \
 	dpkg -s libb64-0d >/dev/null 2>&1 || missing="$$missing libb64-0d"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null; \

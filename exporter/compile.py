@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from tritonguard import repository as repo_mod
-from tritonguard.engines import EngineConfig, load_engine
+from tritonguard.engines import ARTIFACTS, EngineConfig, load_engine
 
 from . import goldens, layout
 from .artifacts import sha256_dir, sha256_file
@@ -289,22 +289,57 @@ def _fp16(parent: Parent, dest: Path) -> dict[str, Any]:
 
 
 def _torch_compile(parent: Parent, dest: Path) -> dict[str, Any]:
-    """Probe only: the runtime backend serves TorchScript, and a torch.compile'd module has no
-    TorchScript (or other loadable) form, so even a working compile could not become a version."""
+    """torch.compile's inductor, ahead of time (AOTInductor): the TorchScript parent becomes an
+    ExportedProgram (batch dimension dynamic up to max_batch_size, -1 dims dynamic too), inductor
+    compiles it to C++ and packages the shared library and weights as ``model.pt2``, which the
+    runtime backend loads with ``torch._inductor.aoti_load_package``: no JIT compile at load, and
+    what is served is what was judged here. Built for a portable CPU level (x86-64-v3: AVX2/FMA),
+    not ``-march=native``, so the artifact runs on any such host, not only the one that built it."""
     _needs(parent, ".pt", "torch_compile")
+    import platform  # noqa: PLC0415
+    import shutil as _shutil  # noqa: PLC0415
+
     import torch  # noqa: PLC0415
 
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise Skip(f"torch_compile builds portable x86-64-v3 code; this machine is {platform.machine()}")
+    cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if _shutil.which(c)), None)
+    if cxx is None:
+        raise Skip("torch.compile (inductor) needs a C++ compiler: none of $CXX, g++, c++, clang++ found")
+    from torch._export.converter import TS2EPConverter  # noqa: PLC0415
+    from torch._inductor import config as inductor_config  # noqa: PLC0415
+
     module = torch.jit.load(str(parent.artifact), map_location="cpu").eval()
-    example = [torch.from_numpy(np.ascontiguousarray(parent.feed[n][:2])) for n in parent.in_names]
+    rows = max(2, min(4, parent.max_batch_size))  # >= 2 rows: a batch of 1 would be specialised
+    example = tuple(torch.from_numpy(np.ascontiguousarray(np.resize(parent.feed[n], (rows, *parent.feed[n].shape[1:]))))
+                    for n in parent.in_names)
     try:
-        compiled = torch.compile(module, backend="inductor")
-        with torch.inference_mode():
-            compiled(*example)
-    except Exception as exc:  # noqa: BLE001 - whatever dynamo/inductor raise, the reason is the message
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise Skip(f"torch.compile cannot take the TorchScript model.pt: {first}") from None
-    raise Skip("torch.compile ran in process, but the runtime backend loads only TorchScript "
-               "model.pt and a compiled module cannot be saved as one")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = TS2EPConverter(module, example).convert()
+            batch = torch.export.Dim("batch", min=1, max=max(2, parent.max_batch_size))
+            dims = _input_dims(parent)
+            dynamic = tuple({0: batch, **{i + 1: torch.export.Dim(f"{n}_{i + 1}", min=1)
+                                          for i, d in enumerate(dims.get(n, ())) if d == -1}}
+                            for n in parent.in_names)
+            program = torch.export.export(program.module(), example, dynamic_shapes=dynamic)
+    except Exception as exc:  # noqa: BLE001 - whatever torch.export raises, the reason is the message
+        raise Skip(f"torch.export cannot take the TorchScript model.pt: {_first_line(exc)}") from None
+    settings = {"backend": "inductor", "mode": "aot", "march": "x86-64-v3", "simdlen": 256, "cxx": cxx,
+                "dynamic_batch": [1, max(2, parent.max_batch_size)]}
+    # dynamic_threads: the kernels follow the serving process's thread count (intra_op_threads)
+    # instead of baking in this machine's
+    with inductor_config.patch({"cpp.march": settings["march"], "cpp.simdlen": settings["simdlen"],
+                                "cpp.cxx": (None, cxx), "cpp.dynamic_threads": True}), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch._inductor.aoti_compile_and_package(program, package_path=str(dest / "model.pt2"))
+    return settings
+
+
+def _input_dims(parent: Parent) -> dict[str, tuple[int, ...]]:
+    art_manifest = repo_mod.read_manifest(parent.artifact.parent) or {}
+    return {t["name"]: tuple(int(d) for d in t.get("dims", ())) for t in art_manifest.get("inputs", [])}
 
 
 def _tensorrt_unavailable() -> str | None:
@@ -480,7 +515,7 @@ def _stage(parent: Parent, variant: Variant, artifact: Path, result: VariantResu
            stage: Path) -> list[tuple[Path, Path]]:
     repo, old = parent.repository, parent.version
     sha = result.sha256
-    fmt = {".onnx": "onnx", ".pt": "torchscript", ".plan": "tensorrt_plan"}[artifact.suffix]
+    fmt = {".onnx": "onnx", ".pt": "torchscript", ".pt2": "aot_inductor", ".plan": "tensorrt_plan"}[artifact.suffix]
     lineage = {"parent_version": old, "parent_sha256": parent.manifest.get("sha256"),
                "variant": variant.name, "precision": variant.precision, "settings": result.settings}
     common = {"version": version, "created": _now(), "golden": result.report.as_dict(), "format": fmt,
@@ -559,7 +594,7 @@ def compile_model(repository: Path, model: str, version: int, variants: Iterable
                 progress.step(variant.name, "build")
                 result.settings = variant.build(parent, built) or {}
                 files = [p for p in built.iterdir() if p.is_file()]
-                if len(files) != 1 or files[0].name not in ("model.onnx", "model.pt", "model.plan"):
+                if len(files) != 1 or files[0].name not in ARTIFACTS:
                     raise RuntimeError(f"the build left {sorted(p.name for p in files)}, not one artifact")
                 result.sha256 = sha256_file(files[0])
                 progress.step(variant.name, "goldens")

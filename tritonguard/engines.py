@@ -1,4 +1,5 @@
-"""Load and run a model artifact: ONNX (onnxruntime), TorchScript (torch), TensorRT plan.
+"""Load and run a model artifact: ONNX (onnxruntime), TorchScript (torch), an AOTInductor package
+(``model.pt2``, what ``exporter compile``'s torch_compile variant writes), TensorRT plan.
 
 Shared by the ``runtime`` backend and by the guard's in-process placement, so there is one
 inference code path whichever process runs it.
@@ -6,6 +7,7 @@ inference code path whichever process runs it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +19,10 @@ from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-ARTIFACTS = ("model.onnx", "model.pt", "model.plan")
+ARTIFACTS = ("model.onnx", "model.pt", "model.pt2", "model.plan")
+# what exporter compile builds model.pt2 for (-march=x86-64-v3); checked before loading, because
+# code for a CPU level the host lacks dies of SIGILL, taking the model's process with it
+X86_64_V3_FLAGS = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave")
 
 
 @dataclass(kw_only=True)
@@ -117,6 +122,61 @@ class TorchScriptEngine(Engine):
         return {n: got[n] for n in (outputs or self.output_names)}
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+class _DropIsaNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "AOTI_CPU_ISA" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_isa_notice():
+    """torch warns when the package's vector ISA (AVX2: built portable on purpose) differs from
+    the host's best (e.g. AVX512); the flags check above is what guards against a CPU too old."""
+    logger, drop = logging.getLogger("torch.export.pt2_archive._package"), _DropIsaNotice()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+class AOTInductorEngine(TorchScriptEngine):
+    """An AOTInductor package: inductor's C++ code and the weights, compiled ahead of time."""
+
+    def __init__(self, path: Path, cfg: EngineConfig, input_names: Sequence[str], output_names: Sequence[str]):
+        import platform  # noqa: PLC0415
+
+        import torch  # noqa: PLC0415
+
+        if platform.machine() in ("x86_64", "AMD64"):
+            flags = _cpu_flags()
+            missing = [f for f in X86_64_V3_FLAGS if flags and f not in flags]
+            if missing:
+                raise ConfigError(f"{path.name} is compiled for x86-64-v3; this CPU lacks {', '.join(missing)}")
+        if cfg.intra_op_threads:
+            torch.set_num_threads(cfg.intra_op_threads)
+        self.torch = torch
+        self.path = path
+        try:
+            with _quiet_isa_notice():
+                self.module = torch._inductor.aoti_load_package(str(path))
+        except Exception as exc:  # noqa: BLE001 - a package from another torch version, a truncated file
+            raise ConfigError(f"{path.name}: torch {torch.__version__} cannot load this AOTInductor package: "
+                              f"{type(exc).__name__}: {str(exc).strip()[:300]}") from None
+        self.input_names = tuple(input_names)
+        self.output_names = tuple(output_names)
+
+
 class TensorRTEngine(Engine):
     """A serialized TensorRT engine run through torch CUDA buffers (TensorRT 10 tensor API).
 
@@ -177,6 +237,8 @@ def load_engine(version_dir: Path, cfg: EngineConfig, input_names: Sequence[str]
         return engine
     if path.suffix == ".pt":
         return TorchScriptEngine(path, cfg, input_names, output_names)
+    if path.suffix == ".pt2":
+        return AOTInductorEngine(path, cfg, input_names, output_names)
     if path.suffix == ".plan":
         if not tensorrt_available():
             raise ConfigError(

@@ -22,6 +22,7 @@ from exporter.export import export
 from exporter.sources import ExportSpec, TensorDef, TextFront, load_source
 from tritonguard import repository
 from tritonguard.engines import EngineConfig, load_engine
+from tritonguard.errors import ConfigError
 
 FAST = {"rounds": 5}  # timing rounds: enough to exercise the measurement, short on a shared box
 
@@ -219,7 +220,8 @@ def test_text_variant_gets_tokenizer_encoder_and_pinned_ensemble(tmp_path):
     assert (tmp_path / "txt_raw_v2" / "1").is_dir()
 
 
-def test_torchscript_parent_skips_onnx_variants_and_says_why_torch_compile_cannot(tmp_path):
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor needs a C++ compiler (apt-get install g++)")
+def test_torchscript_parent_gets_an_aot_inductor_variant_that_the_runtime_serves(tmp_path):
     class Tiny(nn.Module):
         def __init__(self):
             super().__init__()
@@ -229,13 +231,36 @@ def test_torchscript_parent_skips_onnx_variants_and_says_why_torch_compile_canno
         def forward(self, x):
             return torch.softmax(self.fc(x), dim=-1)
 
+    module = Tiny().eval()
     x = np.random.default_rng(1).uniform(0, 1, size=(16, 4)).astype(np.float32)
-    spec = ExportSpec(module=Tiny().eval(), inputs=[TensorDef(name="X", dtype="float32", dims=(4,))],
+    spec = ExportSpec(module=module, inputs=[TensorDef(name="X", dtype="float32", dims=(4,))],
                       outputs=[TensorDef(name="P", dtype="float32", dims=(3,))], golden_inputs={"X": x},
                       task="classifier", max_batch_size=8)
     export(spec, name="ts", repository=tmp_path, source="test:ts", fmt="torchscript")
-    _, results = compile_model(tmp_path, "ts", 1, ["ort_opt", "torch_compile"], registry=None, **FAST)
+    # speed floor off: a 4x3 layer is all call overhead, its ratio is noise either way
+    _, results = compile_model(tmp_path, "ts", 1, ["ort_opt", "torch_compile"], registry=None,
+                               min_speedup=0.0, **FAST)
     by = {r.variant: r for r in results}
     assert by["ort_opt"].verdict == SKIPPED and by["ort_opt"].reason == "parent is model.pt, ort_opt needs model.onnx"
-    assert by["torch_compile"].verdict == SKIPPED and "torch.compile" in by["torch_compile"].reason
-    assert repository.versions(tmp_path / "ts_raw") == [1]
+    tc = by["torch_compile"]
+    assert tc.verdict == ADMITTED, tc.reason
+    assert tc.report.verdict == "PASS" and tc.timing.ratio > 0 and tc.version == 2
+    assert tc.settings["march"] == "x86-64-v3" and tc.settings["dynamic_batch"] == [1, 8]
+    vdir = tmp_path / "ts_raw" / "2"
+    assert sorted(p.name for p in vdir.iterdir() if p.suffix.startswith(".pt")) == ["model.pt2"]
+    manifest = repository.read_manifest(vdir)
+    assert manifest["format"] == "aot_inductor" and manifest["artifact"] == "model.pt2"
+    assert manifest["lineage"]["variant"] == "torch_compile" and manifest["lineage"]["parent_version"] == 1
+    # the runtime backend's engine: every batch size up to max_batch_size, the module's answers
+    engine = load_engine(vdir, EngineConfig(intra_op_threads=1), ["X"], ["P"])
+    assert type(engine).__name__ == "AOTInductorEngine"
+    for n in (1, 3, 8):
+        with torch.inference_mode():
+            want = module(torch.from_numpy(x[:n])).numpy()
+        np.testing.assert_allclose(engine.run({"X": x[:n]})["P"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_aot_inductor_package_that_cannot_load_is_a_config_error(tmp_path):
+    (tmp_path / "model.pt2").write_bytes(b"PK\x03\x04 not a package")
+    with pytest.raises(ConfigError, match="cannot load this AOTInductor package"):
+        load_engine(tmp_path, EngineConfig(), ["X"], ["P"])
