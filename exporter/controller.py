@@ -10,10 +10,15 @@ the step began with :func:`exporter.gates.evaluate`, then
 - INCONCLUSIVE (too little traffic, missing metrics): hold; never advance. ``max_step_s``
   optionally turns a step that stays inconclusive that long into a rollback.
 
-Modes: ``split`` (A/B: the steps are the candidate's share of live traffic) and ``shadow``
+Modes: ``split`` (A/B: the steps are the candidate's share of live traffic), ``shadow``
 (the steps are ``shadow_share``: the candidate runs on mirrored traffic, its answers are
-discarded, its share stays 0). A/B/n (several candidates at once) is not supported: the state
-document holds one candidate.
+discarded, its share stays 0) and ``abn`` (A/B/n: several versions with weights, ``arms``
+{version: full weight}; at step s % each live arm gets s % of its weight, through the state's
+``arms``). In ``abn`` every arm is judged on its own window against the primary; a failing arm
+is taken out alone (``on_rollback`` for it) while the others go on; the step advances when every
+live arm passes; after the last step the arms stay at their full weights (``done``): an A/B/n
+experiment has no single winner to promote, an operator ends it (``route --arms none``, then
+``promote`` the winner). Every arm failing is a rollback.
 
 The routing change goes through :func:`tritonguard.state.open_store`, the store the guards poll.
 Progress (step, step start, look, the step's baseline readings, status, the configuration) is a
@@ -37,9 +42,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tritonguard.state import Candidate, RolloutState, StateError, open_store
+from tritonguard.state import Arm, Candidate, RolloutState, StateError, open_store
 
-from .gates import FAIL, PASS, GateConfig, GateReport, GuardReadings, evaluate, scrape
+from .gates import FAIL, INCONCLUSIVE, PASS, GateConfig, GateReport, GuardReadings, evaluate, scrape
 from .progress import LEASE_S, PROGRESS_FILE, ControllerError, ProgressUnavailable, open_progress
 
 __all__ = ["PROGRESS_FILE", "ControllerError", "ProgressUnavailable", "RolloutConfig", "RolloutController",
@@ -57,7 +62,8 @@ Reader = Callable[[int, int], GuardReadings]  # (primary, candidate) -> readings
 @dataclass(kw_only=True)
 class RolloutConfig:
     steps: tuple[float, ...] = (1, 5, 10, 25, 50, 100)  # percent of traffic (or mirrored traffic)
-    mode: str = "split"  # "split" or "shadow"
+    mode: str = "split"  # "split", "shadow" or "abn"
+    arms: dict[int, float] | None = None  # abn: version -> full traffic weight (fraction)
     dwell_s: float = 300.0  # minimum time at each step
     interval_s: float = 30.0  # time between looks
     max_step_s: float | None = None  # an inconclusive step this old rolls back; None: hold forever
@@ -69,8 +75,16 @@ class RolloutConfig:
         if not self.steps or any(not 0 < s <= 100 for s in self.steps) or \
                 list(self.steps) != sorted(set(self.steps)):
             raise ValueError(f"rollout.steps must be increasing percentages in (0, 100], got {self.steps}")
-        if self.mode not in ("split", "shadow"):
-            raise ValueError(f"rollout.mode must be 'split' or 'shadow', got {self.mode!r}")
+        if self.mode not in ("split", "shadow", "abn"):
+            raise ValueError(f"rollout.mode must be 'split', 'shadow' or 'abn', got {self.mode!r}")
+        if self.mode == "abn":
+            arms = {int(v): float(w) for v, w in (self.arms or {}).items()}
+            if not arms or any(not 0 < w < 1 for w in arms.values()) or sum(arms.values()) >= 1:
+                raise ValueError(f"rollout.arms (abn) must give each version a weight in (0, 1), summing "
+                                 f"below 1 (the primary answers the rest), got {self.arms}")
+            self.arms = arms
+        elif self.arms:
+            raise ValueError(f"rollout.arms is for mode 'abn', not {self.mode!r}")
         if self.dwell_s < 0 or self.interval_s <= 0:
             raise ValueError("rollout.dwell_s must be >= 0 and rollout.interval_s > 0")
         if self.max_step_s is not None and self.max_step_s < self.dwell_s:
@@ -84,7 +98,8 @@ class RolloutConfig:
         gates = dict(d.get("gates", {}))
         if "agree_verdicts" in gates:
             gates["agree_verdicts"] = tuple(gates["agree_verdicts"])
-        return cls(**{**d, "steps": tuple(d["steps"]), "gates": GateConfig(**gates)})
+        return cls(**{**d, "steps": tuple(d["steps"]), "gates": GateConfig(**gates),
+                      "arms": {int(v): w for v, w in d["arms"].items()} if d.get("arms") else None})
 
 
 @dataclass(kw_only=True)
@@ -105,7 +120,13 @@ class Progress:
     last_report: dict[str, Any] | None = None
     reason: str = ""
     updated_at: float = 0.0
+    # abn: per arm ("<version>"): weight, status, and its own window (baseline, look, reference,
+    # last_report, reason); the fields above then describe the rollout as a whole
+    arms: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+
+    def live_arms(self) -> list[int]:
+        return [int(v) for v, a in self.arms.items() if a["status"] == RUNNING]
 
     @property
     def share(self) -> float:
@@ -167,9 +188,12 @@ class RolloutController:
             return last
 
     # -- commands -----------------------------------------------------------------------------
-    def start(self, candidate: int, primary: int | None = None) -> Progress:
-        """Route the first step to ``candidate`` and persist the rollout as running."""
+    def start(self, candidate: int | None = None, primary: int | None = None) -> Progress:
+        """Route the first step to ``candidate`` (``abn``: to the configured arms; no candidate)
+        and persist the rollout as running."""
         cfg = self.config
+        if (cfg.mode == "abn") != (candidate is None):
+            raise ControllerError("an abn rollout takes its versions from rollout.arms, the others one candidate")
         with self._lock():
             old = self.status()
             if old is not None and old.status in ACTIVE:
@@ -180,6 +204,8 @@ class RolloutController:
             if primary < 1:
                 raise ControllerError(f"'{self.model}' has no pinned primary version: pass primary=N "
                                       "(or route --primary N) before a rollout")
+            if cfg.mode == "abn":
+                return self._start_arms(cfg, state, primary)
             if candidate == primary:
                 raise ControllerError(f"v{candidate} is already the primary of '{self.model}'")
             if state.arms:
@@ -217,6 +243,8 @@ class RolloutController:
             if p.status != RUNNING:
                 return p
             cfg = self._config(p)
+            if p.mode == "abn":
+                return self._tick_arms(p, cfg)
             state = self.store.load()
             if state is None or state.candidate is None or state.candidate.version != p.candidate:
                 return self._finish(p, ABORTED, "the candidate was changed outside the controller",
@@ -343,6 +371,8 @@ class RolloutController:
         return self._save(p)
 
     def _finish(self, p: Progress, status: str, reason: str, *, touch_state: bool = True) -> Progress:
+        if p.mode == "abn":
+            return self._finish_arms(p, status, reason, p.live_arms() if touch_state else [])
         if touch_state:
             def remove(s: RolloutState) -> RolloutState:
                 if s.candidate is not None and s.candidate.version == p.candidate:
@@ -354,6 +384,133 @@ class RolloutController:
         self._save(p)
         log.warning("rollout of '%s' v%d %s: %s", self.model, p.candidate, status, reason)
         self._hook(self.on_rollback, p.candidate, reason)
+        return p
+
+    # -- A/B/n ----------------------------------------------------------------------------------
+    def _start_arms(self, cfg: RolloutConfig, state: RolloutState, primary: int) -> Progress:
+        """Under the lock: route the first step's weights to every arm."""
+        assert cfg.arms is not None
+        if primary in cfg.arms:
+            raise ControllerError(f"v{primary} is the primary of '{self.model}': it cannot be an arm")
+        if state.candidate is not None:
+            raise ControllerError(f"'{self.model}' has a candidate (v{state.candidate.version}): an A/B/n "
+                                  "rollout needs none")
+        share = cfg.steps[0] / 100
+
+        def route(s: RolloutState) -> RolloutState:
+            if s.primary != primary:
+                if s.primary > 0:
+                    s.previous_primary = s.primary
+                s.primary = primary
+            s.arms = [Arm(v, w * share) for v, w in cfg.arms.items()]
+            for v in cfg.arms:
+                s.breakers.pop(str(v), None)
+            return s
+
+        self.store.update(route, by=self.by)
+        now = self.clock()
+        arms = {str(v): {"weight": w, "status": RUNNING, "baseline": None, "look": 0, "reference": None,
+                         "last_report": None, "reason": ""} for v, w in cfg.arms.items()}
+        p = self._save(Progress(model=self.model, candidate=min(cfg.arms), primary=primary, mode="abn",
+                                steps=list(cfg.steps), config=cfg.to_dict(), step_started_at=now,
+                                started_at=now, arms=arms))
+        log.info("A/B/n rollout of '%s' started: %s at %g %% of their weights", self.model,
+                 ", ".join(f"v{v}={w:g}" for v, w in cfg.arms.items()), cfg.steps[0])
+        self._hook(self.on_step, 0, share, None)
+        return p
+
+    def _route_arms(self, p: Progress, share: float) -> None:
+        live = {v: p.arms[str(v)]["weight"] * share for v in p.live_arms()}
+
+        def route(s: RolloutState) -> RolloutState:
+            s.arms = [Arm(a.version, live[a.version]) for a in s.arms if a.version in live]
+            return s
+
+        self.store.update(route, by=self.by)
+
+    def _look_arm(self, arm: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig) -> GateReport | None:
+        """One look at one arm's window; None while only its baseline was taken (or retaken)."""
+        if arm["baseline"] is None:
+            arm["baseline"], arm["reason"] = readings.to_dict(), "baseline taken"
+            return None
+        arm["look"] += 1
+        ref = {float(k): v for k, v in arm["reference"].items()} if arm["reference"] else None
+        report = evaluate(GuardReadings.from_dict(arm["baseline"]), readings, cfg.gates, look=arm["look"],
+                          mode="split", primary_reference=ref)
+        arm["last_report"], arm["reason"] = report.to_dict(), report.summary()
+        if report.reset:
+            arm["baseline"], arm["look"] = readings.to_dict(), 0
+            return None
+        used = report.primary_latency
+        if used and ref is None and max(used.values(), default=0) >= cfg.gates.min_latency_samples:
+            arm["reference"] = used
+        return report
+
+    def _tick_arms(self, p: Progress, cfg: RolloutConfig) -> Progress:
+        state = self.store.load()
+        live = p.live_arms()
+        routed = {a.version for a in state.arms} if state is not None else set()
+        if not set(live) <= routed:
+            return self._finish_arms(p, ABORTED, "the arms were changed outside the controller", [])
+        try:
+            readings = {v: self.reader(p.primary, v) for v in live}
+        except Exception as exc:  # noqa: BLE001 - unreachable metrics: hold, never pass
+            log.warning("rollout of '%s': metrics unavailable: %s", self.model, exc)
+            p.reason = f"metrics unavailable: {type(exc).__name__}: {exc}"
+            return self._timeout(p, cfg) or self._save(p)
+        p.look += 1
+        verdicts: dict[int, str] = {}
+        failed: list[int] = []
+        for v in live:
+            self._breaker_from_state(readings[v], state, v)
+            arm = p.arms[str(v)]
+            report = self._look_arm(arm, readings[v], cfg)
+            if report is None:
+                continue
+            verdicts[v] = report.verdict
+            if report.verdict == FAIL:
+                arm["status"], arm["reason"] = ROLLED_BACK, f"gate failed at {p.share:.0%}: {report.summary()}"
+                failed.append(v)
+        if failed:
+            self._route_arms(p, p.share)  # the failed arms leave; the others keep their weights
+            for v in failed:
+                log.warning("rollout of '%s': arm v%d rolled back: %s", self.model, v, p.arms[str(v)]["reason"])
+                self._hook(self.on_rollback, v, p.arms[str(v)]["reason"])
+        live = p.live_arms()
+        overall = FAIL if not live else PASS if all(verdicts.get(v) == PASS for v in live) else INCONCLUSIVE
+        p.last_report = {"verdict": overall, "arms": {v: a["last_report"] for v, a in p.arms.items()}}
+        p.reason = "; ".join(f"v{v}: {a['reason']}" for v, a in p.arms.items())
+        if not live:
+            p.status = ROLLED_BACK
+            return self._save(p)
+        dwelt = self.clock() - p.step_started_at >= cfg.dwell_s
+        if not dwelt or any(verdicts.get(v) != PASS for v in live):
+            return self._timeout(p, cfg) or self._save(p)
+        if p.step_index + 1 < len(p.steps):
+            p.step_index += 1
+            self._route_arms(p, p.share)
+            p.step_started_at = self.clock()
+            for v in live:
+                p.arms[str(v)].update(baseline=readings[v].to_dict(), look=0)
+            self._save(p)
+            log.info("A/B/n rollout of '%s': step %d, %g %% of the arms' weights", self.model, p.step_index,
+                     p.share * 100)
+            self._hook(self.on_step, p.step_index, p.share, None)
+            return p
+        p.status, p.reason = DONE, (f"every step passed: {', '.join(f'v{v}' for v in live)} at full weight; "
+                                    "end the split with route --arms none, promote the winner")
+        return self._save(p)
+
+    def _finish_arms(self, p: Progress, status: str, reason: str, remove: list[int]) -> Progress:
+        for v in remove:
+            p.arms[str(v)].update(status=status, reason=reason)
+        if remove:
+            self._route_arms(p, p.share)
+        p.status, p.reason = status, reason
+        self._save(p)
+        log.warning("A/B/n rollout of '%s' %s: %s", self.model, status, reason)
+        for v in remove:
+            self._hook(self.on_rollback, v, reason)
         return p
 
     def _timeout(self, p: Progress, cfg: RolloutConfig) -> Progress | None:

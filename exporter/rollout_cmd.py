@@ -70,9 +70,17 @@ def _controller(model: str, repository: Path, urls: list[str], *, approver: str 
                              on_promote=on_promote, on_rollback=on_rollback, on_step=on_step), reg, target
 
 
+def _who(progress) -> str:
+    """``v2``, or for an A/B/n rollout ``arms v2=0.3, v3 (rolled_back)``."""
+    if progress.mode != "abn":
+        return f"v{progress.candidate}"
+    return "arms " + ", ".join(f"v{v}={a['weight']:g}" + ("" if a["status"] == "running" else f" ({a['status']})")
+                               for v, a in progress.arms.items())
+
+
 def _exit_for(progress) -> None:
     style = {"done": "green", "running": "yellow", "paused": "yellow"}.get(progress.status, "red")
-    out.print(f"[bold]{progress.model}[/] v{progress.candidate}: [{style}]{progress.status}[/] at step "
+    out.print(f"[bold]{progress.model}[/] {_who(progress)}: [{style}]{progress.status}[/] at step "
               f"{progress.step_index + 1}/{len(progress.steps)} ({progress.steps[progress.step_index]:g} %): "
               f"{progress.reason}")
     if progress.status in ("rolled_back", "aborted"):
@@ -87,7 +95,7 @@ Servers = Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP
 
 def promote(
     model: Model,
-    version: Annotated[int, typer.Option("--version", help="Version of the guard's target to promote.")],
+    version: Annotated[int | None, typer.Option("--version", help="Version of the guard's target to promote.")] = None,
     to: Annotated[str, typer.Option("--to", help="staging (registered, loaded, no traffic) or production.")] = "production",
     rollout: Annotated[bool, typer.Option("--rollout/--no-rollout", help="production: walk the traffic steps "
                                           "with gates (default), or switch at once (goldens still apply).")] = True,
@@ -97,6 +105,9 @@ def promote(
     repository: Repository = Path("model_repository"),
     primary: Annotated[int | None, typer.Option(help="Primary version (default: the state's).")] = None,
     mode: Annotated[str, typer.Option(help="split (A/B share) or shadow (mirrored traffic).")] = "split",
+    arms: Annotated[str | None, typer.Option("--arms", help="A/B/n instead of --version: VERSION=WEIGHT,... "
+                    "(e.g. 2=0.3,3=0.2); each arm walks the steps at that share of its weight, gated on "
+                    "its own; a failing arm leaves alone; the rest stay at full weight.")] = None,
     steps: Annotated[str, typer.Option(help="Percent steps.")] = "1,5,10,25,50,100",
     dwell_s: Annotated[float, typer.Option(help="Minimum seconds at each step.")] = 300.0,
     interval_s: Annotated[float, typer.Option(help="Seconds between looks.")] = 30.0,
@@ -112,7 +123,7 @@ def promote(
     approve_cmd: Annotated[list[str] | None, typer.Option(help="Shell command that must exit 0 before PRODUCTION (repeat).")] = None,
     detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
 ) -> None:
-    """Register VERSION, load it on the servers, and stage it or roll it out to production."""
+    """Register VERSION (or each --arms version), load it on the servers, and stage it or roll it out."""
     from tritonguard.repository import read_manifest  # noqa: PLC0415
     from tritonguard.state import open_store  # noqa: PLC0415
 
@@ -127,9 +138,20 @@ def promote(
     try:
         if to not in ("staging", "production"):
             raise ValueError(f"--to must be staging or production, got {to!r}")
+        if (version is None) == (arms is None):
+            raise ValueError("pass --version N (one candidate) or --arms V=W,... (A/B/n), not both or neither")
+        arm_weights = None
+        if arms is not None:
+            from .route import parse_arms  # noqa: PLC0415
+
+            arm_weights = dict(parse_arms(arms))
+            if not arm_weights or to != "production" or not rollout:
+                raise ValueError("--arms needs at least one VERSION=WEIGHT and a gated rollout to production")
+            mode = "abn"
         config = None
         if to == "production" and rollout:
-            config = RolloutConfig(steps=tuple(float(s) for s in steps.split(",")), mode=mode, dwell_s=dwell_s,
+            config = RolloutConfig(steps=tuple(float(s) for s in steps.split(",")), mode=mode, arms=arm_weights,
+                                   dwell_s=dwell_s,
                                    interval_s=interval_s, max_step_s=max_step_s,
                                    gates=GateConfig(min_requests=min_requests, max_error_rate=max_error_rate,
                                                     min_compared=min_compared, min_agreement=min_agreement,
@@ -154,16 +176,33 @@ def promote(
         # a later `rollback` has somewhere to go back to
         state = open_store(model, repository).load()
         serving = primary or (state.primary if state else -1)
-        if reg.production(model) is None and serving > 0 and serving != version:
+        if reg.production(model) is None and serving > 0 and serving not in (version, *(arm_weights or ())):
             stage = register(serving).stage
             if stage != "PRODUCTION":
                 reg.transition(model, serving, "PRODUCTION", stage, approver, reason="serving before rollout")
-        info = register(version)
-        for item in ensure_loaded(servers, repository, model, version):
-            err.print(f"[green]✓[/] loaded {item}")
-        if info.stage in ("DRAFT", "ARCHIVED"):
-            reason = "staged" if to == "staging" else "rollout started"
-            info = reg.transition(model, version, "STAGING", info.stage, approver, reason=reason)
+
+        def stage_version(v: int):
+            info = register(v)
+            for item in ensure_loaded(servers, repository, model, v):
+                err.print(f"[green]✓[/] loaded {item}")
+            if info.stage in ("DRAFT", "ARCHIVED"):
+                reason = "staged" if to == "staging" else "rollout started"
+                info = reg.transition(model, v, "STAGING", info.stage, approver, reason=reason)
+            return info
+
+        if arm_weights is not None:
+            for v in arm_weights:
+                stage_version(v)
+            progress = ctl.start(None, primary=primary)
+            if not detach:
+                progress = ctl.run()
+            else:
+                out.print(f"[bold]{model}[/]: A/B/n rollout of {arms} started at {progress.steps[0]:g} % of the "
+                          f"weights; drive it with `exporter rollout resume {model} --server …`")
+                return
+            _exit_for(progress)
+            return
+        info = stage_version(version)
         if to == "staging":
             out.print(f"[bold]{model}[/] v{version}: STAGING (no traffic; `promote --to production` rolls it out)")
             return
@@ -207,7 +246,7 @@ def rollback(
         if progress is not None and progress.status in ACTIVE:
             progress = ctl.abort(reason)
             _purge(repository, model, "rollback")
-            out.print(f"[bold]{model}[/]: rollout of v{progress.candidate} aborted, candidate removed")
+            out.print(f"[bold]{model}[/]: rollout of {_who(progress)} aborted, taken out of the routing")
             return
         target_version = reg.previous_production(model)
         if target_version is None:
@@ -242,11 +281,13 @@ def rollout_status(
     if progress is None:
         out.print(f"{model}: no rollout")
         return
-    out.print(f"[bold]{model}[/] v{progress.candidate} ({progress.mode}) {progress.status}, step "
+    out.print(f"[bold]{model}[/] {_who(progress)} ({progress.mode}) {progress.status}, step "
               f"{progress.step_index + 1}/{len(progress.steps)} at {progress.steps[progress.step_index]:g} %, "
               f"look {progress.look}: {progress.reason}")
-    for g in (progress.last_report or {}).get("gates", []):
-        out.print(f"  {g['name']:<11} {g['verdict']:<12} n={g['samples']:<7} {g['reason']}")
+    reports = {f"v{v}": a.get("last_report") for v, a in progress.arms.items()} or {"": progress.last_report}
+    for who, report in reports.items():
+        for g in (report or {}).get("gates", []):
+            out.print(f"  {who:<4}{g['name']:<11} {g['verdict']:<12} n={g['samples']:<7} {g['reason']}")
 
 
 @rollout_app.command("abort")
@@ -261,7 +302,7 @@ def rollout_abort(model: Model, repository: Repository = Path("model_repository"
     except ControllerError as exc:
         err.print(f"[bold red]✗ abort failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    out.print(f"[bold]{model}[/] v{progress.candidate}: aborted, candidate removed ({reason})")
+    out.print(f"[bold]{model}[/] {_who(progress)}: aborted, taken out of the routing ({reason})")
 
 
 @rollout_app.command("pause")

@@ -169,7 +169,9 @@ def live(repository: Path, metrics_urls: list[str]) -> list[dict[str, Any]]:
             entry["rollout"] = None if p is None else {
                 "candidate": p.candidate, "primary": p.primary, "mode": p.mode, "status": p.status,
                 "step": p.step_index + 1, "steps": p.steps, "share": p.share, "look": p.look,
-                "reason": p.reason, "gates": (p.last_report or {}).get("gates", [])}
+                "reason": p.reason, "gates": (p.last_report or {}).get("gates", []),
+                "arms": {v: {"weight": a["weight"], "status": a["status"], "reason": a["reason"],
+                             "gates": (a.get("last_report") or {}).get("gates", [])} for v, a in p.arms.items()}}
         except ControllerError as exc:
             entry["rollout"] = {"error": str(exc)}
         entry["stages"] = _registry_stages(repository, name)
@@ -205,10 +207,15 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
             console.print("  registry: " + ", ".join(f"v{v} {s}" for v, s in sorted(stages.items())))
         r = g.get("rollout")
         if r and "error" not in r:
-            console.print(f"  rollout v{r['candidate']} ({r['mode']}): {r['status']}, step {r['step']}/{len(r['steps'])} "
+            who = (", ".join(f"v{v}={a['weight']:g} {a['status']}" for v, a in r["arms"].items())
+                   if r.get("arms") else f"v{r['candidate']}")
+            console.print(f"  rollout {who} ({r['mode']}): {r['status']}, step {r['step']}/{len(r['steps'])} "
                           f"at {r['share']:.0%}, look {r['look']}: {r['reason']}")
-            for gate in r["gates"]:
-                console.print(f"    {gate['name']:<11} {gate['verdict']:<12} n={gate['samples']:<7} {gate['reason']}")
+            windows = {f"v{v} ": a["gates"] for v, a in r["arms"].items()} if r.get("arms") else {"": r["gates"]}
+            for prefix, gates in windows.items():
+                for gate in gates:
+                    console.print(f"    {prefix}{gate['name']:<11} {gate['verdict']:<12} n={gate['samples']:<7} "
+                                  f"{gate['reason']}")
         elif r:
             console.print(f"  rollout: [red]{r['error']}[/]")
         met = g.get("metrics")

@@ -344,3 +344,34 @@ def test_status_shows_stages_rollout_gates_and_live_breakers(ctx):
         assert live["breaker"].get(str(v[f])) == max(codes), (f, live["breaker"], codes)
     r = cli(ctx, "status", *server_args(ctx))
     assert r.returncode == 0 and "rollout v" in r.stdout and "breaker v" in r.stdout, r.stdout
+
+
+def test_abn_rollout_gates_each_arm_and_drops_only_the_bad_one(ctx):
+    """From good_b primary: `promote --arms good_c=0.3,nan_subset=0.2` walks both arms through the
+    steps; the NaN arm fails its own gates and leaves (ARCHIVED), the good one ends at its full
+    weight (STAGING: an A/B/n split promotes nobody); users see <= 1 % errors, all answered."""
+    v = ctx["v"]
+    good, bad = v["good_c"], v["nan_subset"]
+    with Traffic(ctx, seed=11) as traffic:
+        r = cli(ctx, "promote", "digits", "--arms", f"{good}=0.3,{bad}=0.2", "--steps", "50,100", *GATES,
+                *server_args(ctx))
+    print(f"abn: {progress(ctx)['reason']}; traffic {traffic.report()}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "done" in r.stdout and f"v{bad}=0.2 (rolled_back)" in r.stdout, r.stdout
+    p = progress(ctx)
+    assert p["mode"] == "abn" and p["status"] == "done"
+    assert p["arms"][str(bad)]["status"] == "rolled_back" and p["arms"][str(good)]["status"] == "running"
+    st = state(ctx)
+    assert st["arms"] == [{"version": good, "weight": 0.3}] and st["candidate"] is None
+    assert st["primary"]["version"] == v["good_b"]
+    reg = registry(ctx)
+    assert reg.stage("digits", bad) == "ARCHIVED" and reg.stage("digits", good) == "STAGING"
+    assert reg.production("digits") == v["good_b"]
+    assert traffic.served.get(f"digits_raw:{good}", 0) > 0
+    assert traffic.sent == traffic.ok + len(traffic.errors) and traffic.sent > 0
+    assert len(traffic.errors) <= 0.01 * traffic.sent, traffic.report()
+    r = cli(ctx, "status", *server_args(ctx))
+    assert r.returncode == 0 and f"v{good}=0.3 running" in r.stdout, r.stdout
+    # the experiment ends by hand: no arms, good_b answers everything again
+    r = cli(ctx, "route", "digits", "--arms", "none")
+    assert r.returncode == 0 and state(ctx)["arms"] == [], r.stdout + r.stderr

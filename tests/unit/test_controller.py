@@ -345,7 +345,7 @@ def test_start_refuses_while_an_abn_split_runs(env):
 @pytest.mark.parametrize("kwargs, message", [
     ({"steps": (5, 1)}, "increasing"),
     ({"steps": (0, 50)}, "increasing"),
-    ({"mode": "abn"}, "mode"),
+    ({"mode": "canary"}, "mode"),
     ({"dwell_s": 600, "max_step_s": 60}, "max_step_s"),
 ])
 def test_config_is_validated(kwargs, message):
@@ -473,3 +473,131 @@ def test_redis_abort_from_another_process_stops_a_live_driver(redis_env, redis_s
             child.kill()
             child.wait(timeout=10)
     assert r.get(f"tritonguard:rollout:{MODEL}:driver") is None, "the driver left its lease behind"
+
+
+# -- A/B/n: several arms with weights, each gated on its own ------------------------------------
+class ArmTraffic:
+    """``rate`` req/s since the last look, split by the state's arm weights (the primary answers
+    the rest); per-version errors, canary comparisons and latency, as the guards label them."""
+
+    def __init__(self, store, clock, *, rate=400, err=None, ms=None):
+        self.store, self.clock, self.rate = store, clock, rate
+        self.err, self.ms = err or {}, ms or {}
+        self.last = clock()
+        self.served: dict[int, float] = {}
+        self.errors: dict[int, float] = {}
+        self.compared: dict[int, float] = {}
+        self.latency: dict[int, np.ndarray] = {}
+
+    def _generate(self) -> None:
+        now, state = self.clock(), self.store.load()
+        n = self.rate * (now - self.last)
+        self.last = now
+        rest = n
+        for arm in state.arms:
+            k = round(n * arm.weight)
+            rest -= k
+            self._serve(arm.version, k)
+        self._serve(state.primary, round(rest), compared=False)
+
+    def _serve(self, v: int, k: int, compared: bool = True) -> None:
+        bad = round(k * self.err.get(v, 0.0))
+        self.served[v] = self.served.get(v, 0.0) + k - bad
+        self.errors[v] = self.errors.get(v, 0.0) + bad
+        if compared:
+            self.compared[v] = self.compared.get(v, 0.0) + k - bad
+        shape = _shape(self.ms.get(v, 2.0) / 1000)
+        self.latency[v] = self.latency.get(v, np.zeros(len(LE))) + np.round((k - bad) * shape)
+
+    def __call__(self, primary: int, arm: int) -> GuardReadings:
+        if self.clock() > self.last:
+            self._generate()
+        vs = (primary, arm)
+        return GuardReadings(
+            model=MODEL, primary=primary, candidate=arm, breaker_state=0, replicas=1,
+            served={v: self.served.get(v, 0.0) for v in vs}, errors={v: self.errors.get(v, 0.0) for v in vs},
+            compared={"canary": {"PASS": self.compared.get(arm, 0.0)}},
+            latency={v: dict(zip(LE, self.latency.get(v, np.zeros(len(LE))).tolist(), strict=True)) for v in vs})
+
+
+def test_abn_good_arms_walk_every_step_and_stay_at_full_weight(env):
+    _, clock, store = env
+    hooks = Hooks()
+    c = controller(env, ArmTraffic(store, clock), hooks, mode="abn", arms={2: 0.2, 3: 0.1})
+    c.start()
+    assert store.load().arms == [Arm(2, pytest.approx(0.002)), Arm(3, pytest.approx(0.001))]
+    p = c.run(max_ticks=5000)
+    assert p.status == DONE and "route --arms none" in p.reason, p.reason
+    assert [round(share, 2) for _, share, _ in hooks.steps] == [0.01, 0.05, 0.10, 0.25, 0.5, 1.0]
+    state = store.load()
+    assert state.arms == [Arm(2, pytest.approx(0.2)), Arm(3, pytest.approx(0.1))]
+    assert state.primary == 1 and state.candidate is None and not hooks.promoted and not hooks.rolled_back
+    assert {v: a["status"] for v, a in p.arms.items()} == {"2": RUNNING, "3": RUNNING}
+    assert all(g["verdict"] == "PASS" for a in p.last_report["arms"].values() for g in a["gates"])
+
+
+def test_abn_bad_arm_leaves_alone_and_the_others_go_on(env):
+    _, clock, store = env
+    hooks = Hooks()
+    c = controller(env, ArmTraffic(store, clock, err={3: 0.2}), hooks, mode="abn", arms={2: 0.3, 3: 0.3})
+    c.start()
+    seen = []
+    while c.status().status == RUNNING and len(seen) < 5000:
+        p = c.tick()
+        seen.append((p.step_index, [a.version for a in store.load().arms]))
+        clock.sleep(30)
+    p = c.status()
+    assert p.status == DONE
+    assert [v for v, _ in hooks.rolled_back] == [3] and "error_rate FAIL" in hooks.rolled_back[0][1]
+    assert p.arms["3"]["status"] == ROLLED_BACK and p.arms["2"]["status"] == RUNNING
+    # v3 left at the first step; v2 walked on alone
+    gone = next(step for step, versions in seen if versions == [2])
+    assert gone == 0 and store.load().arms == [Arm(2, pytest.approx(0.3))]
+
+
+def test_abn_every_arm_failing_is_a_rollback(env):
+    _, clock, store = env
+    hooks = Hooks()
+    c = controller(env, ArmTraffic(store, clock, err={2: 0.2, 3: 0.3}), hooks, mode="abn",
+                   arms={2: 0.3, 3: 0.3})
+    c.start()
+    p = c.run(max_ticks=500)
+    assert p.status == ROLLED_BACK and store.load().arms == []
+    assert sorted(v for v, _ in hooks.rolled_back) == [2, 3]
+
+
+def test_abn_abort_and_slow_arm(env):
+    _, clock, store = env
+    hooks = Hooks()
+    c = controller(env, ArmTraffic(store, clock, rate=4000, ms={3: 5.0}), hooks, mode="abn",
+                   arms={2: 0.2, 3: 0.2})
+    c.start()
+    c.run(max_ticks=30)
+    p = c.status()
+    assert p.arms["3"]["status"] == ROLLED_BACK and "latency FAIL" in p.arms["3"]["reason"]
+    p = controller(env, ArmTraffic(store, clock)).abort("experiment over")
+    assert p.status == ABORTED and store.load().arms == [] and store.load().primary == 1
+    assert [v for v, _ in hooks.rolled_back] == [3]  # the abort's hook ran in the other controller
+
+
+def test_abn_start_is_validated(env):
+    repo, clock, store = env
+    with pytest.raises(ControllerError, match="rollout.arms"):
+        controller(env, ArmTraffic(store, clock), mode="abn", arms={2: 0.3}).start(2)
+    with pytest.raises(ControllerError, match="primary"):
+        controller(env, ArmTraffic(store, clock), mode="abn", arms={1: 0.3}).start()
+    store.update(lambda s: setattr(s, "candidate", Candidate(4, 0.1)) or s)
+    with pytest.raises(ControllerError, match="candidate"):
+        controller(env, ArmTraffic(store, clock), mode="abn", arms={2: 0.3}).start()
+    assert store.load().arms == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "abn"}, "arms"),
+    ({"mode": "abn", "arms": {2: 0.6, 3: 0.4}}, "summing below 1"),
+    ({"mode": "abn", "arms": {2: 0.0}}, "in \\(0, 1\\)"),
+    ({"mode": "split", "arms": {2: 0.3}}, "for mode 'abn'"),
+])
+def test_abn_config_is_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutConfig(**kwargs)
