@@ -645,9 +645,9 @@ def compile_model(repository: Path, model: str, version: int, variants: Iterable
 def _register_all(parent: Parent, admitted: list[VariantResult], registry: Any) -> None:
     try:
         if isinstance(registry, str):
-            from .registry import Registry, default_uri  # noqa: PLC0415 - MLflow costs seconds to import
+            from .registry import open_registry  # noqa: PLC0415 - MLflow costs seconds to import
 
-            registry = Registry(default_uri(parent.repository))
+            registry = open_registry(parent.repository)
     except Exception as exc:  # noqa: BLE001 - the versions are written and valid; say what failed
         for r in admitted:
             r.registry = f"failed: {_first_line(exc)}"

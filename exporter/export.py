@@ -113,7 +113,7 @@ def register_version(result: ExportResult, spec: ExportSpec, repository: Path, *
     ``result.registration_error``. Runs in a daemon thread so that a registry that hangs costs
     at most ``timeout`` seconds (register() is idempotent: a later ``promote`` registers a
     version whose registration did not finish)."""
-    from .registry import Registry, default_uri  # noqa: PLC0415 - imports mlflow lazily, on use
+    from .registry import default_uri, open_registry  # noqa: PLC0415 - imports mlflow lazily, on use
 
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # no "creating tables" INFO lines
     uri = result.registry_uri = default_uri(repository)
@@ -126,7 +126,7 @@ def register_version(result: ExportResult, spec: ExportSpec, repository: Path, *
             manifest = repo_mod.read_manifest(vdir)
             if manifest is None:
                 raise ExportError(f"{vdir} has no manifest")
-            box["info"] = Registry(uri).register(result.name, result.version, manifest, spec.lineage(),
+            box["info"] = open_registry(repository).register(result.name, result.version, manifest, spec.lineage(),
                                                  source=str(vdir))
         except Exception as exc:  # noqa: BLE001 - reported to the caller; the export stands
             lines = str(exc).strip().splitlines()

@@ -11,11 +11,15 @@ MLflow has no compare-and-set, so :meth:`Registry.transition` adds one:
 - embedded sqlite store (the default, :func:`default_uri`): an exclusive ``fcntl`` lock on
   ``<db>.lock`` around "re-read the stage, compare, write, append history". Two processes
   promoting at once are serialised; the second finds the stage moved and gets StageConflict.
-- any other tracking URI (a team server): no lock can span clients, so a transition writes a
-  unique token into the registered model's tag ``tritonguard.txn``, waits ``settle_s``, and
-  proceeds only if its token is still there. This narrows the race window but is NOT
-  linearisable (two clients whose write-then-read sequences do not overlap can both pass);
-  run promotions from one place (a CI job) when the registry is remote.
+- any other tracking URI (a team server) with a Redis to share (``lock_url``, default
+  ``$TRITONGUARD_STATE_URL``, the store the guards already follow): the same section under a
+  Redis lease ``tritonguard:registry:<model>:lock`` (token, renewed while held, lapsing 15 s
+  after a holder dies; :mod:`exporter.progress`). Every client using that Redis is serialised.
+- a team server without Redis: no lock can span clients, so a transition writes a unique token
+  into the registered model's tag ``tritonguard.txn``, waits ``settle_s``, and proceeds only if
+  its token is still there. This narrows the race window but is NOT linearisable (two clients
+  whose write-then-read sequences do not overlap can both pass); set ``TRITONGUARD_STATE_URL``
+  or run promotions from one place (a CI job).
 
 Exactly one PRODUCTION per model: promoting archives the previous one in the same locked
 section. The alias is authoritative: if a crash left a stale PRODUCTION tag, the next promotion
@@ -95,6 +99,17 @@ def default_uri(repository: str | os.PathLike) -> str:
     return f"sqlite:///{repo.parent / (repo.name + '.registry') / 'mlflow.db'}"
 
 
+def open_registry(repository: str | os.PathLike, **kwargs: Any) -> Registry:
+    """The registry the CLI uses for ``repository``: :func:`default_uri`; for a remote tracking
+    server the history file is kept beside the repository (``<repository>.registry/``), the place
+    the embedded store would use, since MLflow itself has no append-only record."""
+    uri = default_uri(repository)
+    if _sqlite_path(uri) is None and "history_path" not in kwargs:
+        repo = Path(repository).resolve()
+        kwargs["history_path"] = repo.parent / (repo.name + ".registry") / HISTORY_FILE
+    return Registry(uri, **kwargs)
+
+
 def code_hash(cwd: str | os.PathLike | None = None) -> str | None:
     """``git rev-parse HEAD`` (suffixed ``-dirty`` with uncommitted changes), None outside git."""
     try:
@@ -130,7 +145,8 @@ class Registry:
     def __init__(self, tracking_uri: str, *, history_path: str | os.PathLike | None = None,
                  lock_path: str | os.PathLike | None = None,
                  approvers: Mapping[str, Sequence[Approver]] | None = None,
-                 settle_s: float = 0.2, clock: Callable[[], float] = time.time):
+                 settle_s: float = 0.2, clock: Callable[[], float] = time.time,
+                 lock_url: str | None = None):
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         self.uri = tracking_uri
         db = _sqlite_path(tracking_uri)
@@ -141,10 +157,13 @@ class Registry:
                                 "keeps) for a registry that is not a local sqlite file")
         self.history_path = Path(history_path) if history_path else db.parent / HISTORY_FILE
         self.lock_path = Path(lock_path) if lock_path else (db.with_name(db.name + ".lock") if db else None)
+        # a remote registry: a Redis lease when there is a Redis, else the optimistic tag token
+        self.lock_url = (lock_url if lock_url is not None else os.environ.get("TRITONGUARD_STATE_URL", "")) or None
         self.approvers = {k: list(v) for k, v in (approvers or {}).items()}
         for stage in self.approvers:
             _check_stage(stage)
         self.settle_s, self.clock = settle_s, clock
+        self.lock_wait_s = 30.0
         self._client: Any = None
 
     @property
@@ -231,11 +250,20 @@ class Registry:
                 tags[f"lineage.{key}"] = "" if lineage.get(key) is None else str(lineage[key])
             for key in ("hyperparameters", "metrics"):
                 tags[f"lineage.{key}"] = json.dumps(lineage.get(key) or {}, sort_keys=True, default=str)
-            mv = self.client.create_model_version(name, source=source or f"{name}/{int(version)}", tags=tags)
+            mv = self.client.create_model_version(name, source=self._source(source, name, version), tags=tags)
             self._append({"type": "register", "model": name, "version": int(version),
                           "mlflow_version": str(mv.version), "sha256": sha, "by": _who(None)})
         log.info("registered '%s' v%d as MLflow version %s (DRAFT)", name, version, mv.version)
         return self._info(name, mv)
+
+    def _source(self, source: str, name: str, version: int) -> str:
+        """Where the version's files are. A tracking server refuses local paths (they would name
+        files on the server), so for a remote registry a local folder becomes
+        ``tritonguard://<this host>/<absolute path>``: what it is, and where to find it."""
+        source = source or f"{name}/{int(version)}"
+        if _sqlite_path(self.uri) is not None or "://" in source:
+            return source
+        return f"tritonguard://{socket.gethostname()}{Path(source).resolve().as_posix()}"
 
     def _ensure_model(self, name: str) -> None:
         from mlflow.exceptions import MlflowException  # noqa: PLC0415
@@ -336,6 +364,18 @@ class Registry:
                 yield
             finally:
                 os.close(fd)  # closing drops the lock
+            return
+        if self.lock_url:
+            from .progress import ControllerError, ProgressUnavailable, RedisProgress  # noqa: PLC0415
+
+            locks = RedisProgress(self.lock_url, name, key=f"tritonguard:registry:{name}", lock_wait_s=self.lock_wait_s)
+            try:
+                with locks.lock():
+                    yield
+            except ProgressUnavailable as exc:
+                raise RegistryError(f"'{name}': the registry lock's Redis is unreachable: {exc}") from None
+            except ControllerError as exc:  # waited lock_wait_s
+                raise StageConflict(f"'{name}': another transition holds the registry lock ({exc})") from None
             return
         token = f"{uuid.uuid4().hex}:{self.clock() + 60:.0f}"
         self._ensure_model(name)

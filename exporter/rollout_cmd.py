@@ -25,9 +25,9 @@ rollout_app = typer.Typer(help="Inspect or steer a progressive rollout.", no_arg
 
 
 def _registry(repository: Path, approve_cmd: list[str] | None = None):
-    from .registry import Registry, default_uri  # noqa: PLC0415
+    from .registry import open_registry  # noqa: PLC0415
 
-    return Registry(default_uri(repository), approvers={"PRODUCTION": approve_cmd} if approve_cmd else None)
+    return open_registry(repository, approvers={"PRODUCTION": approve_cmd} if approve_cmd else None)
 
 
 def _purge(repository: Path, model: str, why: str) -> None:

@@ -99,14 +99,14 @@ def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
     """Stages by version from the registry, or None when there is none (never creates one)."""
     import os  # noqa: PLC0415
 
-    from .registry import Registry, _sqlite_path, default_uri  # noqa: PLC0415
+    from .registry import _sqlite_path, default_uri, open_registry  # noqa: PLC0415
 
     uri = default_uri(repository)
     db = _sqlite_path(uri)
     if db is not None and not db.exists() and not os.environ.get("MLFLOW_TRACKING_URI"):
         return None
     try:
-        return {info.version: info.stage for info in Registry(uri).versions(model)}
+        return {info.version: info.stage for info in open_registry(repository).versions(model)}
     except Exception as exc:  # noqa: BLE001 - status must show what it can
         return {"error": f"{type(exc).__name__}: {exc}"}  # type: ignore[dict-item]
 

@@ -184,11 +184,13 @@ def test_optimistic_token_lock_for_remote_registries(db, tmp_path):
     assert reg.transition("remote", 1, "PRODUCTION", "STAGING").stage == "PRODUCTION"
 
 
-def _promote(uri: str, barrier, results) -> None:
-    reg = Registry(uri)
+def _promote(uri: str, barrier, results, remote: dict | None = None, model: str = "race") -> None:
+    reg = Registry(uri, **(remote or {}))
+    if remote:
+        reg.lock_path = None  # as for a tracking server: no lock file spans clients
     barrier.wait()
     try:
-        reg.transition("race", 2, "PRODUCTION", "STAGING", approver=f"pid{os.getpid()}")
+        reg.transition(model, 2, "PRODUCTION", "STAGING", approver=f"pid{os.getpid()}")
         results.put("won")
     except StageConflict:
         results.put("conflict")
@@ -213,3 +215,115 @@ def test_concurrent_promotions_have_one_winner(reg, db):
     promotions = [r for r in reg.history("race") if r["type"] == "transition" and r["version"] == 2
                   and r["to"] == "PRODUCTION"]
     assert len(promotions) == 1 and reg.verify_history().ok
+
+
+def test_remote_registry_with_redis_serialises_concurrent_promotions(db, tmp_path, redis_server):
+    """A team server's path (no lock file) with a shared Redis: the lease makes the compare-and-set
+    linearisable, with no settle delay at all. Four processes, one winner."""
+    reg = Registry(db, history_path=tmp_path / "remote.jsonl", lock_url=redis_server.url, settle_s=0)
+    reg.lock_path = None
+    register(reg, "redis-race", 1, 2)
+    reg.transition("redis-race", 1, "PRODUCTION", "DRAFT")
+    reg.transition("redis-race", 2, "STAGING", "DRAFT")
+    remote = {"history_path": tmp_path / "remote.jsonl", "lock_url": redis_server.url, "settle_s": 0}
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_promote, args=(db, barrier, results, remote, "redis-race"))
+             for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    outcomes = sorted(results.get(timeout=5) for _ in procs)
+    assert outcomes == ["conflict", "conflict", "conflict", "won"]
+    assert {v.version: v.stage for v in reg.versions("redis-race")} == {1: "ARCHIVED", 2: "PRODUCTION"}
+    assert "tritonguard.txn" not in reg.client.get_registered_model("redis-race").tags  # not the token path
+    import redis
+
+    assert redis.Redis.from_url(redis_server.url).exists("tritonguard:registry:redis-race:lock") == 0
+
+
+def test_remote_registry_waits_for_the_redis_lock_holder(db, tmp_path, redis_server):
+    """While another client holds the Redis lease, a transition waits for it, then gives up with
+    StageConflict; once released it goes through."""
+    from exporter.progress import RedisProgress
+
+    reg = Registry(db, history_path=tmp_path / "remote.jsonl", lock_url=redis_server.url, settle_s=0)
+    reg.lock_path, reg.lock_wait_s = None, 0.5
+    register(reg, "held", 1)
+    other = RedisProgress(redis_server.url, "held", key="tritonguard:registry:held")
+    with other.lock():
+        with pytest.raises(StageConflict, match="holds the registry lock"):
+            reg.transition("held", 1, "STAGING", "DRAFT")
+        assert reg.stage("held", 1) == "DRAFT"
+    assert reg.transition("held", 1, "STAGING", "DRAFT").stage == "STAGING"
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server (sqlite backend) on a free loopback port: a team's registry."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    base = tmp_path_factory.mktemp("mlflow-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(base / "server.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{base / 'team.db'}", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, (base / "server.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "mlflow server did not come up in 90 s"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.3)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and its uvicorn worker
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+
+
+def test_team_tracking_server_with_redis_has_one_winner(mlflow_server, redis_server, tmp_path, monkeypatch):
+    """MLFLOW_TRACKING_URI=http://… as a team runs it: the CLI's registry keeps its history beside
+    the repository, and with TRITONGUARD_STATE_URL four concurrent promotions have one winner."""
+    from exporter.registry import open_registry
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)
+    reg = open_registry(tmp_path / "repo")
+    assert reg.uri == mlflow_server and reg.lock_path is None and reg.lock_url == redis_server.url
+    assert reg.history_path == tmp_path / "repo.registry" / "registry_history.jsonl"
+    register(reg, "team", 1, 2)
+    # the server refuses local paths as sources: the version folder is named with this host
+    assert reg.client.get_model_version("team", "1").source.startswith("tritonguard://")
+    reg.transition("team", 1, "PRODUCTION", "DRAFT")
+    reg.transition("team", 2, "STAGING", "DRAFT")
+    remote = {"history_path": reg.history_path, "lock_url": redis_server.url, "settle_s": 0}
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_promote, args=(mlflow_server, barrier, results, remote, "team"))
+             for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    outcomes = sorted(results.get(timeout=5) for _ in procs)
+    assert outcomes == ["conflict", "conflict", "conflict", "won"]
+    assert {v.version: v.stage for v in reg.versions("team")} == {1: "ARCHIVED", 2: "PRODUCTION"}
+    assert reg.production("team") == 2 and reg.verify_history().ok
