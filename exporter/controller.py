@@ -136,6 +136,14 @@ class Progress:
         return asdict(self)
 
 
+def _pin_primary(s: RolloutState, primary: int) -> None:
+    """Make ``primary`` the state's primary, remembering the one it replaces."""
+    if s.primary != primary:
+        if s.primary > 0:
+            s.previous_primary = s.primary
+        s.primary = primary
+
+
 def metrics_reader(urls: Sequence[str], model: str, *, target: str | None = None,
                    timeout: float = 5.0) -> Reader:
     """A reader scraping every Triton metrics URL (one per replica) and summing them."""
@@ -215,10 +223,7 @@ class RolloutController:
             share = cfg.steps[0] / 100
 
             def route(s: RolloutState) -> RolloutState:
-                if s.primary != primary:
-                    if s.primary > 0:
-                        s.previous_primary = s.primary
-                    s.primary = primary
+                _pin_primary(s, primary)
                 split = cfg.mode == "split"
                 s.candidate = Candidate(candidate, share if split else 0.0)
                 s.shadow_share = 0.0 if split else share
@@ -398,10 +403,7 @@ class RolloutController:
         share = cfg.steps[0] / 100
 
         def route(s: RolloutState) -> RolloutState:
-            if s.primary != primary:
-                if s.primary > 0:
-                    s.previous_primary = s.primary
-                s.primary = primary
+            _pin_primary(s, primary)
             s.arms = [Arm(v, w * share) for v, w in cfg.arms.items()]
             for v in cfg.arms:
                 s.breakers.pop(str(v), None)

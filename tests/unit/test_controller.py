@@ -367,6 +367,20 @@ c.resume(max_ticks=10_000)  # bounded: stopped (killed, or by an abort) long bef
 """
 
 
+def _spawn_driver(repo, r) -> subprocess.Popen:
+    """``rollout resume`` in another process; returns once it holds the driver lease."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen([sys.executable, "-c", DRIVER, str(repo)], env=env)
+    deadline = time.monotonic() + 30
+    while r.get(f"tritonguard:rollout:{MODEL}:driver") is None:
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            child.wait(timeout=10)
+            pytest.fail(f"the driver never took the lease (exit {child.returncode})")
+        time.sleep(0.05)
+    return child
+
+
 @pytest.fixture
 def redis_env(tmp_path, monkeypatch, redis_server):
     _forget(redis_server.url)
@@ -397,14 +411,8 @@ def test_redis_driver_lease_excludes_others_and_lapses_when_the_driver_is_killed
     repo, clock, store = redis_env
     controller(redis_env, Traffic(store, clock)).start(2)
     r = redis.Redis.from_url(redis_server.url)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    child = subprocess.Popen([sys.executable, "-c", DRIVER, str(repo)], env=env)
+    child = _spawn_driver(repo, r)
     try:
-        deadline = time.monotonic() + 30
-        while r.get(f"tritonguard:rollout:{MODEL}:driver") is None:
-            assert child.poll() is None, "the driver process exited"
-            assert time.monotonic() < deadline, "the driver never took the lease"
-            time.sleep(0.05)
         time.sleep(1.5)  # longer than its lease: it is renewed, not just fresh
         second = controller(redis_env, Traffic(store, clock))
         with pytest.raises(ControllerError, match=rf"another process is driving .* pid {child.pid}"):
@@ -458,13 +466,8 @@ def test_redis_abort_from_another_process_stops_a_live_driver(redis_env, redis_s
     # looks every 50 ms (a rollout keeps the settings it started with, whoever resumes it)
     controller(redis_env, Traffic(store, clock), interval_s=0.05, dwell_s=0).start(2)
     r = redis.Redis.from_url(redis_server.url)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    child = subprocess.Popen([sys.executable, "-c", DRIVER, str(repo)], env=env)
+    child = _spawn_driver(repo, r)
     try:
-        deadline = time.monotonic() + 30
-        while r.get(f"tritonguard:rollout:{MODEL}:driver") is None:
-            assert child.poll() is None and time.monotonic() < deadline, "the driver never took the lease"
-            time.sleep(0.05)
         p = controller(redis_env, Traffic(store, clock)).abort("operator on another host")
         assert p.status == ABORTED and store.load().candidate is None
         assert child.wait(timeout=10) == 0  # its next look sees the abort and it stops

@@ -198,18 +198,23 @@ def _promote(uri: str, barrier, results, remote: dict | None = None, model: str 
         results.put(f"error {type(exc).__name__}: {exc}")
 
 
+def _race(uri: str, remote: dict | None = None, model: str = "race") -> list[str]:
+    """Four processes promote ``model`` v2 at the same moment; their sorted outcomes."""
+    ctx = multiprocessing.get_context("fork")  # children inherit the imported mlflow: fast
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_promote, args=(uri, barrier, results, remote, model)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    return sorted(results.get(timeout=5) for _ in procs)
+
+
 def test_concurrent_promotions_have_one_winner(reg, db):
     register(reg, "race", 1, 2)
     reg.transition("race", 1, "PRODUCTION", "DRAFT")
     reg.transition("race", 2, "STAGING", "DRAFT")
-    ctx = multiprocessing.get_context("fork")  # children inherit the imported mlflow: fast
-    barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_promote, args=(db, barrier, results)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    outcomes = sorted(results.get(timeout=5) for _ in procs)
+    outcomes = _race(db)
     assert outcomes == ["conflict", "conflict", "conflict", "won"]
     assert {v.version: v.stage for v in reg.versions("race")} == {1: "ARCHIVED", 2: "PRODUCTION"}
     promotions = [r for r in reg.history("race") if r["type"] == "transition" and r["version"] == 2
@@ -226,15 +231,7 @@ def test_remote_registry_with_redis_serialises_concurrent_promotions(db, tmp_pat
     reg.transition("redis-race", 1, "PRODUCTION", "DRAFT")
     reg.transition("redis-race", 2, "STAGING", "DRAFT")
     remote = {"history_path": tmp_path / "remote.jsonl", "lock_url": redis_server.url, "settle_s": 0}
-    ctx = multiprocessing.get_context("fork")
-    barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_promote, args=(db, barrier, results, remote, "redis-race"))
-             for _ in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    outcomes = sorted(results.get(timeout=5) for _ in procs)
+    outcomes = _race(db, remote, "redis-race")
     assert outcomes == ["conflict", "conflict", "conflict", "won"]
     assert {v.version: v.stage for v in reg.versions("redis-race")} == {1: "ARCHIVED", 2: "PRODUCTION"}
     assert "tritonguard.txn" not in reg.client.get_registered_model("redis-race").tags  # not the token path
@@ -315,15 +312,7 @@ def test_team_tracking_server_with_redis_has_one_winner(mlflow_server, redis_ser
     reg.transition("team", 1, "PRODUCTION", "DRAFT")
     reg.transition("team", 2, "STAGING", "DRAFT")
     remote = {"history_path": reg.history_path, "lock_url": redis_server.url, "settle_s": 0}
-    ctx = multiprocessing.get_context("fork")
-    barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_promote, args=(mlflow_server, barrier, results, remote, "team"))
-             for _ in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-    outcomes = sorted(results.get(timeout=5) for _ in procs)
+    outcomes = _race(mlflow_server, remote, "team")
     assert outcomes == ["conflict", "conflict", "conflict", "won"]
     assert {v.version: v.stage for v in reg.versions("team")} == {1: "ARCHIVED", 2: "PRODUCTION"}
     assert reg.production("team") == 2 and reg.verify_history().ok
