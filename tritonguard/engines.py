@@ -106,9 +106,12 @@ class TorchScriptEngine(Engine):
             torch.set_num_threads(cfg.intra_op_threads)
         self.torch = torch
         self.path = path
-        self.module = torch.jit.load(str(path), map_location="cpu").eval()
+        self.module = self._load(torch, path)
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)
+
+    def _load(self, torch, path: Path):
+        return torch.jit.load(str(path), map_location="cpu").eval()
 
     def run(self, inputs, outputs=None):
         torch = self.torch
@@ -153,28 +156,20 @@ def _quiet_isa_notice():
 class AOTInductorEngine(TorchScriptEngine):
     """An AOTInductor package: inductor's C++ code and the weights, compiled ahead of time."""
 
-    def __init__(self, path: Path, cfg: EngineConfig, input_names: Sequence[str], output_names: Sequence[str]):
+    def _load(self, torch, path: Path):
         import platform  # noqa: PLC0415
-
-        import torch  # noqa: PLC0415
 
         if platform.machine() in ("x86_64", "AMD64"):
             flags = _cpu_flags()
             missing = [f for f in X86_64_V3_FLAGS if flags and f not in flags]
             if missing:
                 raise ConfigError(f"{path.name} is compiled for x86-64-v3; this CPU lacks {', '.join(missing)}")
-        if cfg.intra_op_threads:
-            torch.set_num_threads(cfg.intra_op_threads)
-        self.torch = torch
-        self.path = path
         try:
             with _quiet_isa_notice():
-                self.module = torch._inductor.aoti_load_package(str(path))
+                return torch._inductor.aoti_load_package(str(path))
         except Exception as exc:  # noqa: BLE001 - a package from another torch version, a truncated file
             raise ConfigError(f"{path.name}: torch {torch.__version__} cannot load this AOTInductor package: "
                               f"{type(exc).__name__}: {str(exc).strip()[:300]}") from None
-        self.input_names = tuple(input_names)
-        self.output_names = tuple(output_names)
 
 
 class TensorRTEngine(Engine):
