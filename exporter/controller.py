@@ -56,6 +56,7 @@ FORMAT_VERSION = 1
 RUNNING, PAUSED, ABORTED, DONE, ROLLED_BACK = "running", "paused", "aborted", "done", "rolled_back"
 ACTIVE = (RUNNING, PAUSED)
 BREAKER_CODES = {"closed": 0, "half_open": 1, "open": 2}
+WINDOW = ("baseline", "look", "reference", "last_report", "reason")  # one gated window's fields
 Reader = Callable[[int, int], GuardReadings]  # (primary, candidate) -> readings
 
 
@@ -261,20 +262,12 @@ class RolloutController:
                 p.reason = f"metrics unavailable: {type(exc).__name__}: {exc}"
                 return self._timeout(p, cfg) or self._save(p)
             self._breaker_from_state(readings, state, p.candidate)
-            if p.baseline is None:  # the first look of a window only sets its start
-                p.baseline, p.reason = readings.to_dict(), "baseline taken"
+            window = {k: getattr(p, k) for k in WINDOW}
+            report = self._look(window, readings, cfg, p.mode)
+            for k in WINDOW:
+                setattr(p, k, window[k])
+            if report is None:
                 return self._save(p)
-            p.look += 1
-            ref = {float(k): v for k, v in p.reference.items()} if p.reference else None
-            report = evaluate(GuardReadings.from_dict(p.baseline), readings, cfg.gates,
-                              look=p.look, mode=p.mode, primary_reference=ref)
-            p.last_report, p.reason = report.to_dict(), report.summary()
-            if report.reset:
-                p.baseline, p.look = readings.to_dict(), 0
-                return self._save(p)
-            used = report.primary_latency
-            if used and ref is None and max(used.values(), default=0) >= cfg.gates.min_latency_samples:
-                p.reference = used
             if report.verdict == FAIL:
                 return self._finish(p, ROLLED_BACK, f"gate failed at {p.share:.0%}: {report.summary()}")
             dwelt = self.clock() - p.step_started_at >= cfg.dwell_s
@@ -430,22 +423,24 @@ class RolloutController:
 
         self.store.update(route, by=self.by)
 
-    def _look_arm(self, arm: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig) -> GateReport | None:
-        """One look at one arm's window; None while only its baseline was taken (or retaken)."""
-        if arm["baseline"] is None:
-            arm["baseline"], arm["reason"] = readings.to_dict(), "baseline taken"
+    @staticmethod
+    def _look(window: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig, mode: str) -> GateReport | None:
+        """One look at a window (the :data:`WINDOW` fields of a candidate's progress, or of one
+        arm); None while only its start was taken (the first look) or retaken (a counter reset)."""
+        if window["baseline"] is None:
+            window["baseline"], window["reason"] = readings.to_dict(), "baseline taken"
             return None
-        arm["look"] += 1
-        ref = {float(k): v for k, v in arm["reference"].items()} if arm["reference"] else None
-        report = evaluate(GuardReadings.from_dict(arm["baseline"]), readings, cfg.gates, look=arm["look"],
-                          mode="split", primary_reference=ref)
-        arm["last_report"], arm["reason"] = report.to_dict(), report.summary()
+        window["look"] += 1
+        ref = {float(k): v for k, v in window["reference"].items()} if window["reference"] else None
+        report = evaluate(GuardReadings.from_dict(window["baseline"]), readings, cfg.gates, look=window["look"],
+                          mode=mode, primary_reference=ref)
+        window["last_report"], window["reason"] = report.to_dict(), report.summary()
         if report.reset:
-            arm["baseline"], arm["look"] = readings.to_dict(), 0
+            window["baseline"], window["look"] = readings.to_dict(), 0
             return None
         used = report.primary_latency
         if used and ref is None and max(used.values(), default=0) >= cfg.gates.min_latency_samples:
-            arm["reference"] = used
+            window["reference"] = used
         return report
 
     def _tick_arms(self, p: Progress, cfg: RolloutConfig) -> Progress:
@@ -466,7 +461,7 @@ class RolloutController:
         for v in live:
             self._breaker_from_state(readings[v], state, v)
             arm = p.arms[str(v)]
-            report = self._look_arm(arm, readings[v], cfg)
+            report = self._look(arm, readings[v], cfg, "split")
             if report is None:
                 continue
             verdicts[v] = report.verdict
