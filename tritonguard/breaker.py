@@ -1,8 +1,14 @@
 """Circuit breaker per (target, version), with hysteresis.
 
 CLOSED: traffic flows and every batch feeds a sliding window of the last ``window`` requests
-(errors, non-finite outputs, latency) and of the last ``window`` compared requests (validator
-verdicts). A rate over its limit, once ``min_requests`` are in the window, trips the breaker.
+(errors, non-finite outputs, fused failures, latency) and of the last ``window`` compared
+requests (validator verdicts). A rate over its limit, once ``min_requests`` are in the window
+(``min_compared`` compared requests for the validator FAIL rate), trips the breaker.
+
+A *fused failure* is a fused call of the version that failed while each of its requests,
+retried alone, succeeded: users saw no error, but the version cannot serve a batch. It is a hard
+fault of the version, like an error (a call that failed because one request was poisonous is
+not one: that request fails alone too).
 
 OPEN: no traffic for at least ``min_off_s``; then HALF_OPEN: only probe traffic, judged one
 verdict at a time. ``probes_to_close`` consecutive PASS probes close it (MARGINAL neither counts
@@ -30,8 +36,8 @@ log = logging.getLogger(__name__)
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 STATES = (CLOSED, OPEN, HALF_OPEN)
-REASONS = ("error_rate", "non_finite", "validator_fail", "latency", "drift", "manual")
-CRITICAL = ("error_rate", "non_finite")
+REASONS = ("error_rate", "non_finite", "fused_failures", "validator_fail", "latency", "drift", "manual")
+CRITICAL = ("error_rate", "non_finite", "fused_failures")
 FAIL = "FAIL"
 
 
@@ -43,8 +49,9 @@ class BreakerConfig:
     min_requests: int = 20  # no judgement on fewer requests
     max_error_rate: float = 0.05
     max_nan_rate: float = 0.0  # requests with NaN/Inf outputs
+    max_fused_rate: float = 0.05  # requests in fused calls that failed and were rescued alone
     max_fail_rate: float = 0.1  # validator FAIL rate over compared requests
-    min_compared: int = 10  # no FAIL-rate judgement on fewer compared requests
+    min_compared: int = 50  # no FAIL-rate judgement on fewer compared requests
     latency_budget_ms: float = 0.0  # window p95 over this trips; 0 = off
     min_off_s: float = 300.0
     probes_to_close: int = 5
@@ -57,7 +64,7 @@ class BreakerConfig:
             raise ValueError("breaker.min_requests must be in 1..breaker.window")
         if not 1 <= self.min_compared <= self.window:
             raise ValueError("breaker.min_compared must be in 1..breaker.window")
-        for name in ("max_error_rate", "max_nan_rate", "max_fail_rate"):
+        for name in ("max_error_rate", "max_nan_rate", "max_fused_rate", "max_fail_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"breaker.{name} must be in [0, 1]")
         for name in ("latency_budget_ms", "min_off_s", "min_on_s"):
@@ -125,6 +132,7 @@ class Breaker:
         # matter to a count-based window, so a batch's flags are written as a run of Trues first
         self._errors = _Ring(w, np.bool_)
         self._non_finite = _Ring(w, np.bool_)
+        self._fused = _Ring(w, np.bool_)
         self._latency = _Ring(w, np.float32)
         self._fails = _Ring(w, np.bool_)
 
@@ -141,7 +149,7 @@ class Breaker:
         self.changed_at = now
 
     def _clear_window(self) -> None:
-        for ring in (self._errors, self._non_finite, self._latency, self._fails):
+        for ring in (self._errors, self._non_finite, self._fused, self._latency, self._fails):
             ring.clear()
 
     def allow(self, now: float) -> bool:
@@ -195,21 +203,23 @@ class Breaker:
     # -- the window -----------------------------------------------------------------------
     def record_batch(self, now: float, n: int, errors: int = 0, non_finite: int = 0,
                      latency_ms: float | np.ndarray | None = None,
-                     verdicts: Sequence[str] | np.ndarray = ()) -> Trip | None:
+                     verdicts: Sequence[str] | np.ndarray = (), fused: int = 0) -> Trip | None:
         """Add one batch of ``n`` requests; returns the :class:`Trip` if this batch tripped it.
 
-        ``errors`` / ``non_finite`` count requests; ``latency_ms`` is one value for the whole
+        ``errors`` / ``non_finite`` / ``fused`` (requests of a rescued fused failure) count requests; ``latency_ms`` is one value for the whole
         batch or one per request; ``verdicts`` has one status per compared request. Batches
         that reach a breaker that is not CLOSED are ignored (only probes judge those states).
         """
         self._tick(now)
         if self.state != CLOSED:
             return None
-        if not 0 <= errors <= n or not 0 <= non_finite <= n:
-            raise ValueError(f"errors ({errors}) and non_finite ({non_finite}) must be in 0..n ({n})")
+        if not 0 <= errors <= n or not 0 <= non_finite <= n or not 0 <= fused <= n:
+            raise ValueError(f"errors ({errors}), non_finite ({non_finite}) and fused ({fused}) "
+                             f"must be in 0..n ({n})")
         if n:
             self._errors.push(np.arange(n) < errors)
             self._non_finite.push(np.arange(n) < non_finite)
+            self._fused.push(np.arange(n) < fused)
             if latency_ms is not None:
                 lat = np.asarray(latency_ms, dtype=np.float32)
                 self._latency.push(np.full(n, lat, np.float32) if lat.ndim == 0 else lat.ravel())
@@ -234,7 +244,8 @@ class Breaker:
 
     def window_counts(self) -> dict[str, int]:
         return {"requests": self._errors.count, "errors": self._errors.nonzero,
-                "non_finite": self._non_finite.nonzero, "compared": self._fails.count,
+                "non_finite": self._non_finite.nonzero, "fused": self._fused.nonzero,
+                "compared": self._fails.count,
                 "fails": self._fails.nonzero}
 
     def _judge(self, now: float) -> Trip | None:
@@ -251,6 +262,10 @@ class Breaker:
         if rate > cfg.max_error_rate:
             return self.trip(now, "error_rate", {"rate": rate, "count": c["errors"], "window": n,
                                                  "limit": cfg.max_error_rate})
+        rate = c["fused"] / n
+        if rate > cfg.max_fused_rate:
+            return self.trip(now, "fused_failures", {"rate": rate, "count": c["fused"], "window": n,
+                                                     "limit": cfg.max_fused_rate})
         # right after closing, only the critical signals above may trip it
         if self.closed_at is not None and now - self.closed_at < cfg.min_on_s:
             return None

@@ -240,7 +240,7 @@ class GuardModel:
             output_names=self.output_names, store=open_store(self.name, repo), config=self.config.routing,
             validator=self.config.validator, registry=ValidatorRegistry.from_config(self.config.validator),
             breaker=self.config.breaker, metrics=self.privacy.wrap_metrics(self.metrics), pin=tcfg.target_version,
-            ready=ready,
+            ready=ready, max_batch=self.signature.max_batch_size, latency=_latency_recorder(self.name, repo),
         )
         self.privacy.attach(self.router)
         if tcfg.placement == "inprocess":
@@ -300,7 +300,8 @@ class GuardModel:
                     outs = {**outs, SERVED_BY: np.full((batch.hit_sizes[i], 1), batch.cache_label.encode(), dtype=object)}
                 responses[i] = triton.response(outs)
             if batch.route:
-                routed = self.router.infer(batch.fused, batch.sizes)
+                labels = [_label(requests[i]) for i in batch.route]
+                routed = self.router.infer(batch.fused, batch.sizes, labels if any(x is not None for x in labels) else None)
                 self.privacy.redact_outputs(batch, routed)
                 self._respond(batch, routed, responses, served_by)
         finally:
@@ -334,6 +335,33 @@ class GuardModel:
         self.router.close()
         self.privacy.close()
         self.metrics.close()
+
+
+def _latency_recorder(guard: str, repo: Path) -> Any:
+    """Exact per-call latencies of each target version, flushed by the router's reconciler to
+    the state's store for the rollout's latency gate. None (logged) when no log can be opened:
+    serving never depends on it."""
+    try:
+        from .latency import LatencyRecorder, open_latency_log  # noqa: PLC0415
+
+        return LatencyRecorder(open_latency_log(guard, repo))
+    except Exception as exc:  # noqa: BLE001 - e.g. a bad TRITONGUARD_STATE_URL: say so, serve on
+        log.warning("guard %s: latency samples not kept (%s: %s)", guard, type(exc).__name__, exc)
+        return None
+
+
+def _label(request: Any) -> Any:
+    """The ground truth a client sent with a request (request parameter ``label``: a class id,
+    or ids separated by commas for a request of several rows), or None. The rollout's gates
+    compare the versions' accuracy on it; a label that does not parse is ignored, never an error
+    (it is feedback, not an input)."""
+    raw = triton.request_parameters(request).get("label")
+    if raw is None or isinstance(raw, bool):
+        return None
+    try:
+        return [int(raw)] if isinstance(raw, int) else [int(x) for x in str(raw).split(",")]
+    except ValueError:
+        return None
 
 
 def _with_source(message: str, params: Any) -> str:

@@ -101,7 +101,8 @@ class Router:
                  output_names: list[str], store: StateStore, config: RoutingConfig,
                  validator: ValidatorConfig, registry: ValidatorRegistry, breaker: BreakerConfig,
                  metrics: Any, clock: Callable[[], float] = time.time, seed: int | None = None,
-                 pin: int = -1, ready: Callable[[int], bool] | None = None):
+                 pin: int = -1, ready: Callable[[int], bool] | None = None, max_batch: int = 0,
+                 latency: Any = None):
         self.guard, self.repo, self.target = guard, repo, target
         self.make_target = make_target
         self.output_names = output_names
@@ -111,6 +112,10 @@ class Router:
         self.metrics = metrics
         self.clock = clock
         self.rng = np.random.default_rng(seed)
+        self.max_batch = max_batch  # goldens also run at this batch size (0: not known)
+        # exact per-call latencies, shared through the store for the rollout's latency gate
+        # (a tritonguard.latency.LatencyRecorder; None: not kept)
+        self.latency = latency
         self._targets: dict[int, Any] = {}
         self._breakers: dict[int, Breaker] = {}
         self._lock = threading.Lock()  # breakers are fed by execute() and by the worker
@@ -269,19 +274,33 @@ class Router:
                         repository.GOLDENS)
             return {"verdict": SKIPPED, "metrics": {"reason": f"no {repository.GOLDENS}"}, "checked_at": now}
         inputs, expected = repository.load_goldens(path)
-        try:
-            got = self.target_for(version).infer(inputs)
-        except Exception as exc:  # noqa: BLE001 - a broken version fails its goldens, nothing more
-            return {"verdict": FAIL, "metrics": {"error": f"{type(exc).__name__}: {exc}"}, "checked_at": now}
         cfg = self._validator_for(vdir)
         worst, figures = PASS, {}
-        for name in self.output_names:
-            if name not in expected:
-                continue
-            v = self.registry.validate(got[name], expected[name], cfg)
-            figures[name] = v.metrics
-            if v.status == FAIL or (v.status != PASS and worst == PASS):
-                worst = v.status
+        # the whole set in one call, then a few rows alone and the set tiled to the largest batch
+        # the target accepts: a version that fails only at batch 1 or only on big batches (which
+        # live traffic makes and a 64-row golden call may not) fails here, before any traffic
+        n = len(next(iter(inputs.values())))
+        runs: list[tuple[str, np.ndarray]] = [("all", np.arange(n))]
+        runs += [(f"batch 1 (row {k})", np.array([k])) for k in range(min(n, 3))]
+        if self.max_batch > n:
+            runs.append((f"batch {self.max_batch}", np.resize(np.arange(n), self.max_batch)))
+        for label, rows in runs:
+            try:
+                got = self.target_for(version).infer({k: v[rows] for k, v in inputs.items()})
+            except Exception as exc:  # noqa: BLE001 - a broken version fails its goldens, nothing more
+                figures["error"] = f"{label}: {type(exc).__name__}: {exc}"
+                worst = FAIL
+                break
+            for name in self.output_names:
+                if name not in expected:
+                    continue
+                v = self.registry.validate(got[name], expected[name][rows], cfg)
+                if label == "all" or v.status != PASS:
+                    figures[name if label == "all" else f"{name} at {label}"] = v.metrics
+                if v.status == FAIL or (v.status != PASS and worst == PASS):
+                    worst = v.status
+            if worst == FAIL:
+                break
         log.info("guard %s: goldens of %s v%d on this server: %s %s", self.guard, self.target, version, worst, figures)
         return {"verdict": worst, "metrics": figures, "checked_at": now}
 
@@ -298,7 +317,10 @@ class Router:
         return self.golden_verdict(version) != FAIL and self.breaker(version).allow(now)
 
     # -- serving ---------------------------------------------------------------------------
-    def infer(self, fused: dict[str, np.ndarray], sizes: list[int]) -> Routed:
+    def infer(self, fused: dict[str, np.ndarray], sizes: list[int],
+              labels: list[Any] | None = None) -> Routed:
+        """Route one batch. ``labels``: per request, the ground truth a client sent with it (the
+        ``label`` request parameter) or None; scored against the version that served it."""
         now = self.clock()
         self.refresh(now)
         n = len(sizes)
@@ -354,7 +376,28 @@ class Router:
                    for name in self.output_names}
         for i in good:
             self.metrics.inc("served", 1, served_by=served[i])
+        if labels is not None and any(lab is not None for lab in labels):
+            self._score_labels(labels, out_rows, served)
         return Routed(outputs, served, errors)
+
+    def _score_labels(self, labels: list[Any], out_rows: dict[int, dict[str, np.ndarray]], served: list[str]) -> None:
+        """Top-1 right or wrong per labelled row, by the version that served it (classifiers)."""
+        name = self.validator.output or self.output_names[0]
+        counts: dict[tuple[str, str], int] = {}
+        for i, label in enumerate(labels):
+            if label is None or i not in out_rows or ":" not in served[i]:
+                continue
+            pred = np.asarray(out_rows[i][name])
+            pred = pred.reshape(len(pred), -1).argmax(axis=1) if pred.ndim else pred.reshape(1)
+            truth = np.asarray(label).reshape(-1)
+            if len(truth) != len(pred):
+                continue  # a label per row, or none: a mismatch is the client's, not scored
+            version = served[i].rpartition(":")[2]
+            for right in (pred == truth).tolist():
+                key = (version, "true" if right else "false")
+                counts[key] = counts.get(key, 0) + 1
+        for (version, right), k in counts.items():
+            self.metrics.inc("labeled", k, target_version=version, correct=right)
 
     def _next_in_chain(self, chain: list[tuple[str, int | None]], tried: set[int], now: float) -> int | None:
         primary = None
@@ -387,6 +430,13 @@ class Router:
                 ok: list[int] = []
                 for i in idx:
                     ok += self._call(version, [i], fused, starts, out_rows, served, reasons)
+                if len(ok) == len(idx):
+                    # every request succeeded alone: the version failed the batch, not an input.
+                    # Users saw no error, but it is a hard fault of the version all the same
+                    self._record(version, len(idx), fused=len(idx))
+                    self.metrics.inc("fused_failures", len(idx), target_version=str(version))
+                    log.warning("guard %s: %s v%d failed a fused call of %d requests that each succeeded "
+                                "alone: %s", self.guard, self.target, version, len(idx), exc)
                 return ok
             latency = (time.perf_counter() - t0) * 1000
             self._record(version, 1, errors=1, latency_ms=latency)
@@ -399,6 +449,8 @@ class Router:
         latency = (time.perf_counter() - t0) * 1000
         self.metrics.inc("target_calls", 1)
         self.metrics.observe("latency", latency / 1000, target_version=str(version))
+        if self.latency is not None:
+            self.latency.record(version, int(sum(sub_sizes)), latency / 1000, self.clock())
         sub_starts = offsets(sub_sizes)
         parts = {k: split(v, sub_starts) for k, v in out.items()}
         # NaN/Inf per request, over the whole fused output at once
@@ -442,13 +494,13 @@ class Router:
                                             f"{': ' + str(last) if last else ''}); retry later", "UNAVAILABLE")
             self.metrics.inc("fallbacks", 1, reason="default" if isinstance(default, dict) else "abstain")
 
-    def _record(self, version: int, n: int, *, errors: int = 0, non_finite: int = 0, latency_ms: float = 0.0,
-                verdicts: Any = ()) -> None:
+    def _record(self, version: int, n: int, *, errors: int = 0, non_finite: int = 0, latency_ms: float | None = 0.0,
+                verdicts: Any = (), fused: int = 0) -> None:
         now = self.clock()
         with self._lock:
             b = self.breaker(version)
             trip = b.record_batch(now, n, errors=errors, non_finite=non_finite,
-                                  latency_ms=latency_ms, verdicts=verdicts)
+                                  latency_ms=None if fused else latency_ms, verdicts=verdicts, fused=fused)
             if trip is None:
                 trip = self._latency_vs_primary(version, b, now)
             shared = b.to_dict() if trip else None
@@ -552,6 +604,8 @@ class Router:
                     for version in named:  # a gauge for every routed version, served yet or not
                         self.breaker(version)
                 self.publish()
+                if self.latency is not None and not self.latency.flush():
+                    self.metrics.inc("state_errors", 1)
             except Exception:  # noqa: BLE001 - the loop must outlive any one failure
                 log.exception("guard %s: reconcile pass failed", self.guard)
 
@@ -625,6 +679,10 @@ class Router:
         cand_out, ref_out = (served_out, other_out) if kind == "canary" else (other_out, served_out)
         cfg = self._validator_for(self.repo / self.target / str(cand))
         name = cfg.output or self.output_names[0]
+        judge = self.state.judge_of(cand)
+        if judge["judge"] == "task":
+            self._compare_task(kind, cand, cand_out[name], ref_out[name], cfg, judge, now)
+            return
         verdict = self.registry.validate(cand_out[name], ref_out[name], cfg)
         rows = len(verdict.per_row)
         self.metrics.inc("compared", rows, kind=kind, verdict=verdict.status, target_version=str(cand))
@@ -664,6 +722,52 @@ class Router:
         if changed:
             self._store_breaker(cand, shared)
 
+    def _compare_task(self, kind: str, cand: int, cand_out: Any, ref_out: Any, cfg: ValidatorConfig,
+                      judge: dict[str, Any], now: float) -> None:
+        """A new model (another training) judged on the task: its answers are not expected to
+        match the primary's numerically, so rows are counted as AGREE / DISAGREE (top-1 for a
+        classifier, cosine above the rollout's floor for embeddings, the validator's tolerance for
+        the rest) and the rollout's gates weigh the disagreement against what the two versions'
+        offline disagreement predicts. Disagreement never trips the breaker: it is not a fault,
+        and the gates decide on enough rows. Non-finite outputs still are a hard fault."""
+        c, r = np.asarray(cand_out), np.asarray(ref_out)
+        rows = len(r) if r.ndim else 1
+        c2 = c.reshape(rows, -1).astype(np.float64)
+        r2 = r.reshape(rows, -1).astype(np.float64)
+        finite = np.isfinite(c2).all(axis=1)
+        if cfg.workload == "classifier":
+            agree = c2.argmax(axis=1) == r2.argmax(axis=1)
+        elif cfg.workload == "embedding":
+            with np.errstate(invalid="ignore", divide="ignore"):
+                cos = np.einsum("ij,ij->i", c2, r2) / (np.linalg.norm(c2, axis=1) * np.linalg.norm(r2, axis=1))
+            agree = np.nan_to_num(cos, nan=-1.0) >= float(judge.get("cosine", cfg.cosine_marginal))
+        else:
+            agree = self.registry.validate(c, r, cfg).per_row != FAIL
+        agree &= finite
+        n_agree = int(agree.sum())
+        for verdict, k in (("AGREE", n_agree), ("DISAGREE", rows - n_agree)):
+            if k:
+                self.metrics.inc("compared", k, kind=kind, verdict=verdict, target_version=str(cand))
+        self.metrics.set("validator_score", n_agree / rows if rows else 1.0, target_version=str(cand), kind=kind,
+                         figure="task_agreement")
+        non_finite = int(rows - finite.sum())
+        with self._lock:
+            b = self.breaker(cand)
+            if b.wants_probe(now):
+                # a probe fails on a hard fault only; agreement neither closes nor reopens it
+                per_row = np.where(~finite, FAIL, np.where(agree, PASS, "MARGINAL"))
+                trip = b.record_probe(now, list(per_row))
+                shared, changed = b.to_dict(), True
+            else:
+                trip = b.record_batch(now, rows if kind == "shadow" else 0,
+                                      non_finite=non_finite if kind == "shadow" else 0)
+                shared, changed = (b.to_dict() if trip else None), trip is not None
+        if trip is not None:
+            self.metrics.inc("trips", 1, target_version=str(cand), reason=trip.reason)
+            self.alert("breaker_trip", cand, {"reason": trip.reason, **trip.figures})
+        if changed:
+            self._store_breaker(cand, shared)
+
     def _store_breaker(self, version: int, shared: dict[str, Any]) -> None:
         try:
             self.state = self.store.update_breaker(version, lambda _old: shared, by=f"guard:{self.guard}")
@@ -681,6 +785,8 @@ class Router:
         self._worker.join(timeout=2)
         if self._reconciler is not None:
             self._reconciler.join(timeout=2)
+        if self.latency is not None:
+            self.latency.flush()  # the last calls still count for a rollout being judged
         self.alerts.flush(timeout=1)
 
 

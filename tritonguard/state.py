@@ -87,6 +87,13 @@ class RolloutState:
     # A/B/n: fixed traffic weights for extra versions; the primary answers the rest. Exclusive
     # with a candidate: a split experiment or a gated rollout, not both at once.
     arms: list[Arm] = field(default_factory=list)
+    # how the guards compare a version under test with the primary (see :data:`JUDGES`), by
+    # version: {"judge": "task" | "equivalence", "cosine": per-row agreement floor (embeddings)}.
+    # A version with no entry is judged for equivalence (numerical tolerances).
+    judges: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def judge_of(self, version: int) -> dict[str, Any]:
+        return self.judges.get(str(version)) or {"judge": "equivalence"}
 
     # -- routing helpers ----------------------------------------------------------------
     def chain(self) -> list[tuple[str, int | None]]:
@@ -134,6 +141,7 @@ class RolloutState:
             "goldens": self.goldens, "breakers": self.breakers,
             "updated_at": self.updated_at, "updated_by": self.updated_by, "cache_epoch": self.cache_epoch,
             "arms": [{"version": a.version, "weight": a.weight} for a in self.arms],
+            "judges": self.judges,
         })
 
     def to_json(self) -> str:
@@ -178,7 +186,8 @@ class RolloutState:
             goldens=_goldens(d.get("goldens", {})), breakers=_breakers(d.get("breakers", {})),
             updated_at=_number(d.get("updated_at", 0.0), "updated_at"),
             updated_by=_str(d.get("updated_by", ""), "updated_by"),
-            cache_epoch=_int(d.get("cache_epoch", 0), "cache_epoch", minimum=0))
+            cache_epoch=_int(d.get("cache_epoch", 0), "cache_epoch", minimum=0),
+            judges=_judges(d.get("judges", {})))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RolloutState:
@@ -190,7 +199,8 @@ class RolloutState:
 
 
 _OPTIONAL = ("revision", "candidate", "shadow_share", "fallback", "previous_primary", "default_response",
-             "goldens", "breakers", "updated_at", "updated_by", "cache_epoch", "arms")
+             "goldens", "breakers", "updated_at", "updated_by", "cache_epoch", "arms", "judges")
+JUDGES = ("task", "equivalence")
 
 
 def _arms(d: Any, primary: int, candidate: Candidate | None) -> list[Arm]:
@@ -285,6 +295,19 @@ def _goldens(d: Any) -> dict[str, dict[str, Any]]:
             raise StateError(f"state field '{where}.metrics': expected an object")
         out[key] = {"verdict": g["verdict"], "metrics": copy.deepcopy(metrics),
                     "checked_at": _number(g.get("checked_at", 0.0), f"{where}.checked_at")}
+    return out
+
+
+def _judges(d: Any) -> dict[str, dict[str, Any]]:
+    out = {}
+    for key, j in _version_keyed(d, "judges").items():
+        where = f"judges.{key}"
+        _check_keys(j, where, required=("judge",), optional=("cosine",))
+        if j["judge"] not in JUDGES:
+            raise StateError(f"state field '{where}.judge': {j['judge']!r} is not one of {', '.join(JUDGES)}")
+        out[key] = {"judge": j["judge"]}
+        if j.get("cosine") is not None:
+            out[key]["cosine"] = _number(j["cosine"], f"{where}.cosine")
     return out
 
 

@@ -151,7 +151,12 @@ class Metrics:
         "fallbacks": ("tritonguard_fallbacks_total", "Requests answered further down the fallback chain, by reason"),
         "served": ("tritonguard_served_total", "Requests answered, by the model version that served them"),
         "trips": ("tritonguard_breaker_trips_total", "Circuit breaker trips, by target version and reason"),
-        "compared": ("tritonguard_compared_total", "Canary/shadow comparisons, by kind and validator verdict"),
+        "compared": ("tritonguard_compared_total", "Canary/shadow comparisons, by kind and validator verdict "
+                     "(AGREE/DISAGREE for a version judged on the task)"),
+        "fused_failures": ("tritonguard_fused_failures_total",
+                           "Requests of fused target calls that failed while each request alone succeeded, by target version"),
+        "labeled": ("tritonguard_labeled_total",
+                    "Requests that carried a ground-truth label, by the version that served them and whether it was right"),
         "compare_drops": ("tritonguard_compare_drops_total", "Comparisons dropped because the queue was full"),
         "cache": ("tritonguard_cache_lookups_total", "Cache lookups per batch row, by tier, result (hit/miss) and tenant"),
         "cache_errors": ("tritonguard_cache_errors_total", "Cache tier failures (the tier is then skipped for a backoff), by tier"),

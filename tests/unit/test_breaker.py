@@ -80,7 +80,21 @@ def test_window_slides():
         assert b.record_batch(0.0, 10) is None
     assert b.window_counts()["errors"] == 0 and b.window_counts()["requests"] == 100
     b.record_batch(0.0, 250, errors=3)  # a batch larger than the window keeps its tail
-    assert b.window_counts() == {"requests": 100, "errors": 0, "non_finite": 0, "compared": 0, "fails": 0}
+    assert b.window_counts() == {"requests": 100, "errors": 0, "non_finite": 0, "fused": 0, "compared": 0,
+                                 "fails": 0}
+
+
+def test_fused_failures_trip_as_a_hard_fault():
+    # a version that fails every fused call (rescued request by request) trips on its own reason,
+    # even right after closing, when soft signals are shielded
+    b = make(window=100, min_requests=20, min_on_s=60)
+    b.close(0.0)
+    assert b.record_batch(1.0, 10, fused=0) is None
+    trip = b.record_batch(1.0, 10, fused=6)
+    assert trip is not None and trip.reason == "fused_failures"
+    assert trip.figures["count"] == 6 and trip.figures["limit"] == 0.05
+    with pytest.raises(ValueError, match="fused"):
+        make().record_batch(0.0, 2, fused=3)
 
 
 def test_hysteresis_no_reclose_before_min_off():

@@ -1,0 +1,183 @@
+"""The real Router with in-process targets (no Triton): fused failures, task-judged comparisons,
+labels, and goldens run at batch 1 and at the largest batch before any traffic."""
+
+import time
+
+import numpy as np
+import pytest
+
+from tritonguard import repository
+from tritonguard.breaker import BreakerConfig
+from tritonguard.errors import TargetError
+from tritonguard.routing import Router, RoutingConfig
+from tritonguard.state import Candidate, open_store
+from tritonguard.validators import ValidatorConfig, ValidatorRegistry
+
+
+class Metrics:
+    def __init__(self):
+        self.counts: dict[tuple, float] = {}
+        self.gauges: dict[tuple, float] = {}
+
+    def inc(self, family, n=1, **labels):
+        key = (family, *sorted(labels.items()))
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def set(self, family, value, **labels):
+        self.gauges[(family, *sorted(labels.items()))] = value
+
+    def observe(self, family, value, **labels):
+        pass
+
+    def total(self, family, **labels):
+        return sum(v for k, v in self.counts.items()
+                   if k[0] == family and all((a, b) in k[1:] for a, b in labels.items()))
+
+
+def softmax(x):
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+class Linear:
+    """A small real classifier: softmax(X @ W), with optional faults."""
+
+    def __init__(self, w, *, max_rows=None, poison=None):
+        self.w, self.max_rows, self.poison = w, max_rows, poison
+        self.calls: list[int] = []
+
+    def infer(self, inputs):
+        x = inputs["X"]
+        self.calls.append(len(x))
+        if self.max_rows is not None and len(x) > self.max_rows:
+            raise TargetError(f"seeded fault: {len(x)} rows > {self.max_rows}", "INTERNAL")
+        if self.poison is not None and (x == self.poison).all(axis=1).any():
+            raise TargetError("poisoned row", "INVALID_ARG")
+        return {"P": softmax(x.astype(np.float64) @ self.w)}
+
+
+W1 = np.random.default_rng(0).normal(size=(4, 3))
+# a "retrain": other weights, nearly always the same decision on these inputs, other numbers
+W2 = W1 * 1.5 + np.random.default_rng(1).normal(scale=0.05, size=(4, 3))
+
+
+@pytest.fixture
+def repo(tmp_path):
+    r = tmp_path / "repo"
+    (r / "t").mkdir(parents=True)
+    return r
+
+
+def make(repo, targets, *, primary=1, candidate=None, share=1.0, judge=None, max_batch=0, goldens=None, **breaker):
+    store = open_store("g", repo)
+
+    def setup(s):
+        s.primary = primary
+        if candidate is not None:
+            s.candidate = Candidate(candidate, share)
+            if judge:
+                s.judges[str(candidate)] = {"judge": judge}
+        return s
+
+    store.update(setup, by="test")
+    for v in targets:
+        d = repo / "t" / str(v)
+        d.mkdir(parents=True, exist_ok=True)
+        if goldens is not None:
+            x = goldens
+            np.savez(d / repository.GOLDENS, in__X=x, out__P=targets[v].infer({"X": x})["P"])
+    metrics = Metrics()
+    router = Router(guard="g", repo=repo, target="t", make_target=lambda v: targets[v], output_names=["P"],
+                    store=store, config=RoutingConfig(reconcile_interval_s=0, poll_interval_s=0),
+                    validator=ValidatorConfig(), registry=ValidatorRegistry(),
+                    breaker=BreakerConfig(**{"min_requests": 20, "window": 200, **breaker}),
+                    metrics=metrics, seed=0, max_batch=max_batch)
+    return router, metrics
+
+
+def drain(router, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not router._jobs.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # the job taken last may still be running
+
+
+def rows(n, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
+
+
+def test_fused_failure_is_counted_against_the_version_and_trips_it(repo):
+    v1 = Linear(W1)
+    v2 = Linear(W1, max_rows=4)
+    router, metrics = make(repo, {1: v1, 2: v2}, candidate=2, share=1.0)
+    x = rows(6)
+    got = router.infer({"X": x}, [1] * 6)
+    # users see nothing: every request answered by v2 itself after the retries
+    assert all(e is None for e in got.errors) and set(got.served_by) == {"t:2"}
+    assert metrics.total("fused_failures", target_version="2") == 6
+    assert metrics.total("target_errors", target_version="2") == 0
+    for k in range(4):  # a few more failed batches trip the breaker on its own reason
+        router.infer({"X": rows(6, k + 1)}, [1] * 6)
+    trips = [k for k in metrics.counts if k[0] == "trips"]
+    assert trips and ("reason", "fused_failures") in trips[0]
+    assert router.breaker(2).state == "open"
+    router.close()
+
+
+def test_a_poisoned_request_is_not_a_fused_failure(repo):
+    x = rows(6)
+    v1 = Linear(W1, poison=x[2])
+    router, metrics = make(repo, {1: v1})
+    got = router.infer({"X": x}, [1] * 6)
+    assert got.errors[2] is not None and str(got.errors[2]) == "poisoned row"
+    assert [e is None for i, e in enumerate(got.errors) if i != 2] == [True] * 5
+    assert metrics.total("fused_failures") == 0
+    assert metrics.total("target_errors", target_version="1") == 1
+    router.close()
+
+
+@pytest.mark.parametrize("judge", ["task", "equivalence"])
+def test_a_retrain_is_judged_on_its_answers_not_its_numbers(repo, judge):
+    router, metrics = make(repo, {1: Linear(W1), 2: Linear(W2)}, candidate=2, share=1.0, judge=judge)
+    x = rows(200, seed=3)
+    same = (softmax(x @ W1).argmax(1) == softmax(x @ W2).argmax(1)).mean()
+    assert same > 0.9  # the two versions mostly agree on the answer
+    for k in range(0, 200, 8):
+        router.infer({"X": x[k:k + 8]}, [1] * 8)
+        drain(router)  # the comparison queue is bounded: let the worker keep up
+    drain(router)
+    verdicts = {k[1:]: v for k, v in metrics.counts.items() if k[0] == "compared"}
+    if judge == "task":
+        agree = metrics.total("compared", verdict="AGREE", target_version="2")
+        disagree = metrics.total("compared", verdict="DISAGREE", target_version="2")
+        assert agree + disagree == 200, verdicts
+        assert disagree == pytest.approx(200 * (1 - same), abs=0.5)
+        assert router.breaker(2).state == "closed"  # disagreement is for the gates, not a fault
+    else:
+        # numerically another model: the validator FAILs rows and the breaker trips
+        assert metrics.total("compared", verdict="FAIL", target_version="2") > 0
+        assert router.breaker(2).state == "open"
+    router.close()
+
+
+def test_labels_are_scored_per_serving_version(repo):
+    router, metrics = make(repo, {1: Linear(W1)})
+    x = rows(4, seed=5)
+    pred = softmax(x @ W1).argmax(1)
+    labels = [[int(pred[0])], [int((pred[1] + 1) % 3)], None, [int(pred[3])]]
+    router.infer({"X": x}, [1] * 4, labels)
+    assert metrics.total("labeled", target_version="1", correct="true") == 2
+    assert metrics.total("labeled", target_version="1", correct="false") == 1
+    router.close()
+
+
+def test_goldens_run_at_batch_1_and_at_the_largest_batch(repo):
+    golden = rows(4, seed=7)
+    # fine on the 4 golden rows at once, fails on the 16-row batch live traffic can make
+    router, _ = make(repo, {1: Linear(W1), 2: Linear(W1, max_rows=8)}, max_batch=16, goldens=golden)
+    result = router.check_goldens(2)
+    assert result["verdict"] == "FAIL"
+    assert "batch 16" in result["metrics"]["error"] and "8" in result["metrics"]["error"]
+    assert router.check_goldens(1)["verdict"] == "PASS"
+    assert sorted(set(router._targets[1].calls)) == [1, 4, 16]
+    router.close()
