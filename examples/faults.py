@@ -8,7 +8,8 @@ next version of ``digits_raw``.
 The fault is the module's own behaviour, exported faithfully, so each fault passes the
 exporter's golden check (the reference is the faulty module itself). Where a fault makes some
 rows unusable as goldens (NaN outputs, a raise, a decision sitting on a threshold), the 64
-golden images are held-out images that avoid those rows.
+golden images are held-out images that avoid those rows. The specs carry no evaluation set
+(``examples.candidates`` holds versions that do).
 
 - :func:`good`: the base with last-layer biases nudged by <= 1e-4 (|dp| <= 5e-5): never trips.
 - :func:`nan_subset`: NaN probabilities where the top two pixel rows are bright (~25 %).
@@ -16,13 +17,16 @@ golden images are held-out images that avoid those rows.
 - :func:`raises`: TorchScript; forward raises RuntimeError when any image in the batch is
   bright (pixel sum > 343, ~20 % of images). Its spec carries the saved ``model.pt`` as
   ``artifact_path``, so ``export(..., fmt=None)`` / a CLI export without ``--format`` picks
-  TorchScript by itself (ONNX cannot raise).
+  TorchScript by itself (ONNX has no op that raises on a value;
+  ``examples.candidates.raises_above_batch`` raises on a shape).
 - :func:`slow`: the base's outputs plus a chain of input-dependent matmuls that only touch the
   logits at 1e-30 (below float32 resolution): same answers, several times slower.
 - :func:`loose`: the top-1 and top-2 probabilities are pulled to just past a tie on the
   ~2.5 % of images with the smallest top-2 margin: top-1 flips there, every other row is
   bit-identical. (A flip needs ``max |dp| >= margin / 2`` on its row, and the base's margin is
   below 0.1 on one image in 1797, so no fault can flip 2 % of load_digits within |dp| <= 0.05.)
+  It stands for a numerically loose re-export of the base's weights: its spec says
+  ``judge="equivalence"`` (every other fault leaves ``judge`` to the exporter).
 - :func:`drifted_inputs`: valid (0..16, finite) load_digits images with shifted brightness.
 
 The base is trained once per process (:func:`trained`). It is bit-identical to the model that
@@ -43,7 +47,7 @@ import torch
 from torch import nn
 
 from examples import digits
-from exporter.sources import ExportSpec, TensorDef
+from exporter.sources import ExportSpec
 
 N_GOLDEN = digits.N_GOLDEN
 N_CLASSES = 10
@@ -94,17 +98,10 @@ def load_all() -> tuple[np.ndarray, np.ndarray]:
     return data.images.astype(np.float32), data.target
 
 
-def _spec(module: nn.Module, golden: np.ndarray, artifact_path: Path | None = None) -> ExportSpec:
-    return ExportSpec(
-        module=module,
-        artifact_path=artifact_path,
-        inputs=[TensorDef(name="IMAGE", dtype="float32", dims=(8, 8))],
-        outputs=[TensorDef(name="PROBS", dtype="float32", dims=(10,))],
-        golden_inputs={"IMAGE": np.ascontiguousarray(golden)},
-        task="classifier",
-        max_batch_size=64,
-        input_ranges={"IMAGE": (0.0, digits.PIXEL_MAX)},
-    )
+def _spec(module: nn.Module, golden: np.ndarray, artifact_path: Path | None = None,
+          judge: str | None = None) -> ExportSpec:
+    """The digits contract, without the held-out evaluation set ``examples.digits:build`` carries."""
+    return digits.export_spec(module, golden, eval_set=False, artifact_path=artifact_path, judge=judge)
 
 
 def _margin(probs: np.ndarray) -> np.ndarray:
@@ -112,16 +109,17 @@ def _margin(probs: np.ndarray) -> np.ndarray:
     return top2[:, 1] - top2[:, 0]
 
 
-def _base_probs(images: np.ndarray) -> np.ndarray:
-    model = trained()[0]
+def _base_probs(images: np.ndarray, model: nn.Module | None = None) -> np.ndarray:
+    model = trained()[0] if model is None else model
     with torch.inference_mode():
         return model(torch.from_numpy(np.ascontiguousarray(images))).numpy()
 
 
-def _goldens(avoid=None) -> np.ndarray:
-    """The first N_GOLDEN held-out images with a clear base decision and ``avoid(images)`` false."""
-    x_te = trained()[1]
-    keep = _margin(_base_probs(x_te)) >= GOLDEN_MIN_MARGIN
+def golden_images(avoid=None, model: nn.Module | None = None) -> np.ndarray:
+    """The first N_GOLDEN held-out images with a clear decision of ``model`` (default: the
+    base) and ``avoid(images)`` false."""
+    x_te = digits.heldout()[0]
+    keep = _margin(_base_probs(x_te, model)) >= GOLDEN_MIN_MARGIN
     if avoid is not None:
         keep &= ~np.asarray(avoid(x_te), dtype=bool)
     chosen = x_te[keep][:N_GOLDEN]
@@ -132,7 +130,7 @@ def _goldens(avoid=None) -> np.ndarray:
 
 def base() -> ExportSpec:
     """The unfaulted base (what ``examples.digits:build`` exports), from the shared training."""
-    return _spec(trained()[0], _goldens())
+    return _spec(trained()[0], golden_images())
 
 
 # -- good -----------------------------------------------------------------------------------
@@ -148,7 +146,7 @@ def good() -> ExportSpec:
     with torch.no_grad():
         bias = model.head[-1].bias
         bias.add_((torch.rand(bias.shape, generator=gen) * 2 - 1) * GOOD_NOISE)
-    return _spec(model, _goldens())
+    return _spec(model, golden_images())
 
 
 # -- nan_subset -----------------------------------------------------------------------------
@@ -170,7 +168,7 @@ class NanSubset(nn.Module):
 
 
 def nan_subset() -> ExportSpec:
-    return _spec(NanSubset(trained()[0]).eval(), _goldens(nan_trigger))
+    return _spec(NanSubset(trained()[0]).eval(), golden_images(nan_trigger))
 
 
 # -- accuracy_drop --------------------------------------------------------------------------
@@ -192,7 +190,7 @@ class SwapThreeEight(nn.Module):
 
 
 def accuracy_drop() -> ExportSpec:
-    return _spec(SwapThreeEight(trained()[0]).eval(), _goldens())
+    return _spec(SwapThreeEight(trained()[0]).eval(), golden_images())
 
 
 # -- raises ---------------------------------------------------------------------------------
@@ -228,7 +226,7 @@ def raises() -> ExportSpec:
     """TorchScript only. The spec's ``artifact_path`` is the saved script module, which makes
     :func:`exporter.artifacts.default_format` choose torchscript; the artifact is a copy of
     that file and the reference is the same script module run in-process."""
-    golden = _goldens(raise_trigger)
+    golden = golden_images(raise_trigger)
     # DigitsCNN reads a module-level constant, which TorchScript cannot compile: trace the base
     # (no control flow; two rows so the batch dim stays dynamic) and script the raising wrapper
     path = Path(tempfile.mkdtemp(dir=_artifact_dir())) / "model.pt"
@@ -246,23 +244,24 @@ class SlowChain(nn.Module):
     input, so no graph optimiser can fold it, and 1e-30 is far below float32 resolution at the
     logits' scale, so the probabilities are those of the base."""
 
-    def __init__(self, base_model: nn.Module):
+    def __init__(self, base_model: nn.Module, width: int = SLOW_WIDTH, steps: int = SLOW_STEPS):
         super().__init__()
         self.base = base_model
+        self.steps = steps
         gen = torch.Generator().manual_seed(0)
-        self.register_buffer("w_in", torch.randn(64, SLOW_WIDTH, generator=gen) / 8.0)
-        self.register_buffer("w", torch.randn(SLOW_WIDTH, SLOW_WIDTH, generator=gen) / SLOW_WIDTH ** 0.5)
+        self.register_buffer("w_in", torch.randn(64, width, generator=gen) / 8.0)
+        self.register_buffer("w", torch.randn(width, width, generator=gen) / width ** 0.5)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         h = torch.tanh((image.flatten(1) / digits.PIXEL_MAX) @ self.w_in)
-        for _ in range(SLOW_STEPS):
+        for _ in range(self.steps):
             h = torch.tanh(h @ self.w)
         logits = self.base.logits(image) + SLOW_SCALE * h.mean(dim=-1, keepdim=True)
         return torch.softmax(logits, dim=-1)
 
 
 def slow() -> ExportSpec:
-    return _spec(SlowChain(trained()[0]).eval(), _goldens())
+    return _spec(SlowChain(trained()[0]).eval(), golden_images())
 
 
 # -- loose ----------------------------------------------------------------------------------
@@ -295,8 +294,9 @@ def loose_threshold() -> float:
 def loose() -> ExportSpec:
     threshold = loose_threshold()
     # goldens also stay clear of the threshold, so torch and onnxruntime take the same branch
-    golden = _goldens(lambda x: np.abs(_margin(_base_probs(x)) - threshold) < 1e-3)
-    return _spec(LooseTop2(trained()[0], threshold).eval(), golden)
+    golden = golden_images(lambda x: np.abs(_margin(_base_probs(x)) - threshold) < 1e-3)
+    # a numerically loose re-export of the base's weights: judged by equivalence, not on the task
+    return _spec(LooseTop2(trained()[0], threshold).eval(), golden, judge="equivalence")
 
 
 # -- drifted inputs -------------------------------------------------------------------------

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # torch is heavy: import it where a module is actually built 
 log = logging.getLogger(__name__)
 
 TASKS = ("classifier", "embedding", "regression")
+JUDGES = ("task", "equivalence")  # how a rollout compares a version with the one it replaces
 MLFLOW_SCHEMES = ("models:/", "runs:/")
 HF_CONFIG = "config.json"
 HF_MAX_LENGTH = 512  # cap for models that state no limit of their own
@@ -112,6 +113,15 @@ class ExportSpec:
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     training_metrics: dict[str, float] = field(default_factory=dict)
     code_hash: str | None = None  # None: the registry records `git rev-parse HEAD` of the cwd
+    # task-level judging (issue 11): a labelled evaluation set at the public interface (e.g. the
+    # held-out split), and its ground truth (class ids for a classifier, targets for a regressor)
+    eval_inputs: dict[str, np.ndarray] | None = None
+    eval_labels: np.ndarray | None = None
+    # how a rollout judges this version against the one it replaces: "task" (a new model: judged
+    # on the task, non-inferiority) or "equivalence" (the same weights re-exported or compiled:
+    # numerical tolerances). None: the exporter decides ("task" unless the artifact hash equals
+    # an earlier version's)
+    judge: str | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -130,6 +140,14 @@ class ExportSpec:
         rows = {len(v) for v in self.golden_inputs.values()}
         if len(rows) != 1 or 0 in rows:
             raise SourceError("golden inputs must share one non-zero batch size")
+        if self.judge not in (None, *JUDGES):
+            raise SourceError(f"judge must be one of {', '.join(JUDGES)}, got {self.judge!r}")
+        if (self.eval_inputs is None) != (self.eval_labels is None):
+            raise SourceError("eval_inputs and eval_labels go together")
+        if self.eval_inputs is not None:
+            n = {len(v) for v in self.eval_inputs.values()}
+            if len(n) != 1 or 0 in n or n != {len(self.eval_labels)}:
+                raise SourceError("eval_inputs and eval_labels must share one non-zero number of rows")
 
     @property
     def public_inputs(self) -> list[TensorDef]:
