@@ -58,6 +58,8 @@ ACTIVE = (RUNNING, PAUSED)
 BREAKER_CODES = {"closed": 0, "half_open": 1, "open": 2}
 WINDOW = ("baseline", "look", "reference", "last_report", "reason")  # one gated window's fields
 Reader = Callable[[int, int], GuardReadings]  # (primary, candidate) -> readings
+# (version, since) -> that version's exact per-call latencies since a wall-clock time
+LatencyReader = Callable[[int, float], Any]
 
 
 @dataclass(kw_only=True)
@@ -70,6 +72,7 @@ class RolloutConfig:
     max_step_s: float | None = None  # an inconclusive step this old rolls back; None: hold forever
     promote: bool = True  # after the last step: make the candidate primary; False: stop there
     gates: GateConfig = field(default_factory=GateConfig)
+    offline: dict[str, Any] | None = None  # the judgement before traffic (exporter.judge), for the record
 
     def __post_init__(self) -> None:
         self.steps = tuple(float(s) for s in self.steps)
@@ -145,12 +148,34 @@ def _pin_primary(s: RolloutState, primary: int) -> None:
         s.primary = primary
 
 
+def _judge_doc(cfg: RolloutConfig) -> dict[str, Any]:
+    """The rollout state's ``judges`` entry for a version under test: how the guards compare it."""
+    doc: dict[str, Any] = {"judge": cfg.gates.judge}
+    if cfg.gates.judge == "task" and cfg.gates.cosine_floor is not None:
+        doc["cosine"] = cfg.gates.cosine_floor
+    return doc
+
+
 def metrics_reader(urls: Sequence[str], model: str, *, target: str | None = None,
                    timeout: float = 5.0) -> Reader:
     """A reader scraping every Triton metrics URL (one per replica) and summing them."""
     def read(primary: int, candidate: int) -> GuardReadings:
-        return GuardReadings.from_scrapes([scrape(u, timeout) for u in urls], model, primary,
-                                          candidate, target=target)
+        r = GuardReadings.from_scrapes([scrape(u, timeout) for u in urls], model, primary,
+                                       candidate, target=target)
+        r.taken_at = time.time()  # the guards stamp latency samples with wall-clock time too
+        return r
+    return read
+
+
+def store_latency_reader(model: str, repo: str | os.PathLike) -> LatencyReader:
+    """Exact per-call latencies the guards of ``model`` keep in the state's store (files beside
+    the model, or Redis), every instance and replica together."""
+    from tritonguard.latency import open_latency_log  # noqa: PLC0415
+
+    log_ = open_latency_log(model, repo)
+
+    def read(version: int, since: float) -> Any:
+        return log_.read(version, since=since)
     return read
 
 
@@ -161,8 +186,10 @@ class RolloutController:
                  on_promote: Callable[[int], Any] | None = None,
                  on_rollback: Callable[[int, str], Any] | None = None,
                  on_step: Callable[[int, float, GateReport | None], Any] | None = None,
-                 by: str = "controller", lease_s: float = LEASE_S):
+                 by: str = "controller", lease_s: float = LEASE_S,
+                 latency_reader: LatencyReader | None = None):
         self.model, self.reader = model, reader
+        self.latency_reader = latency_reader
         self.config = config or RolloutConfig()
         self.store = store if store is not None else open_store(model, repo)
         self.progress = open_progress(model, repo, self.store, lease_s=lease_s)
@@ -229,6 +256,7 @@ class RolloutController:
                 s.candidate = Candidate(candidate, share if split else 0.0)
                 s.shadow_share = 0.0 if split else share
                 s.breakers.pop(str(candidate), None)  # a fresh rollout starts with a closed breaker
+                s.judges[str(candidate)] = _judge_doc(cfg)  # how the guards compare it
                 return s
 
             self.store.update(route, by=self.by)
@@ -262,8 +290,13 @@ class RolloutController:
                 p.reason = f"metrics unavailable: {type(exc).__name__}: {exc}"
                 return self._timeout(p, cfg) or self._save(p)
             self._breaker_from_state(readings, state, p.candidate)
+            golden = state.goldens.get(str(p.candidate), {})
+            if golden.get("verdict") == FAIL:
+                # the guards never route to it: no traffic would ever judge it, so it is done
+                return self._finish(p, ROLLED_BACK, f"goldens FAIL on the server at {p.share:.0%}: "
+                                                    f"{golden.get('metrics')}")
             window = {k: getattr(p, k) for k in WINDOW}
-            report = self._look(window, readings, cfg, p.mode)
+            report = self._look(window, readings, cfg, p.mode, self._latency(p.primary, p.candidate))
             for k in WINDOW:
                 setattr(p, k, window[k])
             if report is None:
@@ -361,6 +394,7 @@ class RolloutController:
                 s.previous_primary = s.primary if s.primary > 0 else s.previous_primary
                 s.primary = p.candidate
             s.candidate, s.shadow_share = None, 0.0
+            s.judges.pop(str(p.candidate), None)
             return s
 
         self.store.update(promote, by=self.by)
@@ -375,6 +409,7 @@ class RolloutController:
             def remove(s: RolloutState) -> RolloutState:
                 if s.candidate is not None and s.candidate.version == p.candidate:
                     s.candidate, s.shadow_share = None, 0.0
+                s.judges.pop(str(p.candidate), None)
                 return s
 
             self.store.update(remove, by=self.by)
@@ -400,6 +435,7 @@ class RolloutController:
             s.arms = [Arm(v, w * share) for v, w in cfg.arms.items()]
             for v in cfg.arms:
                 s.breakers.pop(str(v), None)
+                s.judges[str(v)] = _judge_doc(cfg)
             return s
 
         self.store.update(route, by=self.by)
@@ -423,8 +459,24 @@ class RolloutController:
 
         self.store.update(route, by=self.by)
 
+    def _latency(self, primary: int, candidate: int) -> Callable[[float], tuple[Any, Any]] | None:
+        """(candidate, primary) latency samples since a time, from the store; None without a
+        latency reader. At a 100 % step the primary serves nothing: its samples then come from
+        whatever the store still keeps (its last few thousand calls)."""
+        if self.latency_reader is None:
+            return None
+        read = self.latency_reader
+
+        def samples(since: float) -> tuple[Any, Any]:
+            cand, prim = read(candidate, since), read(primary, since)
+            if len(prim) < self.config.gates.min_latency_samples:
+                prim = read(primary, 0.0)
+            return cand, prim
+        return samples
+
     @staticmethod
-    def _look(window: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig, mode: str) -> GateReport | None:
+    def _look(window: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig, mode: str,
+              latency: Callable[[float], tuple[Any, Any]] | None = None) -> GateReport | None:
         """One look at a window (the :data:`WINDOW` fields of a candidate's progress, or of one
         arm); None while only its start was taken (the first look) or retaken (a counter reset)."""
         if window["baseline"] is None:
@@ -432,8 +484,14 @@ class RolloutController:
             return None
         window["look"] += 1
         ref = {float(k): v for k, v in window["reference"].items()} if window["reference"] else None
+        samples = None
+        if latency is not None and mode == "split" and cfg.gates.latency:
+            try:
+                samples = latency(float(window["baseline"].get("taken_at", 0.0)))
+            except Exception as exc:  # noqa: BLE001 - samples unavailable: the bucket gate judges
+                log.warning("latency samples unavailable (%s: %s); judging histogram buckets", type(exc).__name__, exc)
         report = evaluate(GuardReadings.from_dict(window["baseline"]), readings, cfg.gates, look=window["look"],
-                          mode=mode, primary_reference=ref)
+                          mode=mode, primary_reference=ref, latency_samples=samples)
         window["last_report"], window["reason"] = report.to_dict(), report.summary()
         if report.reset:
             window["baseline"], window["look"] = readings.to_dict(), 0
@@ -461,7 +519,7 @@ class RolloutController:
         for v in live:
             self._breaker_from_state(readings[v], state, v)
             arm = p.arms[str(v)]
-            report = self._look(arm, readings[v], cfg, "split")
+            report = self._look(arm, readings[v], cfg, "split", self._latency(p.primary, v))
             if report is None:
                 continue
             verdicts[v] = report.verdict

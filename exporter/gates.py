@@ -8,13 +8,26 @@ controller holds), never PASS: a canary judged on no traffic must not go through
 The gates are looked at again and again while a step dwells, so each one stays valid under
 repeated looks:
 
-- **error rate**: Wald's sequential probability ratio test on the candidate's failed requests,
+- **error rate**: requests that failed, plus requests of fused calls that failed and were
+  rescued one by one (``tritonguard_fused_failures_total``): Wald's sequential probability ratio test on the candidate's failed requests,
   H0: p <= p0 (``ok_error_rate``) against H1: p >= p1 (``max_error_rate``). The boundaries are
   FAIL at LLR >= ln(1/alpha) and PASS at LLR <= ln(beta). By Ville's inequality the likelihood
   ratio is a supermartingale under H0 (and its inverse under H1), so these error bounds hold for
   any number and schedule of looks, not only for a look after every request.
-- **validator agreement**: the same SPRT on the share of compared rows the validator failed
-  (H1: disagreement >= 1 - ``min_agreement``, H0: half of that).
+- **validator agreement** (``judge="equivalence"``: a re-export or compiled variant of the same
+  weights): the same SPRT on the share of compared rows the validator failed (H1: disagreement
+  >= 1 - ``min_agreement``, H0: half of that). No FAIL before ``min_compared`` rows.
+- **disagreement** (``judge="task"``: a new model, e.g. a retrain): the share of compared rows
+  whose answer differs from the primary's (top-1 for a classifier) against what the two
+  versions' offline disagreement predicts (``expected_disagreement``, the upper confidence bound
+  measured on the evaluation set at promote time) plus ``max_regression``: FAIL when the
+  Wilson lower bound is above that limit, PASS when the upper bound is below it, both at the
+  look's spent alpha (beta for PASS), so repeated looks keep their error rates.
+- **labels** (task judge, live labels): where clients send the ground truth (request parameter
+  ``label``), a non-inferiority test of the candidate's accuracy against the primary's with the
+  margin ``max_regression``: FAIL when the upper confidence bound of the difference is below
+  ``-max_regression``. Labelled traffic may be thin, so this gate can stop a candidate but never
+  holds one (SKIPPED when it cannot decide).
 - **breaker**: the candidate's breaker must be closed and must not have tripped in the window.
 - **latency**: Mann-Whitney U (rank test; latency is heavy-tailed) of the candidate against the
   primary, on samples rebuilt from histogram bucket deltas (bucket midpoints; the open last
@@ -52,6 +65,9 @@ ERRORS = "tritonguard_target_errors_total"
 BREAKER = "tritonguard_breaker_state"
 TRIPS = "tritonguard_breaker_trips_total"
 COMPARED = "tritonguard_compared_total"
+FUSED = "tritonguard_fused_failures_total"
+LABELED = "tritonguard_labeled_total"
+SKIPPED = "SKIPPED"  # a gate that cannot decide and does not hold the rollout (live labels)
 LATENCY = "tritonguard_target_latency_seconds_bucket"
 
 
@@ -117,12 +133,15 @@ class GuardReadings:
     candidate: int
     served: dict[int, float] = field(default_factory=dict)  # answered, by version
     errors: dict[int, float] = field(default_factory=dict)  # failed target calls, by version
+    fused: dict[int, float] = field(default_factory=dict)  # requests of rescued fused failures
+    labeled: dict[int, dict[str, float]] = field(default_factory=dict)  # version -> correct -> rows
     compared: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> verdict -> rows
     breaker_state: int | None = None  # candidate's, worst replica: 0 closed, 1 half-open, 2 open
     trips: float = 0.0  # candidate's breaker trips
     latency: dict[int, Buckets] = field(default_factory=dict)  # version -> cumulative buckets
     replicas: int = 0
     problems: list[str] = field(default_factory=list)  # data present but not attributable
+    taken_at: float = 0.0  # wall-clock time of the scrape (latency samples are windowed by it)
 
     @classmethod
     def from_scrapes(cls, scrapes: Iterable[Mapping[tuple[str, frozenset], float]], model: str,
@@ -151,6 +170,12 @@ class GuardReadings:
                         unlabelled_errors = unlabelled_errors or value > 0
                     elif tv in versions:
                         r.errors[tv] = r.errors.get(tv, 0.0) + value
+                elif name == FUSED and tv in versions:
+                    r.fused[tv] = r.fused.get(tv, 0.0) + value
+                elif name == LABELED and tv in versions:
+                    right = r.labeled.setdefault(tv, {})
+                    key = labels.get("correct", "?")
+                    right[key] = right.get(key, 0.0) + value
                 elif name == COMPARED and tv == candidate:
                     kind = r.compared.setdefault(labels.get("kind", "?"), {})
                     verdict = labels.get("verdict", "?")
@@ -181,6 +206,8 @@ class GuardReadings:
         d["latency"] = {str(v): {_le(k): c for k, c in b.items()} for v, b in self.latency.items()}
         d["served"] = {str(k): v for k, v in self.served.items()}
         d["errors"] = {str(k): v for k, v in self.errors.items()}
+        d["fused"] = {str(k): v for k, v in self.fused.items()}
+        d["labeled"] = {str(k): dict(v) for k, v in self.labeled.items()}
         return d
 
     @classmethod
@@ -188,6 +215,8 @@ class GuardReadings:
         d = dict(d)
         d["served"] = {int(k): float(v) for k, v in d.get("served", {}).items()}
         d["errors"] = {int(k): float(v) for k, v in d.get("errors", {}).items()}
+        d["fused"] = {int(k): float(v) for k, v in d.get("fused", {}).items()}
+        d["labeled"] = {int(k): {c: float(x) for c, x in v.items()} for k, v in d.get("labeled", {}).items()}
         d["latency"] = {int(v): {float(k): float(c) for k, c in b.items()}
                         for v, b in d.get("latency", {}).items()}
         return cls(**d)
@@ -217,8 +246,17 @@ class GateConfig:
     agree_verdicts: tuple[str, ...] = ("PASS", "MARGINAL")
     latency: bool = True
     min_latency_samples: int = 100  # observations are fused target calls, not requests
-    latency_tolerance: float = 0.25  # allowed Hodges-Lehmann shift, fraction of |primary median|
+    latency_tolerance: float = 0.15  # allowed slowdown: per-call ratio at equal batch size - 1 (samples), or HL shift over |primary median| (buckets)
     latency_direction: str = "increase"  # "increase": only slower fails; "both": also faster
+    # how the candidate is compared with the primary: "equivalence" (same weights: validator
+    # tolerances, the agreement gate) or "task" (a new model: disagreement and labels)
+    judge: str = "equivalence"
+    max_regression: float = 0.005  # task: accuracy the candidate may lose (0.005 = 0.5 pp)
+    expected_disagreement: float | None = None  # task: offline disagreement (upper bound); None: 0
+    min_labeled: int = 200  # task: labelled requests per version before the labels gate decides
+    # task, embeddings: the guards count a compared row as agreeing when its cosine to the
+    # primary's is at least this (promote sets it from the offline cosines); None: validator's
+    cosine_floor: float | None = None
 
     def __post_init__(self) -> None:
         if self.ok_error_rate is None:
@@ -237,6 +275,12 @@ class GateConfig:
             raise ValueError("gates.min_compared must be >= 1 and gates.min_latency_samples >= 2")
         if self.latency_tolerance < 0:
             raise ValueError(f"gates.latency_tolerance must be >= 0, got {self.latency_tolerance}")
+        if self.judge not in ("equivalence", "task"):
+            raise ValueError(f"gates.judge must be 'equivalence' or 'task', got {self.judge!r}")
+        if not 0 <= self.max_regression < 1:
+            raise ValueError(f"gates.max_regression must be in [0, 1), got {self.max_regression}")
+        if self.expected_disagreement is not None and not 0 <= self.expected_disagreement <= 1:
+            raise ValueError(f"gates.expected_disagreement must be in [0, 1], got {self.expected_disagreement}")
         if self.latency_direction not in ("increase", "both"):
             raise ValueError(f"gates.latency_direction must be 'increase' or 'both', "
                              f"got {self.latency_direction!r}")
@@ -301,7 +345,7 @@ def _agreement_gate(compared: dict[str, float], cfg: GateConfig) -> GateResult:
     agree = sum(v for k, v in compared.items() if k in cfg.agree_verdicts)
     p1 = 1 - cfg.min_agreement
     verdict, llr = sprt(total - agree, total, p1 / 2, p1, cfg.alpha, cfg.beta)
-    if verdict == PASS and total < cfg.min_compared:
+    if verdict != INCONCLUSIVE and total < cfg.min_compared:  # early decisions need their sample
         verdict = INCONCLUSIVE
     figures = {"compared": total, "agree": agree, "agreement": agree / total if total else None,
                "min_agreement": cfg.min_agreement, "llr": llr, "by_verdict": compared}
@@ -309,6 +353,77 @@ def _agreement_gate(compared: dict[str, float], cfg: GateConfig) -> GateResult:
               INCONCLUSIVE: f"{total:.0f} compared rows, need >= {cfg.min_compared} and a decisive SPRT",
               PASS: ""}[verdict]
     return GateResult(name="agreement", verdict=verdict, figures=figures, samples=int(total), reason=reason)
+
+
+def wilson(k: float, n: float, z: float) -> tuple[float, float]:
+    """Wilson score interval for ``k`` successes in ``n`` at normal quantile ``z``."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(max(p * (1 - p) / n + z * z / (4 * n * n), 0.0)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _z(alpha: float) -> float:
+    from scipy import stats  # noqa: PLC0415
+
+    return float(stats.norm.isf(alpha))
+
+
+def _disagreement_gate(compared: dict[str, float], look: int, cfg: GateConfig) -> GateResult:
+    agree, dis = compared.get("AGREE", 0.0), compared.get("DISAGREE", 0.0)
+    total = agree + dis
+    expected = cfg.expected_disagreement or 0.0
+    limit = expected + cfg.max_regression
+    alpha_k, beta_k = spent_alpha(cfg.alpha, look), spent_alpha(cfg.beta, look)
+    lo, _ = wilson(dis, total, _z(alpha_k))
+    _, hi = wilson(dis, total, _z(beta_k))
+    figures = {"compared": total, "disagree": dis, "disagreement": dis / total if total else None,
+               "expected": expected, "max_regression": cfg.max_regression, "limit": limit,
+               "lower": lo, "upper": hi, "alpha_k": alpha_k, "beta_k": beta_k}
+    if total < cfg.min_compared:
+        return GateResult(name="disagreement", verdict=INCONCLUSIVE, figures=figures, samples=int(total),
+                          reason=f"{total:.0f} compared rows, need >= {cfg.min_compared}")
+    if lo > limit:
+        return GateResult(name="disagreement", verdict=FAIL, figures=figures, samples=int(total),
+                          reason=f"disagrees with the primary on {dis:.0f}/{total:.0f} rows "
+                                 f"(>= {lo:.2%} at alpha {alpha_k:.2g}), limit {limit:.2%} = offline "
+                                 f"{expected:.2%} + margin {cfg.max_regression:.2%}")
+    if hi <= limit:
+        return GateResult(name="disagreement", verdict=PASS, figures=figures, samples=int(total))
+    return GateResult(name="disagreement", verdict=INCONCLUSIVE, figures=figures, samples=int(total),
+                      reason=f"disagreement {dis:.0f}/{total:.0f}, upper bound {hi:.2%} not yet "
+                             f"below the limit {limit:.2%}")
+
+
+def _labels_gate(w: GuardReadings, look: int, cfg: GateConfig) -> GateResult:
+    def counts(v: int) -> tuple[float, float]:
+        d = w.labeled.get(v, {})
+        return d.get("true", 0.0), d.get("true", 0.0) + d.get("false", 0.0)
+
+    rc, nc = counts(w.candidate)
+    rp, np_ = counts(w.primary)
+    figures: dict[str, Any] = {"candidate_labeled": nc, "primary_labeled": np_,
+                               "candidate_accuracy": rc / nc if nc else None,
+                               "primary_accuracy": rp / np_ if np_ else None, "max_regression": cfg.max_regression}
+    if nc < cfg.min_labeled or np_ < cfg.min_labeled:
+        return GateResult(name="labels", verdict=SKIPPED, figures=figures, samples=int(nc),
+                          reason=f"{nc:.0f} / {np_:.0f} labelled requests, need >= {cfg.min_labeled} each")
+    # a half success and failure added to each side keeps the variance away from 0 at 100 %
+    pc, pp = (rc + 0.5) / (nc + 1), (rp + 0.5) / (np_ + 1)
+    diff = rc / nc - rp / np_
+    se = math.sqrt(pc * (1 - pc) / (nc + 1) + pp * (1 - pp) / (np_ + 1))
+    alpha_k = spent_alpha(cfg.alpha, look)
+    upper = diff + _z(alpha_k) * se
+    figures.update(difference=diff, upper=upper, alpha_k=alpha_k)
+    if upper < -cfg.max_regression:
+        return GateResult(name="labels", verdict=FAIL, figures=figures, samples=int(nc),
+                          reason=f"accuracy on live labels {rc / nc:.2%} vs primary {rp / np_:.2%}: worse by more "
+                                 f"than {cfg.max_regression:.2%} (upper bound {upper:+.2%})")
+    return GateResult(name="labels", verdict=SKIPPED if upper < 0 else PASS, figures=figures, samples=int(nc),
+                      reason="" if upper >= 0 else "not conclusive either way; does not hold the rollout")
 
 
 def _breaker_gate(after: GuardReadings, trips: float) -> GateResult:
@@ -438,6 +553,8 @@ def window(before: GuardReadings | None, after: GuardReadings) -> GuardReadings:
         return {k: v - b.get(k, 0.0) for k, v in a.items()}
 
     return replace(after, served=sub(after.served, before.served), errors=sub(after.errors, before.errors),
+                   fused=sub(after.fused, before.fused),
+                   labeled={v: sub(d, before.labeled.get(v, {})) for v, d in after.labeled.items()},
                    compared={k: sub(v, before.compared.get(k, {})) for k, v in after.compared.items()},
                    trips=after.trips - before.trips,
                    latency={v: sub(b, before.latency.get(v, {})) for v, b in after.latency.items()})
@@ -445,19 +562,23 @@ def window(before: GuardReadings | None, after: GuardReadings) -> GuardReadings:
 
 def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateConfig | None = None,
              *, look: int = 1, mode: str = "split",
-             primary_reference: Buckets | None = None) -> GateReport:
+             primary_reference: Buckets | None = None, latency_samples: tuple[Any, Any] | None = None) -> GateReport:
     """Judge the window between two readings (``before`` None: since the counters started).
 
     ``look`` numbers the looks at this window (1, 2, ...) for the latency test's alpha spending.
     ``mode="shadow"``: candidate requests are its mirrored (compared) rows and the latency gate
     is not run (the guard times shadow calls off the serving path, so they are not comparable).
     ``primary_reference``: primary buckets to compare against when the primary served too few
-    in this window (at a 100 % step it serves none)."""
+    in this window (at a 100 % step it serves none). ``latency_samples``: (candidate, primary)
+    exact per-call latencies of the window (:class:`tritonguard.latency.Samples`, kept in the
+    store by the guards); when given, the latency gate judges those
+    (:func:`exporter.latency_gate.latency_gate`) instead of histogram buckets."""
     cfg = config or GateConfig()
     if mode not in ("split", "shadow"):
         raise ValueError(f"mode must be 'split' or 'shadow', got {mode!r}")
     w = window(before, after)
-    values = [*w.served.values(), *w.errors.values(), w.trips,
+    values = [*w.served.values(), *w.errors.values(), *w.fused.values(), w.trips,
+              *(x for d in w.labeled.values() for x in d.values()),
               *(x for d in (*w.compared.values(), *w.latency.values()) for x in d.values())]
     if any(x < 0 for x in values):
         return GateReport(verdict=INCONCLUSIVE, look=look, reset=True, gates=[GateResult(
@@ -473,16 +594,28 @@ def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateCon
     for verdicts in w.compared.values():
         for verdict, value in verdicts.items():
             compared[verdict] = compared.get(verdict, 0.0) + value
+    # a request of a fused call that failed is a failure of the version, even though the guard
+    # rescued it by retrying it alone; it was counted as served too, so it is not added twice
+    fused = w.fused.get(cand, 0.0)
     errors = w.errors.get(cand, 0.0)
     answered = w.served.get(cand, 0.0) if mode == "split" else sum(w.compared.get("shadow", {}).values())
     pn = w.served.get(prim, 0.0) + w.errors.get(prim, 0.0)
-    primary = {"primary_requests": pn, "primary_rate": w.errors.get(prim, 0.0) / pn if pn else None}
-    gates.append(_error_gate(answered + errors, errors, primary, cfg))
+    primary = {"primary_requests": pn, "primary_rate": w.errors.get(prim, 0.0) / pn if pn else None,
+               "fused_failures": fused}
+    gates.append(_error_gate(answered + errors, min(errors + fused, answered + errors), primary, cfg))
     gates.append(_breaker_gate(after, w.trips))
-    if cfg.min_agreement is not None:
+    if cfg.judge == "task":
+        gates.append(_disagreement_gate(compared, look, cfg))
+        gates.append(_labels_gate(w, look, cfg))
+    elif cfg.min_agreement is not None:
         gates.append(_agreement_gate(compared, cfg))
     used_primary = None
-    if mode == "split" and cfg.latency:
+    if mode == "split" and cfg.latency and latency_samples is not None:
+        from .latency_gate import latency_gate  # noqa: PLC0415
+
+        gates.append(latency_gate(*latency_samples, look, alpha=cfg.alpha, tolerance=cfg.latency_tolerance,
+                                  min_samples=cfg.min_latency_samples, direction=cfg.latency_direction))
+    elif mode == "split" and cfg.latency:
         prim_lat = w.latency.get(prim, {})
         if max(prim_lat.values(), default=0) < cfg.min_latency_samples and primary_reference:
             prim_lat = primary_reference
@@ -491,6 +624,6 @@ def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateCon
             gate.reason = "; ".join([gate.reason, *(p for p in after.problems if "latency" in p)])
         gates.append(gate)
         used_primary = {_le(k): v for k, v in prim_lat.items()}
-    verdicts = {g.verdict for g in gates}
+    verdicts = {g.verdict for g in gates} - {SKIPPED}
     verdict = FAIL if FAIL in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASS
     return GateReport(verdict=verdict, gates=gates, look=look, primary_latency=used_primary)

@@ -44,7 +44,7 @@ def _purge(repository: Path, model: str, why: str) -> None:
 
 def _controller(model: str, repository: Path, urls: list[str], *, approver: str | None = None,
                 approve_cmd: list[str] | None = None, config=None):
-    from .controller import RolloutController, metrics_reader  # noqa: PLC0415
+    from .controller import RolloutController, metrics_reader, store_latency_reader  # noqa: PLC0415
     from .route import _guard_target  # noqa: PLC0415
 
     target = _guard_target(repository, model)
@@ -66,8 +66,14 @@ def _controller(model: str, repository: Path, urls: list[str], *, approver: str 
     def on_step(step: int, share: float, report) -> None:
         err.print(f"[green]→[/] step {step + 1}: {share:.0%}" + (f"  ({report.summary()})" if report else ""))
 
+    try:  # exact per-call latencies from the store; without them the gate reads histogram buckets
+        latency = store_latency_reader(model, repository)
+    except Exception as exc:  # noqa: BLE001 - e.g. Redis unreachable at start: the buckets still judge
+        err.print(f"[yellow]![/] latency samples unavailable ({type(exc).__name__}: {exc}); judging histograms")
+        latency = None
     return RolloutController(model, repository, metrics_reader(urls, model, target=target), config=config,
-                             on_promote=on_promote, on_rollback=on_rollback, on_step=on_step), reg, target
+                             on_promote=on_promote, on_rollback=on_rollback, on_step=on_step,
+                             latency_reader=latency), reg, target
 
 
 def _who(progress) -> str:
@@ -117,8 +123,14 @@ def promote(
     min_compared: Annotated[int, typer.Option(help="Compared candidate rows before the agreement gate may pass.")] = 100,
     min_agreement: Annotated[float, typer.Option(help="Validator agreement the candidate needs on compared rows.")] = 0.98,
     min_latency_samples: Annotated[int, typer.Option(help="Target calls per version before the latency gate may pass.")] = 100,
-    latency_tolerance: Annotated[float, typer.Option(help="Candidate median may exceed the primary's by this "
-                                                     "fraction before the rank test may fail it.")] = 0.25,
+    latency_tolerance: Annotated[float, typer.Option(help="Candidate may be this fraction slower than the "
+                                                     "primary (per call, at the same batch size) before the "
+                                                     "rank test may fail it.")] = 0.15,
+    judge: Annotated[str | None, typer.Option("--judge", help="task (a new model: judged on the task, "
+                     "non-inferiority) or equivalence (the same weights: numerical tolerances); default: what "
+                     "the version's manifest says.")] = None,
+    max_regression: Annotated[str, typer.Option("--max-regression", help="Task judge: accuracy the candidate "
+                              "may lose against the primary, e.g. 0.5pp.")] = "0.5pp",
     approver: Annotated[str | None, typer.Option(help="Who approves (recorded in the history).")] = None,
     approve_cmd: Annotated[list[str] | None, typer.Option(help="Shell command that must exit 0 before PRODUCTION (repeat).")] = None,
     detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
@@ -129,6 +141,7 @@ def promote(
 
     from .controller import ControllerError, RolloutConfig  # noqa: PLC0415
     from .gates import GateConfig  # noqa: PLC0415
+    from .judge import parse_margin  # noqa: PLC0415
     from .registry import RegistryError  # noqa: PLC0415
     from .route import RouteChange, RouteError, apply  # noqa: PLC0415
     from .serving import ServingError, ensure_loaded, metrics_urls  # noqa: PLC0415
@@ -149,6 +162,9 @@ def promote(
                 raise ValueError("--arms needs at least one VERSION=WEIGHT and a gated rollout to production")
             mode = "abn"
         config = None
+        if judge is not None and judge not in ("task", "equivalence"):
+            raise ValueError(f"--judge must be task or equivalence, got {judge!r}")
+        margin = parse_margin(max_regression)
         if to == "production" and rollout:
             config = RolloutConfig(steps=tuple(float(s) for s in steps.split(",")), mode=mode, arms=arm_weights,
                                    dwell_s=dwell_s,
@@ -156,7 +172,8 @@ def promote(
                                    gates=GateConfig(min_requests=min_requests, max_error_rate=max_error_rate,
                                                     min_compared=min_compared, min_agreement=min_agreement,
                                                     min_latency_samples=min_latency_samples,
-                                                    latency_tolerance=latency_tolerance))
+                                                    latency_tolerance=latency_tolerance,
+                                                    max_regression=margin))
             urls = metrics_urls(servers, metrics_url or [])
             if not urls:
                 raise ValueError("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL)")
@@ -213,6 +230,13 @@ def promote(
             _purge(repository, model, "promote")
             out.print(f"[bold]{model}[/] v{version}: PRODUCTION and primary (no gradual rollout)")
             return
+        judged = _judge_before_traffic(repository, model, target, version, primary or serving, judge, config)
+        if judged is not None and judged.verdict == "FAIL":
+            on_stop = reg.stage(model, version)
+            if on_stop in ("DRAFT", "STAGING"):
+                reg.transition(model, version, "ARCHIVED", on_stop, approver, reason=judged.summary())
+            out.print(f"[bold]{model}[/] v{version}: [red]rolled_back[/] before any traffic: {judged.summary()}")
+            raise typer.Exit(EXIT_ROLLED_BACK)
         progress = ctl.start(version, primary=primary)
         if detach:
             out.print(f"[bold]{model}[/] v{version}: rollout started at {progress.steps[0]:g} %; "
@@ -225,6 +249,39 @@ def promote(
         err.print(f"[bold red]✗ promote failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
     _exit_for(progress)
+
+
+def _judge_before_traffic(repository: Path, model: str, target: str, version: int, primary: int,
+                          judge: str | None, config):
+    """Decide how the rollout compares ``version`` with ``primary`` and run both on the
+    evaluation data (:mod:`exporter.judge`); sets the gates in ``config``. None when there is no
+    gated rollout or nothing to compare against (then the live gates alone decide, said loudly)."""
+    from tritonguard.repository import read_manifest  # noqa: PLC0415
+
+    from .judge import JudgeError, judge_offline, manifest_judge  # noqa: PLC0415
+
+    if config is None:
+        return None
+    name = judge or manifest_judge(repository, target, version)
+    config.gates.judge = name
+    manifest = read_manifest(repository / target / str(version)) or {}
+    outputs = manifest.get("outputs") or [{}]
+    if primary is None or primary < 1 or not outputs[0].get("name"):
+        err.print(f"[yellow]![/] {model} v{version}: no offline judgement (no primary or no manifest outputs); "
+                  f"judged live ({name})")
+        return None
+    try:
+        judged = judge_offline(repository, target, primary, version, judge=name, task=manifest.get("task", ""),
+                               output=outputs[0]["name"], max_regression=config.gates.max_regression,
+                               min_agreement=config.gates.min_agreement or 0.99)
+    except JudgeError as exc:
+        err.print(f"[yellow]![/] {model} v{version}: no offline judgement ({exc}); judged live ({name})")
+        return None
+    config.gates.expected_disagreement = judged.expected_disagreement
+    config.gates.cosine_floor = judged.cosine_floor
+    config.offline = judged.to_dict()
+    err.print(f"[bold]judge[/] {model} v{version} vs v{primary}: {judged.summary()}")
+    return judged
 
 
 def rollback(
