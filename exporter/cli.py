@@ -42,6 +42,11 @@ class Task(str, Enum):
     regression = "regression"
 
 
+class Judge(str, Enum):
+    task = "task"
+    equivalence = "equivalence"
+
+
 @app.callback()
 def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
@@ -77,26 +82,38 @@ def export(
                                            "repository (or $MLFLOW_TRACKING_URI) as DRAFT.")] = True,
     register_timeout: Annotated[float, typer.Option(help="Seconds to wait for the registry; the export "
                                                     "stands either way.")] = 60.0,
+    judge: Annotated[Judge | None, typer.Option(help="How a rollout judges this version: on the task (a new "
+                                                "model) or on equivalence (the same weights). Default: the "
+                                                "source's choice, else equivalence when an earlier version has "
+                                                "the same artifact hash, else task.")] = None,
 ) -> None:
     """Export SOURCE as a new version, check it against its goldens, write it behind a guard,
-    and register it in the MLflow model registry."""
+    and register it in the MLflow model registry. Settings in existing config.pbtxt files
+    (guard parameters, instance groups, batching) are kept."""
+    from rich.markup import escape  # noqa: PLC0415
+
     from tritonguard.errors import ConfigError  # noqa: PLC0415
 
     from .export import ExportError, GoldenCheckFailed, export_source  # noqa: PLC0415
     from .sources import SourceError  # noqa: PLC0415
 
+    _quiet_onnxruntime()
     try:
         result = export_source(
             source, name=name, repository=repository, fmt=fmt.value if fmt else None, opset=opset,
             inputs=inputs, task=task.value if task else None, input_names=input_name or (),
             output_names=output_name or (), step=_step, native=native, mlflow_uri=mlflow_uri,
-            register=register, register_timeout=register_timeout)
+            register=register, register_timeout=register_timeout, judge=judge.value if judge else None)
     except GoldenCheckFailed as exc:
-        err.print(f"[bold red]✗ {exc}[/]")
+        # soft_wrap: one line however long (an engine's message), markup escaped ("[ONNXRuntimeError]")
+        err.print(f"[bold red]✗ {escape(str(exc))}[/]", soft_wrap=True)
         raise typer.Exit(EXIT_GOLDEN_FAILED) from None
     except (ExportError, SourceError, ConfigError) as exc:
-        err.print(f"[bold red]✗ export failed:[/] {exc}\nnothing was written to {repository}")
+        err.print(f"[bold red]✗ export failed:[/] {escape(str(exc))}", soft_wrap=True)
+        err.print(f"nothing was written to {escape(str(repository))}", soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    for notice in result.notices:
+        err.print(f"[yellow]![/] {escape(notice)}", soft_wrap=True)
     rep = result.report
     style = "green" if rep.verdict == "PASS" else "yellow"
     figures = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in rep.metrics.items())
@@ -104,6 +121,11 @@ def export(
               f"on {rep.n} samples ({figures})")
     out.print(f"  artifact {result.artifact}  sha256 {result.sha256[:16]}…")
     out.print(f"  models   {', '.join(result.models)}  (total {sum(result.timings.values()):.1f} s)")
+    same = f" (same weights as v{result.same_weights_as})" if result.same_weights_as is not None else ""
+    out.print(f"  judge    {result.judge}{same}")
+    if result.evaluation is not None:
+        ev = result.evaluation
+        out.print(f"  eval     {ev['metric']} {ev['value']:.4g} on {ev['n']} labelled rows")
     if result.registration is not None:
         reg = result.registration
         out.print(f"  registry {reg.name} v{reg.version} = MLflow version {reg.mlflow_version}, "
@@ -113,6 +135,16 @@ def export(
                   "  the export stands; `exporter promote` registers the version when it is promoted")
     else:
         out.print("  registry skipped (--no-register)")
+
+
+def _quiet_onnxruntime() -> None:
+    """onnxruntime logs a failing kernel to stderr itself, in red, before raising; the export
+    reports the same error as its one line, so its logger only speaks of fatal errors here."""
+    try:
+        import onnxruntime  # noqa: PLC0415
+    except ImportError:
+        return
+    onnxruntime.set_default_logger_severity(4)
 
 
 @app.command()

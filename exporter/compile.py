@@ -525,7 +525,11 @@ def _stage(parent: Parent, variant: Variant, artifact: Path, result: VariantResu
         doc = {**(repo_mod.read_manifest(repo / model / str(old)) or {}), **common, **extra}
         if fmt != "onnx":
             doc.pop("opset", None)
+        doc.pop("evaluation", None)  # the parent's task score, not measured on this artifact
         return doc
+
+    # the parent's weights, recompiled: a rollout judges it on equivalence with the parent
+    judging = {"judge": "equivalence", "same_weights_as": old}
 
     dirs = {m: stage / m / str(version) for m in parent.models}
     for d in dirs.values():
@@ -536,7 +540,7 @@ def _stage(parent: Parent, variant: Variant, artifact: Path, result: VariantResu
         if (target_dir / name).exists():
             shutil.copy2(target_dir / name, dirs[parent.target] / name)
     if not parent.text:
-        docs = {parent.target: manifest(parent.target, artifact=artifact.name, sha256=sha)}
+        docs = {parent.target: manifest(parent.target, artifact=artifact.name, sha256=sha, **judging)}
     else:
         tok, enc = parent.tokenizer, parent.art_model
         shutil.copytree(repo / tok / str(old) / "tokenizer", dirs[tok] / "tokenizer")
@@ -547,7 +551,7 @@ def _stage(parent: Parent, variant: Variant, artifact: Path, result: VariantResu
         docs = {enc: manifest(enc, artifact=artifact.name, sha256=sha),
                 tok: manifest(tok, sha256=tok_sha),
                 parent.target: manifest(parent.target, artifact=f"../../{enc}/{version}/{artifact.name}",
-                                        sha256=sha, parts=parts)}
+                                        sha256=sha, parts=parts, **judging)}
     for model, doc in docs.items():
         (dirs[model] / repo_mod.MANIFEST).write_text(json.dumps(doc, indent=2) + "\n")
     return [(dirs[m], repo / m / str(version)) for m in parent.models]

@@ -2,7 +2,14 @@
 
 Everything is staged in a temporary folder and checked first; the repository is touched only
 after the golden check admits the artifact, and then only by adding new version folders (moved
-in whole) and rewriting config.pbtxt files. Existing versions are never overwritten.
+in whole) and rewriting config.pbtxt files. Existing versions are never overwritten, and a
+rewritten config.pbtxt keeps what the user set in it (:func:`exporter.layout.merge`): only the
+interface, and what a model cannot be served correctly without, come from the export.
+
+The golden check runs the artifact on the whole golden set, on a few rows one at a time and on
+the rows tiled up to max_batch_size. A spec with an evaluation set also gets ``eval.npz`` and
+its task score in the manifest (:mod:`exporter.evaluate`), and every version records how a
+rollout should judge it (``judge``: ``task`` or ``equivalence``).
 
 Models written for ``--name NAME``:
 - plain model: ``NAME_raw`` (backend runtime, the artifact) and ``NAME`` (guard, in-process);
@@ -32,13 +39,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tritonguard import repository as repo_mod
 
 from . import artifacts, goldens, layout
 from .goldens import GoldenReport
-from .sources import ExportSpec, load_source
+from .sources import (
+    HF_CONFIG,
+    JUDGES,
+    MLFLOW_SCHEMES,
+    ExportSpec,
+    SourceError,
+    load_source,
+    read_npz,
+)
 
 FORMAT_VERSION = 1
+LABELS = "labels"  # the array of an --inputs .npz that holds the evaluation labels
 REGISTER_TIMEOUT_S = 60.0  # a registry that has not answered by then does not hold up the export
 # Triton model names become folder names and URL path segments
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -53,8 +71,12 @@ class ExportError(Exception):
 class GoldenCheckFailed(ExportError):
     def __init__(self, report: GoldenReport):
         self.report = report
-        figures = ", ".join(f"{k}={_fmt(v)}" for k, v in report.metrics.items())
-        super().__init__(f"golden check FAILED on {report.n} samples ({figures}); nothing was written")
+        where = f" at batch {report.batch}" if report.batch is not None else ""
+        if report.error:  # NaN/Inf, a shape mismatch: the figures would only say nan
+            what = f": {report.error}"
+        else:
+            what = " (" + ", ".join(f"{k}={_fmt(v)}" for k, v in report.metrics.items()) + ")"
+        super().__init__(f"golden check FAILED{where} on {report.n} samples{what}; nothing was written")
 
 
 @dataclass
@@ -69,6 +91,10 @@ class ExportResult:
     registration: Any = None  # exporter.registry.ModelVersionInfo once registered
     registration_error: str | None = None  # why it was not (the export itself stands)
     registry_uri: str | None = None
+    notices: list[str] = field(default_factory=list)  # settings kept from (or reset in) existing configs
+    judge: str = "task"  # how a rollout judges this version: task | equivalence
+    same_weights_as: int | None = None  # an earlier version with the same artifact sha256
+    evaluation: dict[str, Any] | None = None  # {"metric", "value", "n", "sha256"} on the eval set
 
 
 def _fmt(v) -> str:
@@ -89,15 +115,19 @@ def export_source(source: str, *, name: str, repository: Path, fmt: str | None =
                   inputs: Path | None = None, task: str | None = None, input_names: Sequence[str] = (),
                   output_names: Sequence[str] = (), step: Step | None = None, native: bool = False,
                   mlflow_uri: str | None = None, register: bool = True,
-                  register_timeout: float = REGISTER_TIMEOUT_S) -> ExportResult:
+                  register_timeout: float = REGISTER_TIMEOUT_S, judge: str | None = None) -> ExportResult:
     """Load ``source`` (see :mod:`exporter.sources`), export it, and register the new version
-    (unless ``register`` is false; a registry failure is reported in the result, not raised)."""
+    (unless ``register`` is false; a registry failure is reported in the result, not raised).
+    An ``--inputs`` .npz with a ``labels`` array (file, MLflow and Hugging Face sources) also
+    becomes the evaluation set: its input rows with those labels."""
     timings: dict[str, float] = {}
-    with _timed(step, timings, "load source"):
+    with _timed(step, timings, "load source"), _without_labels(source, inputs) as (inputs, labels):
         spec = load_source(source, inputs=inputs, task=task, input_names=input_names, output_names=output_names,
                            mlflow_uri=mlflow_uri)
+        if labels is not None:
+            spec = _with_eval_labels(spec, labels)
     result = export(spec, name=name, repository=repository, source=source, fmt=fmt, opset=opset, step=step,
-                    native=native)
+                    native=native, judge=judge)
     result.timings = {**timings, **result.timings}
     if register:
         t0 = time.perf_counter()
@@ -143,10 +173,51 @@ def register_version(result: ExportResult, spec: ExportSpec, repository: Path, *
         result.registration_error = box.get("error", "unknown error")
 
 
+def _takes_inputs(source: str) -> bool:
+    """Whether ``load_source`` reads ``--inputs`` for this source (callables bring their own)."""
+    path = Path(source)
+    return source.startswith(MLFLOW_SCHEMES) or path.suffix in (".onnx", ".pt") or (path / HF_CONFIG).is_file()
+
+
+@contextmanager
+def _without_labels(source: str, inputs: Path | None) -> Iterator[tuple[Path | None, Any]]:
+    """(inputs file for load_source, labels or None): an .npz holding ``labels`` is passed on
+    without them (a copy in a temporary folder), so no source takes them for a model input."""
+    if inputs is None or Path(inputs).suffix != ".npz" or not _takes_inputs(source):
+        yield inputs, None
+        return
+    arrays = read_npz(Path(inputs))
+    if LABELS not in arrays:
+        yield inputs, None
+        return
+    labels = arrays.pop(LABELS)
+    if not arrays:
+        raise SourceError(f"{inputs} holds only '{LABELS}', no inputs")
+    with tempfile.TemporaryDirectory(prefix="tritonguard-inputs-") as tmp:
+        path = Path(tmp) / Path(inputs).name
+        with open(path, "wb") as fh:
+            np.savez(fh, **arrays)
+        yield path, labels
+
+
+def _with_eval_labels(spec: ExportSpec, labels: Any) -> ExportSpec:
+    """``spec`` with its golden input rows, labelled, as its evaluation set."""
+    if len(labels) != spec.n_golden:
+        raise SourceError(f"--inputs: '{LABELS}' has {len(labels)} rows, the inputs {spec.n_golden}")
+    inputs = {t.name: spec.golden_inputs[t.name] for t in spec.public_inputs}
+    return replace(spec, eval_inputs=inputs, eval_labels=labels)
+
+
 def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: str | None = None,
-           opset: int = 17, step: Step | None = None, native: bool = False) -> ExportResult:
+           opset: int = 17, step: Step | None = None, native: bool = False,
+           judge: str | None = None) -> ExportResult:
+    """Export ``spec`` as the next version of ``name``. ``judge`` (the CLI's ``--judge``) sets
+    how a rollout judges it when the spec does not say; by default ``equivalence`` if an
+    earlier version has the same artifact hash, else ``task``."""
     if not _NAME.match(name):
         raise ExportError(f"invalid model name {name!r} (letters, digits, '_', '-', '.')")
+    if judge not in (None, *JUDGES):
+        raise ExportError(f"judge must be one of {', '.join(JUDGES)}, got {judge!r}")
     repository = Path(repository)
     fmt = fmt or artifacts.default_format(spec)
     text = spec.text is not None
@@ -158,6 +229,7 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
         raise ExportError("--native needs --format onnx (Triton's pytorch backend wants INPUT__0-style names)")
     configs = _configs(spec, names, native=native)  # cheap, and a spec the server would reject fails here
     _check_existing(repository, configs)
+    configs, notices = _merge_existing(repository, configs, names)
     timings: dict[str, float] = {}
 
     def timed(label: str):
@@ -171,26 +243,40 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
         vdir = {m: stage / m / str(version) for m in targets}
         for d in vdir.values():
             d.mkdir(parents=True)
-        with timed("reference outputs"):
+        with timed("reference outputs"), _step_errors("the source model failed on the golden inputs"):
             reference = artifacts.reference_outputs(spec)
-        with timed(f"export {fmt}"):
+        _check_reference(reference)
+        with timed(f"export {fmt}"), _step_errors(f"export to {fmt} failed"):
             artifact = artifacts.build(spec, fmt, vdir[art_model], opset=opset)
             sha = artifacts.sha256_file(artifact)
         tok_dir = None
         if text:
-            with timed("save tokenizer"):
+            with timed("save tokenizer"), _step_errors("saving the tokenizer failed"):
                 tok_dir = vdir[names["tokenizer"]] / "tokenizer"
                 _save_tokenizer(spec.text.tokenizer_dir, tok_dir)
         with timed("golden check"):
-            report = goldens.check(spec.task, reference, goldens.run_artifact(vdir[art_model], spec, tok_dir))
+            with _step_errors("the exported artifact cannot be loaded"):
+                run = goldens.spec_runner(vdir[art_model], spec, tok_dir)
+            try:
+                report = goldens.check_batches(spec.task, spec.golden_inputs, reference, run,
+                                               max_batch=spec.max_batch_size)
+            except goldens.RunFailed as exc:
+                raise ExportError(str(exc)) from None
         if not report.admitted:
             raise GoldenCheckFailed(report)
+        evaluation = None
+        if spec.eval_inputs is not None:
+            with timed("evaluation"):
+                evaluation = _evaluate(spec, run, vdir[names["raw"]])
+        judged, same = _judge(spec, judge, repository, names["raw"], sha, notices)
         with timed("write repository"):
             goldens.save(vdir[names["raw"]] / repo_mod.GOLDENS, spec.golden_inputs, reference)
             _write_drift_reference(vdir[names["raw"]], spec.golden_inputs)
             common = {"task": spec.task, "source": source, "created": _now(), "golden": report.as_dict(),
                       "format": fmt, **({"opset": opset} if fmt == "onnx" else {})}
-            _write_manifests(spec, names, version, vdir, artifact.name, sha, tok_dir, common)
+            judging = {"judge": judged, **({"same_weights_as": same} if same is not None else {}),
+                       **({"evaluation": evaluation} if evaluation is not None else {})}
+            _write_manifests(spec, names, version, vdir, artifact.name, sha, tok_dir, common, judging)
             _place([(vdir[m], repository / m / str(version)) for m in targets])
             for model in [*targets, name]:  # targets first: the guard checks them when it loads
                 layout.write(repository / model, configs[model])
@@ -204,7 +290,55 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
                 (repository / name / "1").mkdir(parents=True, exist_ok=True)
     return ExportResult(name=name, version=version, models=[*targets, name],
                         artifact=repository / art_model / str(version) / artifact.name,
-                        sha256=sha, report=report, timings=timings)
+                        sha256=sha, report=report, timings=timings, notices=notices, judge=judged,
+                        same_weights_as=same, evaluation=evaluation)
+
+
+@contextmanager
+def _step_errors(what: str) -> Iterator[None]:
+    """Any exception of a step (torch's exporter, onnxruntime, a tokenizer) becomes one line
+    naming the step; a SourceError already says what is wrong with the source."""
+    try:
+        yield
+    except (ExportError, SourceError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user gets the step and the first line, not a traceback
+        raise ExportError(f"{what}: {goldens.first_line(exc)}") from None
+
+
+def _check_reference(reference: dict) -> None:
+    bad, rows = goldens.non_finite_rows(reference)
+    if bad:
+        raise ExportError(f"the source model's reference outputs hold NaN/Inf ({bad} of {rows} rows): "
+                          "choose golden inputs it answers")
+
+
+def _evaluate(spec: ExportSpec, run: goldens.Run, raw_dir: Path) -> dict[str, Any]:
+    """Score the staged artifact on the spec's evaluation set and write ``eval.npz`` beside the
+    goldens; returns the manifest's ``evaluation``."""
+    from .evaluate import EVAL, EvaluationError, evaluate, save_eval  # noqa: PLC0415
+
+    output = spec.public_outputs[0].name
+    try:
+        result = evaluate(run, spec.task, output, spec.eval_inputs, spec.eval_labels, batch=spec.max_batch_size)
+    except EvaluationError as exc:
+        raise ExportError(f"evaluation set: {exc}") from None
+    return {**result, "sha256": save_eval(raw_dir / EVAL, spec.eval_inputs, spec.eval_labels)}
+
+
+def _judge(spec: ExportSpec, cli: str | None, repository: Path, raw: str, sha: str,
+           notices: list[str]) -> tuple[str, int | None]:
+    """(judge, same_weights_as): the spec's judge, else the CLI's, else ``equivalence`` when an
+    earlier version of ``raw`` has this very artifact (its sha256), else ``task``."""
+    same = next((v for v in reversed(repo_mod.versions(repository / raw))
+                 if (repo_mod.read_manifest(repository / raw / str(v)) or {}).get("sha256") == sha), None)
+    if spec.judge is not None:
+        if cli is not None and cli != spec.judge:
+            notices.append(f"judge: the source says '{spec.judge}'; --judge {cli} ignored")
+        return spec.judge, same
+    if cli is not None:
+        return cli, same
+    return ("equivalence" if same is not None else "task"), same
 
 
 def redact_golden_text(spec: ExportSpec, repository: Path, guard: str) -> ExportSpec:
@@ -226,11 +360,17 @@ def redact_golden_text(spec: ExportSpec, repository: Path, guard: str) -> Export
     if not config.enabled:
         return spec
     redactor = Redactor(config)
-    redacted = dict(spec.golden_inputs)
-    for name, arr in spec.golden_inputs.items():
-        if arr.dtype == object:
-            redacted[name], _counts = redactor.redact_bytes_array(arr)
-    return replace(spec, golden_inputs=redacted)
+
+    def redact(inputs: dict) -> dict:
+        out = dict(inputs)
+        for name, arr in inputs.items():
+            if arr.dtype == object:
+                out[name], _counts = redactor.redact_bytes_array(arr)
+        return out
+
+    # the evaluation set lands in the repository too, and is scored on what the model sees
+    evals = None if spec.eval_inputs is None else redact(spec.eval_inputs)
+    return replace(spec, golden_inputs=redact(spec.golden_inputs), eval_inputs=evals)
 
 
 @contextmanager
@@ -281,6 +421,45 @@ def _configs(spec: ExportSpec, names: dict[str, str], native: bool = False) -> d
     return configs
 
 
+# what each kind of model keeps of its existing config.pbtxt (see layout.merge)
+_OWNS = {"tokenizer": layout.TOKENIZER_OWNS, "encoder": layout.ENCODER_OWNS, "guard": layout.GUARD_OWNS}
+
+
+def _merge_existing(repository: Path, configs: dict[str, dict],
+                    names: dict[str, str]) -> tuple[dict[str, dict], list[str]]:
+    """``configs`` merged over the existing config.pbtxt files (user settings kept), and the
+    notices of every value that differed. The merged guard is checked as the guard will check
+    it at load, so kept settings that no longer fit (a range on a vanished input) fail here."""
+    merged, notices = {}, []
+    for role, model in names.items():
+        path = repository / model / repo_mod.CONFIG
+        existing = repo_mod.read_config(repository / model) if path.exists() else None  # readable: _check_existing
+        if role == "raw":
+            owns = layout.ENSEMBLE_OWNS if "tokenizer" in names else layout.RUNTIME_OWNS
+        else:
+            owns = _OWNS[role]
+        merged[model], said = layout.merge(existing, configs[model], owns)
+        notices += [f"{model}: {n}" for n in said]
+    guard = names["guard"]
+    try:
+        for cfg in merged.values():
+            layout.render(cfg)
+        _check_guard(merged[guard], guard)
+    except Exception as exc:  # noqa: BLE001 - ConfigError, or a protobuf ParseError on a kept field
+        raise ExportError(f"the settings kept from {repository / guard}/{repo_mod.CONFIG} do not fit this "
+                          f"export: {exc} (fix or remove them, then export again)") from None
+    return merged, notices
+
+
+def _check_guard(cfg: dict, guard: str) -> None:
+    from tritonguard.config import model_parameters  # noqa: PLC0415
+    from tritonguard.guard import GuardConfig  # noqa: PLC0415
+    from tritonguard.tensors import ModelSignature  # noqa: PLC0415
+
+    sig = ModelSignature.from_config(cfg)
+    GuardConfig.from_parameters(model_parameters(cfg), guard).validation.check_against(sig, guard)
+
+
 def _kind(cfg: dict) -> str:
     return cfg.get("backend") or cfg.get("platform") or "?"
 
@@ -301,7 +480,9 @@ def _check_existing(repository: Path, configs: dict[str, dict]) -> None:
 
 
 def _write_manifests(spec: ExportSpec, names: dict[str, str], version: int, vdir: dict[str, Path],
-                     artifact: str, sha: str, tok_dir: Path | None, common: dict) -> None:
+                     artifact: str, sha: str, tok_dir: Path | None, common: dict, judging: dict) -> None:
+    """Every model's manifest; ``judging`` (judge, same_weights_as, evaluation) goes to the raw
+    model, the one a rollout routes between."""
     def write(model: str, body: dict) -> None:
         doc = {"format_version": FORMAT_VERSION, "name": model, "version": version, **body}
         (vdir[model] / repo_mod.MANIFEST).write_text(json.dumps(doc, indent=2) + "\n")
@@ -309,14 +490,14 @@ def _write_manifests(spec: ExportSpec, names: dict[str, str], version: int, vdir
     public = {"inputs": [t.as_dict() for t in spec.public_inputs],
               "outputs": [t.as_dict() for t in spec.public_outputs]}
     if spec.text is None:
-        write(names["raw"], {"artifact": artifact, "sha256": sha, **common, **public})
+        write(names["raw"], {"artifact": artifact, "sha256": sha, **common, **public, **judging})
         return
     tok, enc, raw = names["tokenizer"], names["encoder"], names["raw"]
     tok_sha = artifacts.sha256_dir(tok_dir)
     write(raw, {"artifact": f"../../{enc}/{version}/{artifact}", "sha256": sha, **common, **public,
                 "parts": {"tokenizer": {"model": tok, "version": version, "sha256": tok_sha,
                                         "max_length": spec.text.max_length},
-                          "encoder": {"model": enc, "version": version, "sha256": sha}}})
+                          "encoder": {"model": enc, "version": version, "sha256": sha}}, **judging})
     write(enc, {"artifact": artifact, "sha256": sha, **common, "part_of": raw,
                 "inputs": [t.as_dict() for t in spec.inputs], "outputs": [t.as_dict() for t in spec.outputs]})
     write(tok, {"artifact": "tokenizer", "sha256": tok_sha, **common, "part_of": raw,

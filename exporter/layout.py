@@ -6,6 +6,8 @@ Triton's own ``ModelConfig`` protobuf, so a typo here fails the export, not the 
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +143,79 @@ def write(model_dir: Path, config: dict[str, Any]) -> Path:
 def render(config: dict[str, Any]) -> str:
     """Validate without writing: used before anything touches the repository."""
     return repository.render_config(config)
+
+
+# -- keeping what the user set ------------------------------------------------------------------
+# what the artifact and the spec fix: always the export's, whatever an existing config says
+SIGNATURE_FIELDS = ("name", "input", "output", "max_batch_size", "backend", "platform")
+
+
+@dataclass(frozen=True)
+class Owned:
+    """Top-level fields (besides :data:`SIGNATURE_FIELDS`) and parameter keys of one kind of
+    model that the export writes whatever an existing config says: settings the exported
+    version cannot be served correctly without."""
+
+    fields: tuple[str, ...] = ()
+    parameters: tuple[str, ...] = ()
+
+
+GUARD_OWNS = RUNTIME_OWNS = Owned()
+# every version stays loaded: each pinned ensemble <raw>_v<N> names its own
+ENCODER_OWNS = Owned(fields=("version_policy",))
+# the tokenizer must cut text as it was cut for the golden check
+TOKENIZER_OWNS = Owned(fields=("version_policy",), parameters=("tokenizer_dir", "max_length", "text_input"))
+ENSEMBLE_OWNS = Owned(fields=("ensemble_scheduling",))
+
+
+def canonical(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` as :func:`tritonguard.repository.read_config` returns a written one (64-bit
+    integers as strings, defaults dropped), so an export's dict compares with a file's."""
+    from google.protobuf import json_format  # noqa: PLC0415
+    from tritonclient.grpc import model_config_pb2  # noqa: PLC0415
+
+    msg = json_format.ParseDict(config, model_config_pb2.ModelConfig())
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+
+
+def merge(existing: dict[str, Any] | None, computed: dict[str, Any], owned: Owned = Owned()) -> tuple[dict[str, Any], list[str]]:
+    """The config to write over ``existing``: the export's ``computed`` one with the user's
+    settings kept. Every existing top-level field and parameter key wins over the export's,
+    except the signature and what ``owned`` names (a re-export must not silently undo an
+    ``instance_group``, a ``validation.range.*``, a tenant quota). A field the existing config
+    lacks gets the export's value. Returns the config and one notice per value that differed."""
+    if existing is None:
+        return computed, []
+    old, new = canonical(existing), canonical(computed)
+    merged, notices = dict(new), []
+    for key, value in old.items():
+        if key == "parameters":
+            continue
+        if key in SIGNATURE_FIELDS or key in owned.fields:
+            if key != "name" and value != new.get(key):
+                notices.append(f"set {key} {_short(new.get(key))} (was {_short(value)}; the export owns it)")
+            continue
+        if key in new and value != new[key]:
+            notices.append(f"kept {key} {_short(value)} (export proposed {_short(new[key])})")
+        merged[key] = value
+    params = dict(new.get("parameters") or {})
+    for key, value in (old.get("parameters") or {}).items():
+        if key in owned.parameters:
+            if value != params.get(key):
+                notices.append(f"set {key}={_param(params.get(key))} (was {_param(value)}; the export owns it)")
+            continue
+        if key in params and value != params[key]:
+            notices.append(f"kept {key}={_param(value)} (export proposed {_param(params[key])})")
+        params[key] = value
+    if params:
+        merged["parameters"] = params
+    return merged, notices
+
+
+def _param(value: Any) -> str:
+    return "(unset)" if value is None else str(value.get("string_value", "")) if isinstance(value, dict) else str(value)
+
+
+def _short(value: Any, width: int = 80) -> str:
+    text = "(unset)" if value is None else json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return text if len(text) <= width else text[:width - 1] + "…"

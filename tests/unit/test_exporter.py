@@ -277,3 +277,248 @@ def test_native_export_targets_triton_onnxruntime(tmp_path):
     assert (tmp_path / "tiny_raw" / "1" / "model.onnx").exists()
     with pytest.raises(ExportError, match="--native needs --format onnx"):
         export(tiny_spec(), name="tiny2", repository=tmp_path, source="test", fmt="torchscript", native=True)
+
+
+# -- failures: one line naming the step and the batch size -------------------------------------
+def test_non_finite_outputs_are_named_not_turned_into_nan_figures():
+    ref = _probs(20, 3)
+    got = ref.copy()
+    got[[2, 5, 7]] = np.nan
+    got[9, 0] = np.inf
+    rep = check("classifier", {"P": ref}, {"P": got})
+    assert rep.verdict == FAIL and rep.error == "NaN/Inf in outputs (4 of 20 rows)"
+    assert "max_abs_prob_diff" not in rep.metrics
+    msg = str(GoldenCheckFailed(rep))
+    assert "NaN/Inf in outputs (4 of 20 rows)" in msg and "nan" not in msg.replace("NaN", "")
+
+
+class BadAbove(nn.Module):
+    """Right answers up to ``limit`` rows a batch; NaN above it (``mode`` "nan") or a raise."""
+
+    def __init__(self, limit: int, mode: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3)
+        self.limit, self.mode = limit, mode
+
+    def forward(self, x):
+        p = torch.softmax(self.fc(x), dim=-1)
+        if x.shape[0] > self.limit:
+            if self.mode == "nan":
+                return p * float("nan")
+            raise RuntimeError("seeded: batch too large")
+        return p
+
+
+class BadAtOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if x.shape[0] == 1:
+            raise RuntimeError("seeded: no batches of one")
+        return torch.softmax(self.fc(x), dim=-1)
+
+
+def scripted_spec(module: nn.Module, rows: int = 4, max_batch: int = 8) -> ExportSpec:
+    """A TorchScript spec: the script (control flow on the batch size and all) is the artifact."""
+    x = np.random.default_rng(2).uniform(0, 1, size=(rows, 4)).astype(np.float32)
+    return ExportSpec(module=torch.jit.script(module.eval()), inputs=[TensorDef(name="X", dtype="float32", dims=(4,))],
+                      outputs=[TensorDef(name="P", dtype="float32", dims=(3,))], golden_inputs={"X": x},
+                      task="classifier", max_batch_size=max_batch)
+
+
+def test_nan_above_some_batch_size_fails_the_golden_check_at_max_batch(tmp_path):
+    spec = scripted_spec(BadAbove(4, "nan"))
+    with pytest.raises(GoldenCheckFailed) as exc:
+        export(spec, name="m", repository=tmp_path / "repo", source="test", fmt="torchscript")
+    assert str(exc.value) == ("golden check FAILED at batch 8 on 8 samples: NaN/Inf in outputs (8 of 8 rows); "
+                              "nothing was written")
+    assert exc.value.report.batches == [4, 1, 8]
+    assert not (tmp_path / "repo").exists()
+
+
+def test_a_raise_at_batch_one_is_one_clear_export_error(tmp_path):
+    with pytest.raises(ExportError) as exc:
+        export(scripted_spec(BadAtOne()), name="m", repository=tmp_path / "repo", source="test", fmt="torchscript")
+    assert not isinstance(exc.value, GoldenCheckFailed)
+    assert str(exc.value) == "golden run at batch 1 failed: builtins.RuntimeError: seeded: no batches of one"
+    assert not (tmp_path / "repo").exists()
+
+
+def test_a_model_that_passes_every_batch_size_records_them(tmp_path):
+    res = export(scripted_spec(BadAbove(8, "raise")), name="m", repository=tmp_path, source="test", fmt="torchscript")
+    assert res.report.verdict == PASS and res.report.batches == [4, 1, 8]
+    assert repository.read_manifest(tmp_path / "m_raw" / "1")["golden"]["batches"] == [4, 1, 8]
+
+
+def _onnx_failing_above(path: Path, limit: int) -> None:
+    """softmax(X @ W), plus Slice(zeros[limit, 4], 0, batch): a no-op up to ``limit`` rows, a
+    broadcast error in onnxruntime above it."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    w = np.random.default_rng(3).normal(size=(4, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Shape", ["X"], ["shape"]),
+         helper.make_node("Gather", ["shape", "zero"], ["n"], axis=0),
+         helper.make_node("Unsqueeze", ["n", "axes"], ["n1"]),
+         helper.make_node("Slice", ["C", "starts", "n1", "axes"], ["c"]),
+         helper.make_node("Add", ["X", "c"], ["y"]),
+         helper.make_node("MatMul", ["y", "W"], ["z"]),
+         helper.make_node("Softmax", ["z"], ["P"], axis=-1)],
+        "fails_above",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("P", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+         helper.make_tensor("axes", TensorProto.INT64, [1], [0]),
+         helper.make_tensor("starts", TensorProto.INT64, [1], [0]),
+         helper.make_tensor("C", TensorProto.FLOAT, [limit, 4], [0.0] * (limit * 4)),
+         helper.make_tensor("W", TensorProto.FLOAT, [4, 3], w.flatten().tolist())])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_cli_onnx_runtime_error_at_max_batch_is_one_line_exit_2(tmp_path):
+    """Four goldens pass; the same rows tiled to max_batch_size (64, a file source's default)
+    make onnxruntime raise: refused at export, naming the batch size, no traceback."""
+    model = tmp_path / "m.onnx"
+    _onnx_failing_above(model, 4)
+    np.savez(tmp_path / "in.npz", X=np.random.default_rng(4).uniform(0, 1, (4, 4)).astype(np.float32))
+    repo = tmp_path / "repo"
+    res = CliRunner().invoke(app, ["export", "--source", str(model), "--name", "m", "--repository", str(repo),
+                                   "--inputs", str(tmp_path / "in.npz"), "--task", "classifier", "--no-register"])
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if "export failed" in line]
+    assert len(lines) == 1 and "golden run at batch 64 failed: [ONNXRuntimeError]" in lines[0], res.output
+    assert "Traceback" not in res.output and f"nothing was written to {repo}" in res.output
+    assert not repo.exists()
+
+
+def test_cli_nan_golden_failure_says_nan_and_exits_1(tmp_path):
+    src = tmp_path / "nan.pt"
+    torch.jit.save(torch.jit.script(BadAbove(2, "nan").eval()), str(src))
+    np.savez(tmp_path / "in.npz", X=np.random.default_rng(5).uniform(0, 1, (4, 4)).astype(np.float32))
+    res = CliRunner().invoke(app, ["export", "--source", str(src), "--name", "m", "--repository",
+                                   str(tmp_path / "repo"), "--inputs", str(tmp_path / "in.npz"),
+                                   "--task", "classifier", "--no-register"])
+    # the source is its own reference and is NaN on the 4 goldens at once: a source problem (2)
+    assert res.exit_code == 2, res.output
+    assert "reference outputs hold NaN/Inf (4 of 4 rows)" in res.output
+    torch.jit.save(torch.jit.script(BadAbove(4, "nan").eval()), str(src))
+    res = CliRunner().invoke(app, ["export", "--source", str(src), "--name", "m", "--repository",
+                                   str(tmp_path / "repo"), "--inputs", str(tmp_path / "in.npz"),
+                                   "--task", "classifier", "--no-register"])
+    assert res.exit_code == 1, res.output
+    assert "FAILED at batch 64" in res.output and "NaN/Inf in outputs (64 of 64 rows)" in res.output
+    assert "=nan" not in res.output
+
+
+class FailsToTrace(Tiny):
+    def forward(self, x):
+        if x.shape[0] == 2:  # the exporter traces with two rows
+            raise RuntimeError("seeded: cannot be traced")
+        return super().forward(x)
+
+
+def test_build_failure_names_the_step(tmp_path):
+    spec = tiny_spec()
+    spec.module = FailsToTrace().eval()
+    with pytest.raises(ExportError, match=r"^export to onnx failed: seeded: cannot be traced$"):
+        export(spec, name="m", repository=tmp_path, source="test")
+
+
+# -- judging data: evaluation set, judge ---------------------------------------------------------
+def test_eval_set_is_written_scored_and_hashed(tmp_path):
+    from exporter.evaluate import eval_sha256, load_eval
+
+    spec = tiny_spec()
+    x = np.random.default_rng(6).uniform(0, 1, size=(50, 4)).astype(np.float32)
+    with torch.no_grad():
+        pred = Tiny()(torch.from_numpy(x)).argmax(-1).numpy()
+    labels = pred.copy()
+    labels[:10] = (labels[:10] + 1) % 3  # 10 of 50 wrong: accuracy 0.8 exactly
+    spec.eval_inputs, spec.eval_labels = {"X": x}, labels
+    res = export(spec, name="tiny", repository=tmp_path, source="test")
+    man = repository.read_manifest(tmp_path / "tiny_raw" / "1")
+    ev = man["evaluation"]
+    assert ev["metric"] == "accuracy" and ev["n"] == 50 and ev["value"] == pytest.approx(0.8)
+    assert res.evaluation == ev
+    ins, lab = load_eval(tmp_path, "tiny_raw", 1)
+    np.testing.assert_array_equal(ins["X"], x)
+    np.testing.assert_array_equal(lab, labels)
+    assert ev["sha256"] == eval_sha256(ins, lab) and ev["sha256"] != eval_sha256(ins, pred)
+    with np.load(tmp_path / "tiny_raw" / "1" / "eval.npz", allow_pickle=False) as raw:
+        assert sorted(raw.files) == ["in__X", "labels"]
+
+
+def test_regression_eval_records_mae(tmp_path):
+    class Affine(nn.Module):
+        def forward(self, x):
+            return x.sum(dim=1, keepdim=True) * 2.0
+
+    x = np.random.default_rng(7).uniform(0, 1, size=(12, 4)).astype(np.float32)
+    y = x.sum(1, keepdims=True) * 2.0 + np.where(np.arange(12) % 2 == 0, 0.5, -0.5)[:, None]
+    spec = ExportSpec(module=Affine(), inputs=[TensorDef(name="X", dtype="float32", dims=(4,))],
+                      outputs=[TensorDef(name="Y", dtype="float32", dims=(1,))], golden_inputs={"X": x},
+                      task="regression", max_batch_size=5, eval_inputs={"X": x}, eval_labels=y)
+    ev = export(spec, name="reg", repository=tmp_path, source="test").evaluation
+    assert ev["metric"] == "mae" and ev["n"] == 12 and ev["value"] == pytest.approx(0.5, abs=1e-5)
+
+
+def test_bad_eval_labels_fail_clearly_and_write_nothing(tmp_path):
+    spec = tiny_spec()
+    spec.eval_inputs, spec.eval_labels = {"X": spec.golden_inputs["X"]}, np.full(32, 7)
+    with pytest.raises(ExportError, match=r"evaluation set: labels hold class ids outside 0\.\.2"):
+        export(spec, name="tiny", repository=tmp_path / "repo", source="test")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_judge_task_then_equivalence_for_the_same_weights(tmp_path):
+    first = export(tiny_spec(), name="tiny", repository=tmp_path, source="test")
+    assert first.judge == "task" and first.same_weights_as is None
+    man = repository.read_manifest(tmp_path / "tiny_raw" / "1")
+    assert man["judge"] == "task" and "same_weights_as" not in man and "evaluation" not in man
+
+    np.savez(tmp_path / "in.npz", X=tiny_spec().golden_inputs["X"])
+    spec = load_source(str(first.artifact), inputs=tmp_path / "in.npz", task="classifier")
+    second = export(spec, name="tiny", repository=tmp_path, source="file")
+    assert second.sha256 == first.sha256
+    man = repository.read_manifest(tmp_path / "tiny_raw" / "2")
+    assert man["judge"] == "equivalence" and man["same_weights_as"] == 1
+
+    # the CLI's --judge when the spec says nothing; the spec's own judge wins over it
+    third = export(spec, name="tiny", repository=tmp_path, source="file", judge="task")
+    assert third.judge == "task" and third.same_weights_as == 2  # the latest with these weights
+    other = export(tiny_spec(judge="task"), name="tiny", repository=tmp_path, source="test", judge="equivalence")
+    assert other.judge == "task"
+    assert "judge: the source says 'task'; --judge equivalence ignored" in other.notices
+    with pytest.raises(ExportError, match="judge must be one of"):
+        export(tiny_spec(), name="tiny", repository=tmp_path, source="test", judge="vibes")
+
+
+def test_cli_inputs_with_labels_become_the_eval_set(tmp_path):
+    seed = export(tiny_spec(), name="seed", repository=tmp_path / "r0", source="test")
+    x = tiny_spec().golden_inputs["X"]
+    with torch.no_grad():
+        labels = Tiny()(torch.from_numpy(x)).argmax(-1).numpy()
+    np.savez(tmp_path / "in.npz", X=x, labels=labels)
+    repo = tmp_path / "repo"
+    res = CliRunner().invoke(app, ["export", "--source", str(seed.artifact), "--name", "m", "--repository",
+                                   str(repo), "--inputs", str(tmp_path / "in.npz"), "--task", "classifier",
+                                   "--judge", "task", "--no-register"])
+    assert res.exit_code == 0, res.output
+    assert "eval     accuracy 1 on 32 labelled rows" in res.output and "judge    task" in res.output
+    man = repository.read_manifest(repo / "m_raw" / "1")
+    assert man["evaluation"]["n"] == 32 and man["evaluation"]["value"] == 1.0 and man["judge"] == "task"
+    with np.load(repo / "m_raw" / "1" / "goldens.npz", allow_pickle=False) as raw:
+        assert sorted(raw.files) == ["in__X", "out__P"]  # the goldens are as before: no labels
+    ins, _ = goldens.load(repo / "m_raw" / "1" / "goldens.npz")
+    np.testing.assert_array_equal(ins["X"], x)
+
+    np.savez(tmp_path / "short.npz", X=x, labels=labels[:5])
+    res = CliRunner().invoke(app, ["export", "--source", str(seed.artifact), "--name", "m", "--repository",
+                                   str(repo), "--inputs", str(tmp_path / "short.npz"), "--task", "classifier",
+                                   "--no-register"])
+    assert res.exit_code == 2 and "'labels' has 5 rows, the inputs 32" in res.output, res.output

