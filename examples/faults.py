@@ -99,9 +99,11 @@ def load_all() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _spec(module: nn.Module, golden: np.ndarray, artifact_path: Path | None = None,
-          judge: str | None = None) -> ExportSpec:
-    """The digits contract, without the held-out evaluation set ``examples.digits:build`` carries."""
-    return digits.export_spec(module, golden, eval_set=False, artifact_path=artifact_path, judge=judge)
+          judge: str | None = None, eval_set: bool = False) -> ExportSpec:
+    """The digits contract; with ``eval_set`` the held-out split as labelled evaluation set (as
+    ``examples.digits:build`` carries it). Faults whose outputs break on it (NaN, a raise) go
+    without: the exporter refuses NaN on an evaluation set, and a raise fails the export."""
+    return digits.export_spec(module, golden, eval_set=eval_set, artifact_path=artifact_path, judge=judge)
 
 
 def _margin(probs: np.ndarray) -> np.ndarray:
@@ -130,7 +132,7 @@ def golden_images(avoid=None, model: nn.Module | None = None) -> np.ndarray:
 
 def base() -> ExportSpec:
     """The unfaulted base (what ``examples.digits:build`` exports), from the shared training."""
-    return _spec(trained()[0], golden_images())
+    return _spec(trained()[0], golden_images(), eval_set=True)
 
 
 # -- good -----------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ class SwapThreeEight(nn.Module):
 
 
 def accuracy_drop() -> ExportSpec:
-    return _spec(SwapThreeEight(trained()[0]).eval(), golden_images())
+    return _spec(SwapThreeEight(trained()[0]).eval(), golden_images(), eval_set=True)
 
 
 # -- raises ---------------------------------------------------------------------------------
@@ -261,7 +263,7 @@ class SlowChain(nn.Module):
 
 
 def slow() -> ExportSpec:
-    return _spec(SlowChain(trained()[0]).eval(), golden_images())
+    return _spec(SlowChain(trained()[0]).eval(), golden_images(), eval_set=True)
 
 
 # -- loose ----------------------------------------------------------------------------------
