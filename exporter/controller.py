@@ -296,7 +296,7 @@ class RolloutController:
                 return self._finish(p, ROLLED_BACK, f"goldens FAIL on the server at {p.share:.0%}: "
                                                     f"{golden.get('metrics')}")
             window = {k: getattr(p, k) for k in WINDOW}
-            report = self._look(window, readings, cfg, p.mode, self._latency(p.primary, p.candidate))
+            report = self._look(window, readings, cfg, p.mode, self._latency(p.primary, p.candidate), p.share)
             for k in WINDOW:
                 setattr(p, k, window[k])
             if report is None:
@@ -476,7 +476,8 @@ class RolloutController:
 
     @staticmethod
     def _look(window: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig, mode: str,
-              latency: Callable[[float], tuple[Any, Any]] | None = None) -> GateReport | None:
+              latency: Callable[[float], tuple[Any, Any]] | None = None,
+              share: float | None = None) -> GateReport | None:
         """One look at a window (the :data:`WINDOW` fields of a candidate's progress, or of one
         arm); None while only its start was taken (the first look) or retaken (a counter reset)."""
         if window["baseline"] is None:
@@ -491,7 +492,7 @@ class RolloutController:
             except Exception as exc:  # noqa: BLE001 - samples unavailable: the bucket gate judges
                 log.warning("latency samples unavailable (%s: %s); judging histogram buckets", type(exc).__name__, exc)
         report = evaluate(GuardReadings.from_dict(window["baseline"]), readings, cfg.gates, look=window["look"],
-                          mode=mode, primary_reference=ref, latency_samples=samples)
+                          mode=mode, primary_reference=ref, latency_samples=samples, share=share)
         window["last_report"], window["reason"] = report.to_dict(), report.summary()
         if report.reset:
             window["baseline"], window["look"] = readings.to_dict(), 0
@@ -519,7 +520,9 @@ class RolloutController:
         for v in live:
             self._breaker_from_state(readings[v], state, v)
             arm = p.arms[str(v)]
-            report = self._look(arm, readings[v], cfg, "split", self._latency(p.primary, v))
+            # an arm keeps a small share for good: its latency is judged from the steps that give
+            # it latency_min_share of its own weight
+            report = self._look(arm, readings[v], cfg, "split", self._latency(p.primary, v), p.share)
             if report is None:
                 continue
             verdicts[v] = report.verdict

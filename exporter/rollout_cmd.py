@@ -15,8 +15,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-out = Console()
-err = Console(stderr=True)
+out = Console(soft_wrap=True)  # no hard wraps at 80 columns when piped: a CI log keeps whole lines
+err = Console(stderr=True, soft_wrap=True)
 EXIT_ROLLED_BACK, EXIT_BAD_INPUT, EXIT_HOLDING = 1, 2, 3
 
 Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]

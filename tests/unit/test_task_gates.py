@@ -144,3 +144,27 @@ def test_wilson_is_a_proper_interval():
         lo, hi = wilson(k, n, 1.96)
         assert 0 <= lo <= k / n <= hi <= 1
     assert np.isclose(wilson(0, 0, 1.96), (0.0, 1.0)).all()
+
+
+def test_looks_count_by_information_not_by_clock():
+    from exporter.gates import information_look
+
+    assert [information_look(n, 60) for n in (0, 60, 120, 121, 240, 241, 480, 1000)] == [1, 1, 1, 2, 2, 3, 3, 5]
+    # a retrain's 2 of 443 disagreeing rows against a 2.16 % limit: the bound no longer depends on
+    # how many times the controller looked at the window
+    r = reading(n=1000, disagree=4)
+    cfg = GateConfig(judge="task", expected_disagreement=0.0166, max_regression=0.005, latency=False)
+    assert gate(evaluate(None, r, cfg, look=1), "disagreement").verdict == PASS
+    assert gate(evaluate(None, r, cfg, look=500), "disagreement").verdict == PASS
+
+
+def test_latency_is_not_judged_below_its_share():
+    from tritonguard.latency import Samples
+
+    slow = Samples(t=np.arange(500.0), rows=np.ones(500), seconds=np.full(500, 2e-3))
+    fast = Samples(t=np.arange(500.0), rows=np.ones(500), seconds=np.full(500, 1e-3))
+    cfg = GateConfig(judge="task", expected_disagreement=0.01)
+    low = evaluate(None, reading(), cfg, latency_samples=(slow, fast), share=0.05)
+    assert gate(low, "latency").verdict == SKIPPED and "25%" in gate(low, "latency").reason
+    high = evaluate(None, reading(), cfg, latency_samples=(slow, fast), share=0.25)
+    assert gate(high, "latency").verdict == FAIL and high.verdict == FAIL
