@@ -1,0 +1,197 @@
+"""The rollout judge on genuine candidates, with the default steps and gates, under real traffic.
+
+    python -m perf.judge_bench [--retrain-runs 10] [--dwell-s 10] [--interval-s 2]
+
+One tritonserver on loopback serves a private repository: digits v1 (`examples.digits:build`)
+and the candidates of `examples.candidates` / `examples.faults`. For each candidate, traffic of
+load_digits images (8 in flight, every fourth request labelled) runs while `python -m exporter
+promote digits --version N` walks it through the default steps (1, 5, 10, 25, 50, 100 %) with
+the default gates; between runs the primary is put back to v1. The honest retrains (seeds 1, 2,
+3, in turn) are promoted ``--retrain-runs`` times in a row. Per candidate it reports the outcome,
+the reason, the step and the candidate requests served before the decision, user-visible errors
+and the candidate's wrong answers. Results: ``perf/results/judge-<timestamp>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "perf" / "results"
+
+
+class LabelledTraffic:
+    """load_digits images in random order over HTTP, ``inflight`` at a time, every fourth request
+    carrying its true label (request parameter ``label``), until stopped or ``max_s`` passed.
+    Counts answers, errors, and per serving version the answers whose top-1 was wrong."""
+
+    def __init__(self, url: str, images: np.ndarray, labels: np.ndarray, *, max_s: float = 900.0,
+                 seed: int = 0, inflight: int = 8, model: str = "digits"):
+        self.url, self.images, self.labels, self.max_s = url, images, labels, max_s
+        self.model, self.inflight = model, inflight
+        self.rng = np.random.default_rng(seed)
+        self.sent = self.ok = 0
+        self.errors: list[str] = []
+        self.served: dict[str, int] = {}
+        self.wrong: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LabelledTraffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        if self._thread.is_alive():
+            raise RuntimeError("traffic thread did not stop")
+
+    def _run(self) -> None:
+        import tritonclient.http as httpclient  # noqa: PLC0415
+        from tritonclient.utils import InferenceServerException  # noqa: PLC0415
+
+        client = httpclient.InferenceServerClient(self.url, concurrency=self.inflight)
+        outputs = [httpclient.InferRequestedOutput("PROBS"), httpclient.InferRequestedOutput("SERVED_BY")]
+        try:
+            deadline = time.monotonic() + self.max_s
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                batch = []
+                for i in self.rng.integers(0, len(self.images), self.inflight):
+                    inp = httpclient.InferInput("IMAGE", [1, 8, 8], "FP32")
+                    inp.set_data_from_numpy(self.images[i][None])
+                    params = {"label": int(self.labels[i])} if self.sent % 4 == 0 else None
+                    batch.append((i, client.async_infer(self.model, [inp], parameters=params, outputs=outputs)))
+                    self.sent += 1
+                for i, fut in batch:
+                    try:
+                        r = fut.get_result(timeout=30)
+                    except InferenceServerException as exc:
+                        self.errors.append(str(exc))
+                        continue
+                    who = r.as_numpy("SERVED_BY")[0, 0].decode()
+                    self.served[who] = self.served.get(who, 0) + 1
+                    self.ok += 1
+                    if int(r.as_numpy("PROBS")[0].argmax()) != int(self.labels[i]):
+                        self.wrong[who] = self.wrong.get(who, 0) + 1
+        finally:
+            client.close()
+
+    def report(self) -> dict[str, Any]:
+        return {"sent": self.sent, "ok": self.ok, "errors": len(self.errors), "served": dict(self.served),
+                "wrong": dict(self.wrong), "first_errors": self.errors[:3]}
+
+
+def install_unchecked(repo: Path, target: str, version: int, primary: int, build_artifact, golden: np.ndarray,
+                      golden_out: np.ndarray) -> Path:
+    """Place a version the exporter would refuse (its artifact via ``build_artifact(dir)``, a
+    manifest copied from ``primary``'s, 4-row goldens) as a user could by hand."""
+    from tritonguard.repository import GOLDENS, MANIFEST, read_manifest  # noqa: PLC0415
+
+    vdir = repo / target / str(version)
+    vdir.mkdir(parents=True)
+    art = Path(build_artifact(vdir))
+    manifest = read_manifest(repo / target / str(primary)) or {}
+    manifest.pop("evaluation", None)
+    manifest.update(version=version, sha256=hashlib.sha256(art.read_bytes()).hexdigest(), judge="task",
+                    source="installed by hand")
+    (vdir / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    np.savez(vdir / GOLDENS, in__IMAGE=golden, out__PROBS=golden_out)
+    return vdir
+
+
+def _cli(repo: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exporter", *args, "--repository", str(repo)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from examples import candidates, digits, faults  # noqa: PLC0415
+    from exporter.export import export  # noqa: PLC0415
+    from tritonguard.server import Server  # noqa: PLC0415
+
+    work = Path(tempfile.mkdtemp(prefix="judge-bench-"))
+    repo = work / "repo"
+    v: dict[str, int] = {}
+    sources = {"v1": digits.build, "retrain": candidates.retrain, "retrain2": candidates.retrain2,
+               "retrain3": candidates.retrain3, "worse": candidates.worse, "nan_subset": faults.nan_subset,
+               "slow13": candidates.slow13, "slow2": candidates.slow2, "loose": candidates.loose}
+    for name, fn in sources.items():
+        v[name] = export(fn(), name="digits", repository=repo, source=name).version
+        print(f"exported {name} as v{v[name]}", flush=True)
+    v["raises_above_batch"] = max(v.values()) + 1
+    golden = faults.load_all()[0][:4]
+    install_unchecked(repo, "digits_raw", v["raises_above_batch"], v["v1"], candidates.raises_above_batch_artifact,
+                      golden, candidates.run_in_chunks(candidates.trained(0)[0], golden))
+    images, labels = faults.load_all()
+    server = Server(repository=repo, log_path=work / "tritonserver.log", env=dict(os.environ))
+    server.start(wait_models=["digits", "digits_raw"])
+    plan = [("retrain" if k % 3 == 0 else f"retrain{k % 3 + 1}") for k in range(args.retrain_runs)]
+    plan += ["worse", "nan_subset", "raises_above_batch", "slow13", "slow2", "loose"]
+    if args.only:
+        plan = [p for p in plan if p in args.only.split(",")]
+    rows = []
+    try:
+        for k, name in enumerate(plan):
+            _cli(repo, "route", "digits", "--primary", str(v["v1"]), "--candidate", "0")
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            with LabelledTraffic(server.http_url, images, labels, seed=k) as traffic:
+                r = _cli(repo, "promote", "digits", "--version", str(v[name]), "--dwell-s", str(args.dwell_s),
+                         "--interval-s", str(args.interval_s), "--server", server.http_url,
+                         "--metrics-url", server.metrics_url)
+            took = time.monotonic() - t0
+            progress_file = repo / "digits" / "rollout_controller.json"
+            p = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+            before_traffic = "before any traffic" in r.stdout
+            rep = traffic.report()
+            who = f"digits_raw:{v[name]}"
+            row = {"candidate": name, "version": v[name], "exit": r.returncode,
+                   "outcome": "rolled back before traffic" if before_traffic else p.get("status", "?"),
+                   "step": None if before_traffic else p.get("steps", [0])[p.get("step_index", 0)],
+                   "reason": (r.stdout.strip().splitlines() or [""])[-1][:400] if before_traffic else p.get("reason", "")[:400],
+                   "candidate_requests": rep["served"].get(who, 0), "candidate_wrong": rep["wrong"].get(who, 0),
+                   "requests": rep["sent"], "user_errors": rep["errors"], "seconds": round(took, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if _cli(repo, "rollout", "status", "digits").returncode != 0:
+                print("rollout status failed", flush=True)
+    finally:
+        server.stop()
+    return {"when": dt.datetime.now().isoformat(timespec="seconds"), "dwell_s": args.dwell_s,
+            "interval_s": args.interval_s, "runs": rows, "work": str(work)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--retrain-runs", type=int, default=10)
+    ap.add_argument("--dwell-s", type=float, default=10.0)
+    ap.add_argument("--interval-s", type=float, default=2.0)
+    ap.add_argument("--only", default="", help="comma-separated candidate names to run (default: all)")
+    args = ap.parse_args()
+    result = run(args)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"judge-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\n{'candidate':<20}{'outcome':<28}{'step':>6}{'cand req':>10}{'wrong':>7}{'errors':>8}{'s':>7}  reason")
+    for row in result["runs"]:
+        print(f"{row['candidate']:<20}{row['outcome']:<28}{row['step'] or '-':>6}{row['candidate_requests']:>10}"
+              f"{row['candidate_wrong']:>7}{row['user_errors']:>8}{row['seconds']:>7}  {row['reason'][:120]}")
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()
