@@ -460,19 +460,13 @@ class RolloutController:
         self.store.update(route, by=self.by)
 
     def _latency(self, primary: int, candidate: int) -> Callable[[float], tuple[Any, Any]] | None:
-        """(candidate, primary) latency samples since a time, from the store; None without a
-        latency reader. At a 100 % step the primary serves nothing: its samples then come from
-        whatever the store still keeps (its last few thousand calls)."""
+        """(candidate, primary) latency samples of the same window, from the store; None without
+        a latency reader. Only calls made at the same time are compared: the load differs between
+        windows."""
         if self.latency_reader is None:
             return None
         read = self.latency_reader
-
-        def samples(since: float) -> tuple[Any, Any]:
-            cand, prim = read(candidate, since), read(primary, since)
-            if len(prim) < self.config.gates.min_latency_samples:
-                prim = read(primary, 0.0)
-            return cand, prim
-        return samples
+        return lambda since: (read(candidate, since), read(primary, since))
 
     @staticmethod
     def _look(window: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig, mode: str,

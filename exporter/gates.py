@@ -637,6 +637,11 @@ def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateCon
         gates.append(GateResult(name="latency", verdict=SKIPPED,
                                 reason=f"judged from {cfg.latency_min_share:.0%} of traffic (now {share:.0%}): a "
                                        "rarely called version runs cache-cold"))
+    elif mode == "split" and cfg.latency and latency_samples is not None and share is not None and share >= 1.0:
+        # the primary serves nothing here: its only samples are from earlier windows, at another
+        # load (an identical retrain measured 1.15x "slower" against them); judged at the steps before
+        gates.append(GateResult(name="latency", verdict=SKIPPED,
+                                reason="at 100 % the primary serves no calls to compare with at the same load"))
     elif mode == "split" and cfg.latency and latency_samples is not None:
         from .latency_gate import latency_gate  # noqa: PLC0415
 

@@ -28,71 +28,83 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
 
+console = Console(soft_wrap=True, markup=False, highlight=False)
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "perf" / "results"
 
 
 class LabelledTraffic:
-    """load_digits images in random order over HTTP, ``inflight`` at a time, every fourth request
-    carrying its true label (request parameter ``label``), until stopped or ``max_s`` passed.
-    Counts answers, errors, and per serving version the answers whose top-1 was wrong."""
+    """load_digits images in random order over HTTP from ``threads`` client threads (one request
+    in flight each), every fourth request carrying its true label (request parameter ``label``),
+    until stopped or ``max_s`` passed. Counts answers, errors, and per serving version the
+    answers whose top-1 was wrong."""
 
     def __init__(self, url: str, images: np.ndarray, labels: np.ndarray, *, max_s: float = 900.0,
-                 seed: int = 0, inflight: int = 8, model: str = "digits"):
+                 seed: int = 0, threads: int = 8, model: str = "digits"):
         self.url, self.images, self.labels, self.max_s = url, images, labels, max_s
-        self.model, self.inflight = model, inflight
-        self.rng = np.random.default_rng(seed)
+        self.model = model
+        self.seed = seed
         self.sent = self.ok = 0
         self.errors: list[str] = []
         self.served: dict[str, int] = {}
         self.wrong: dict[str, int] = {}
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(threads)]
 
     def __enter__(self) -> LabelledTraffic:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=60)
-        if self._thread.is_alive():
+        for t in self._threads:
+            t.join(timeout=60)
+        if any(t.is_alive() for t in self._threads):
             raise RuntimeError("traffic thread did not stop")
 
-    def _run(self) -> None:
+    def _run(self, k: int) -> None:
         import tritonclient.http as httpclient  # noqa: PLC0415
         from tritonclient.utils import InferenceServerException  # noqa: PLC0415
 
-        client = httpclient.InferenceServerClient(self.url, concurrency=self.inflight)
+        rng = np.random.default_rng((self.seed, k))
+        # a client per thread: geventhttpclient's connections belong to the thread that made them
+        client = httpclient.InferenceServerClient(self.url)
         outputs = [httpclient.InferRequestedOutput("PROBS"), httpclient.InferRequestedOutput("SERVED_BY")]
+        n = 0
         try:
             deadline = time.monotonic() + self.max_s
             while not self._stop.is_set() and time.monotonic() < deadline:
-                batch = []
-                for i in self.rng.integers(0, len(self.images), self.inflight):
-                    inp = httpclient.InferInput("IMAGE", [1, 8, 8], "FP32")
-                    inp.set_data_from_numpy(self.images[i][None])
-                    params = {"label": int(self.labels[i])} if self.sent % 4 == 0 else None
-                    batch.append((i, client.async_infer(self.model, [inp], parameters=params, outputs=outputs)))
-                    self.sent += 1
-                for i, fut in batch:
-                    try:
-                        r = fut.get_result(timeout=30)
-                    except InferenceServerException as exc:
+                i = int(rng.integers(0, len(self.images)))
+                inp = httpclient.InferInput("IMAGE", [1, 8, 8], "FP32")
+                inp.set_data_from_numpy(self.images[i][None])
+                params = {"label": int(self.labels[i])} if n % 4 == 0 else None
+                n += 1
+                try:
+                    r = client.infer(self.model, [inp], parameters=params, outputs=outputs, timeout=30)
+                except InferenceServerException as exc:
+                    with self._lock:
+                        self.sent += 1
                         self.errors.append(str(exc))
-                        continue
-                    who = r.as_numpy("SERVED_BY")[0, 0].decode()
-                    self.served[who] = self.served.get(who, 0) + 1
+                    continue
+                who = r.as_numpy("SERVED_BY")[0, 0].decode()
+                wrong = int(r.as_numpy("PROBS")[0].argmax()) != int(self.labels[i])
+                with self._lock:
+                    self.sent += 1
                     self.ok += 1
-                    if int(r.as_numpy("PROBS")[0].argmax()) != int(self.labels[i]):
+                    self.served[who] = self.served.get(who, 0) + 1
+                    if wrong:
                         self.wrong[who] = self.wrong.get(who, 0) + 1
         finally:
             client.close()
 
     def report(self) -> dict[str, Any]:
-        return {"sent": self.sent, "ok": self.ok, "errors": len(self.errors), "served": dict(self.served),
-                "wrong": dict(self.wrong), "first_errors": self.errors[:3]}
+        with self._lock:
+            return {"sent": self.sent, "ok": self.ok, "errors": len(self.errors), "served": dict(self.served),
+                    "wrong": dict(self.wrong), "first_errors": self.errors[:3]}
 
 
 def install_unchecked(repo: Path, target: str, version: int, primary: int, build_artifact, golden: np.ndarray,
@@ -131,12 +143,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "slow13": candidates.slow13, "slow2": candidates.slow2, "loose": candidates.loose}
     for name, fn in sources.items():
         v[name] = export(fn(), name="digits", repository=repo, source=name).version
-        print(f"exported {name} as v{v[name]}", flush=True)
+        console.print(f"exported {name} as v{v[name]}")
     v["raises_above_batch"] = max(v.values()) + 1
     golden = faults.load_all()[0][:4]
     install_unchecked(repo, "digits_raw", v["raises_above_batch"], v["v1"], candidates.raises_above_batch_artifact,
                       golden, candidates.run_in_chunks(candidates.trained(0)[0], golden))
     images, labels = faults.load_all()
+    # the guard pins the newest version on disk as primary on its first load: pin v1 first
+    pinned = _cli(repo, "route", "digits", "--primary", str(v["v1"]))
+    if pinned.returncode != 0:
+        raise RuntimeError(f"route --primary failed: {pinned.stderr}")
     server = Server(repository=repo, log_path=work / "tritonserver.log", env=dict(os.environ))
     server.start(wait_models=["digits", "digits_raw"])
     plan = [("retrain" if k % 3 == 0 else f"retrain{k % 3 + 1}") for k in range(args.retrain_runs)]
@@ -166,9 +182,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "candidate_requests": rep["served"].get(who, 0), "candidate_wrong": rep["wrong"].get(who, 0),
                    "requests": rep["sent"], "user_errors": rep["errors"], "seconds": round(took, 1)}
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            console.print(json.dumps(row))
             if _cli(repo, "rollout", "status", "digits").returncode != 0:
-                print("rollout status failed", flush=True)
+                console.print("rollout status failed")
     finally:
         server.stop()
     return {"when": dt.datetime.now().isoformat(timespec="seconds"), "dwell_s": args.dwell_s,
@@ -186,11 +202,11 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"judge-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     out.write_text(json.dumps(result, indent=1))
-    print(f"\n{'candidate':<20}{'outcome':<28}{'step':>6}{'cand req':>10}{'wrong':>7}{'errors':>8}{'s':>7}  reason")
+    console.print(f"\n{'candidate':<20}{'outcome':<28}{'step':>6}{'cand req':>10}{'wrong':>7}{'errors':>8}{'s':>7}  reason")
     for row in result["runs"]:
-        print(f"{row['candidate']:<20}{row['outcome']:<28}{row['step'] or '-':>6}{row['candidate_requests']:>10}"
+        console.print(f"{row['candidate']:<20}{row['outcome']:<28}{row['step'] or '-':>6}{row['candidate_requests']:>10}"
               f"{row['candidate_wrong']:>7}{row['user_errors']:>8}{row['seconds']:>7}  {row['reason'][:120]}")
-    print(f"results: {out}")
+    console.print(f"results: {out}")
 
 
 if __name__ == "__main__":

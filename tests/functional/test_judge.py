@@ -4,7 +4,8 @@ digits v1 is the model `examples.digits:build` trains (seed 0). Candidates are b
 (`examples.candidates`): an honest retrain (seed 1), a worse model (6 of 30 epochs, -3.3 pp
 held-out), a ~2x slower copy, a numerically loose re-export, and a version that fails every
 batch above 4 rows. Traffic is load_digits images (not zeros, not one image), 8 in flight, a
-quarter of the requests carrying their true label as the ``label`` request parameter. Each
+quarter of the requests carrying their true label as the ``label`` request parameter
+(:class:`perf.judge_bench.LabelledTraffic`). Each
 rollout runs as a user runs it (`python -m exporter promote`, a subprocess) with the default
 steps shortened to two and short dwells, so the module takes a few minutes.
 
@@ -19,17 +20,14 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 
 from exporter.export import export
-from tritonguard.repository import GOLDENS, MANIFEST, read_config, read_manifest, write_config
+from perf.judge_bench import LabelledTraffic, install_unchecked
+from tritonguard.repository import read_config, write_config
 from tritonguard.server import Server
 
 pytestmark = pytest.mark.functional
@@ -92,64 +90,9 @@ def stage(ctx, version: int) -> str:
     return Registry(default_uri(ctx["repo"])).stage("digits", version)
 
 
-class Traffic:
-    """load_digits images in random order, 8 in flight, every fourth request labelled; counts
-    answers, errors, and per serving version the labelled answers that were wrong."""
-
-    def __init__(self, ctx, max_s: float = 200.0, seed: int = 0):
-        self.ctx, self.max_s = ctx, max_s
-        self.rng = np.random.default_rng(seed)
-        self.sent = self.ok = 0
-        self.errors: list[str] = []
-        self.served: dict[str, int] = {}
-        self.wrong: dict[str, int] = {}
-        self.labelled: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Traffic:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-        assert not self._thread.is_alive(), "traffic thread did not stop"
-
-    def _run(self) -> None:
-        client = httpclient.InferenceServerClient(self.ctx["server"].http_url, concurrency=8)
-        try:
-            images, labels = self.ctx["images"], self.ctx["labels"]
-            deadline = time.monotonic() + self.max_s
-            while not self._stop.is_set() and time.monotonic() < deadline:
-                batch = []
-                for i in self.rng.integers(0, len(images), 8):
-                    inp = httpclient.InferInput("IMAGE", [1, 8, 8], "FP32")
-                    inp.set_data_from_numpy(images[i][None])
-                    labelled = self.sent % 4 == 0
-                    params = {"label": int(labels[i])} if labelled else None
-                    batch.append((i, labelled, client.async_infer("digits", [inp], parameters=params, outputs=[
-                        httpclient.InferRequestedOutput("PROBS"), httpclient.InferRequestedOutput("SERVED_BY")])))
-                    self.sent += 1
-                for i, labelled, fut in batch:
-                    try:
-                        r = fut.get_result(timeout=30)
-                    except InferenceServerException as exc:
-                        self.errors.append(str(exc))
-                        continue
-                    who = r.as_numpy("SERVED_BY")[0, 0].decode()
-                    self.served[who] = self.served.get(who, 0) + 1
-                    self.ok += 1
-                    if int(r.as_numpy("PROBS")[0].argmax()) != int(labels[i]):
-                        self.wrong[who] = self.wrong.get(who, 0) + 1
-                    if labelled:
-                        self.labelled[who] = self.labelled.get(who, 0) + 1
-        finally:
-            client.close()
-
-    def report(self) -> dict:
-        return {"sent": self.sent, "ok": self.ok, "errors": len(self.errors), "served": self.served,
-                "wrong": self.wrong, "first_errors": self.errors[:3]}
+def labelled_traffic(ctx, seed: int) -> LabelledTraffic:
+    """8 client threads of load_digits images, every fourth request labelled."""
+    return LabelledTraffic(ctx["server"].http_url, ctx["images"], ctx["labels"], seed=seed, max_s=200)
 
 
 def decided_at(ctx) -> str:
@@ -168,7 +111,7 @@ def test_export_of_a_version_failing_batches_above_4_is_refused_in_one_line(ctx)
 
 def test_worse_model_is_rolled_back_before_any_traffic(ctx):
     worse = ctx["v"]["worse"]
-    with Traffic(ctx, seed=1) as traffic:
+    with labelled_traffic(ctx, seed=1) as traffic:
         r = promote(ctx, worse)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "before any traffic" in r.stdout and "worse on the task" in r.stdout, r.stdout
@@ -187,7 +130,7 @@ def test_numerically_loose_reexport_is_rolled_back_before_any_traffic(ctx):
 def test_slower_version_is_stopped_by_the_latency_gate(ctx):
     slow = ctx["v"]["slow2"]
     t0 = time.monotonic()
-    with Traffic(ctx, seed=2) as traffic:
+    with labelled_traffic(ctx, seed=2) as traffic:
         r = promote(ctx, slow)
     print(f"slow2: {r.returncode} after {time.monotonic() - t0:.1f} s at {decided_at(ctx)}; {traffic.report()}")
     assert r.returncode == 1, r.stdout + r.stderr
@@ -205,17 +148,11 @@ def test_a_version_failing_big_batches_never_gets_traffic(ctx):
     from examples import candidates
 
     version = max(ctx["v"].values()) + 1
-    vdir = ctx["repo"] / "digits_raw" / str(version)
-    vdir.mkdir()
-    candidates.raises_above_batch_artifact(vdir)
-    manifest = read_manifest(ctx["repo"] / "digits_raw" / str(ctx["v"]["v1"]))
-    sha = __import__("hashlib").sha256((vdir / "model.onnx").read_bytes()).hexdigest()
-    (vdir / MANIFEST).write_text(json.dumps({**manifest, "version": version, "sha256": sha, "judge": "task"}))
     golden = ctx["images"][:4]
-    np.savez(vdir / GOLDENS, in__IMAGE=golden, out__PROBS=candidates.run_in_chunks(
-        candidates.trained(0)[0], golden))
+    vdir = install_unchecked(ctx["repo"], "digits_raw", version, ctx["v"]["v1"], candidates.raises_above_batch_artifact,
+                             golden, candidates.run_in_chunks(candidates.trained(0)[0], golden))
     try:
-        with Traffic(ctx, seed=3) as traffic:
+        with labelled_traffic(ctx, seed=3) as traffic:
             r = promote(ctx, version)
         assert r.returncode == 1, r.stdout + r.stderr
         assert "before any traffic" in r.stdout and "cannot run" in r.stdout, r.stdout
@@ -235,7 +172,7 @@ def test_a_version_failing_big_batches_never_gets_traffic(ctx):
 def test_honest_retrain_is_promoted(ctx):
     v1, retrain = ctx["v"]["v1"], ctx["v"]["retrain"]
     t0 = time.monotonic()
-    with Traffic(ctx, seed=4) as traffic:
+    with labelled_traffic(ctx, seed=4) as traffic:
         r = promote(ctx, retrain)
     print(f"retrain: {r.returncode} after {time.monotonic() - t0:.1f} s at {decided_at(ctx)}; {traffic.report()}")
     assert r.returncode == 0, r.stdout + r.stderr + json.dumps(progress(ctx).get("last_report"), indent=1)

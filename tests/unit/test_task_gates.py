@@ -168,3 +168,13 @@ def test_latency_is_not_judged_below_its_share():
     assert gate(low, "latency").verdict == SKIPPED and "25%" in gate(low, "latency").reason
     high = evaluate(None, reading(), cfg, latency_samples=(slow, fast), share=0.25)
     assert gate(high, "latency").verdict == FAIL and high.verdict == FAIL
+
+
+def test_latency_is_not_judged_at_100_percent():
+    from tritonguard.latency import Samples
+
+    slow = Samples(t=np.arange(500.0), rows=np.ones(500), seconds=np.full(500, 2e-3))
+    old = Samples(t=np.arange(500.0), rows=np.ones(500), seconds=np.full(500, 1e-3))
+    report = evaluate(None, reading(), GateConfig(judge="task", expected_disagreement=0.01),
+                      latency_samples=(slow, old), share=1.0)
+    assert gate(report, "latency").verdict == SKIPPED and "100 %" in gate(report, "latency").reason
