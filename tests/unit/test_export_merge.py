@@ -54,6 +54,8 @@ VALUES = {
     "breaker.min_on_s": "30",
     "breaker.min_requests": "40",
     "breaker.probes_to_close": "3",
+    "breaker.max_fused_rate": "0.02",
+    "breaker.min_compared": "80",
     "validator.workload": "classifier",
     "validator.marginal_factor": "4",
     "redaction.enabled": "false",
