@@ -465,8 +465,18 @@ class RolloutController:
         windows."""
         if self.latency_reader is None:
             return None
+        from tritonguard.latency import paired_key  # noqa: PLC0415
+
         read = self.latency_reader
-        return lambda since: (read(candidate, since), read(primary, since))
+
+        def samples(since: float) -> tuple[Any, Any]:
+            # paired timings (same rows, back to back in the canary worker) where the guards make
+            # them; serving-path calls only from guards that do not (canary comparison off)
+            cand = read(paired_key(candidate, "candidate"), since)
+            if len(cand):
+                return cand, read(paired_key(candidate, "primary"), since)
+            return read(candidate, since), read(primary, since)
+        return samples
 
     @staticmethod
     def _look(window: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig, mode: str,

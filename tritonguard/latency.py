@@ -311,6 +311,18 @@ class _Ring:
         return Samples(np.roll(self.t, -start), np.roll(self.rows, -start), np.roll(self.seconds, -start))
 
 
+def paired_key(version: int, role: str) -> int:
+    """Store key of *paired* timings of ``version`` under test: the guard's canary worker runs
+    the candidate and the primary on the same rows, back to back and in alternating order, and
+    times both ("candidate" and "primary" roles). Unlike serving-path calls, a pair shares its
+    load, its contention and its warmth (a version the worker re-runs on every canary batch is
+    warmer than a rarely called one), so only the versions' own speed differs. Negative keys, so
+    they never meet a real version number."""
+    if role not in ("candidate", "primary"):
+        raise ValueError(f"role must be 'candidate' or 'primary', got {role!r}")
+    return -(2 * int(version) + (role == "primary"))
+
+
 class LatencyRecorder:
     """This process's latest ``capacity`` calls per version, published through ``sink``."""
 

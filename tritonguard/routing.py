@@ -116,6 +116,7 @@ class Router:
         # exact per-call latencies, shared through the store for the rollout's latency gate
         # (a tritonguard.latency.LatencyRecorder; None: not kept)
         self.latency = latency
+        self._pairs = 0  # paired canary timings so far: their order alternates
         self._targets: dict[int, Any] = {}
         self._breakers: dict[int, Breaker] = {}
         self._lock = threading.Lock()  # breakers are fed by execute() and by the worker
@@ -670,7 +671,10 @@ class Router:
         now = self.clock()
         t0 = time.perf_counter()
         try:
-            other_out = self.target_for(other).infer(inputs)
+            if kind == "canary" and self.latency is not None:
+                other_out = self._paired_run(cand, other, inputs)
+            else:
+                other_out = self.target_for(other).infer(inputs)
         except TargetError:
             if kind == "shadow":  # the candidate failed on mirrored traffic: count it
                 self._record(cand, len(next(iter(inputs.values()))), errors=len(next(iter(inputs.values()))),
@@ -721,6 +725,25 @@ class Router:
             self.alert("breaker_trip", cand, {"reason": trip.reason, **trip.figures})
         if changed:
             self._store_breaker(cand, shared)
+
+    def _paired_run(self, cand: int, primary: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The primary's outputs for a canary comparison, and a paired timing on the way: the
+        candidate runs again on the same rows right before or after the primary (alternating), both
+        timed here (:func:`tritonguard.latency.paired_key`)."""
+        from .latency import paired_key  # noqa: PLC0415
+
+        self._pairs += 1
+        order = (cand, primary) if self._pairs % 2 else (primary, cand)
+        outs, took = {}, {}
+        for version in order:
+            t0 = time.perf_counter()
+            outs[version] = self.target_for(version).infer(inputs)
+            took[version] = time.perf_counter() - t0
+        rows = len(next(iter(inputs.values())))
+        now = self.clock()
+        self.latency.record(paired_key(cand, "candidate"), rows, took[cand], now)
+        self.latency.record(paired_key(cand, "primary"), rows, took[primary], now)
+        return outs[primary]
 
     def _compare_task(self, kind: str, cand: int, cand_out: Any, ref_out: Any, cfg: ValidatorConfig,
                       judge: dict[str, Any], now: float) -> None:

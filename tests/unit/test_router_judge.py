@@ -68,7 +68,8 @@ def repo(tmp_path):
     return r
 
 
-def make(repo, targets, *, primary=1, candidate=None, share=1.0, judge=None, max_batch=0, goldens=None, **breaker):
+def make(repo, targets, *, primary=1, candidate=None, share=1.0, judge=None, max_batch=0, goldens=None,
+         latency=None, **breaker):
     store = open_store("g", repo)
 
     def setup(s):
@@ -91,7 +92,7 @@ def make(repo, targets, *, primary=1, candidate=None, share=1.0, judge=None, max
                     store=store, config=RoutingConfig(reconcile_interval_s=0, poll_interval_s=0),
                     validator=ValidatorConfig(), registry=ValidatorRegistry(),
                     breaker=BreakerConfig(**{"min_requests": 20, "window": 200, **breaker}),
-                    metrics=metrics, seed=0, max_batch=max_batch)
+                    metrics=metrics, seed=0, max_batch=max_batch, latency=latency)
     return router, metrics
 
 
@@ -181,3 +182,25 @@ def test_goldens_run_at_batch_1_and_at_the_largest_batch(repo):
     assert router.check_goldens(1)["verdict"] == "PASS"
     assert sorted(set(router._targets[1].calls)) == [1, 4, 16]
     router.close()
+
+
+def test_canary_comparisons_time_both_versions_on_the_same_rows(repo):
+    """Paired timings: the candidate runs again beside the primary's re-run, in alternating
+    order, so the latency gate compares the versions under the same load and warmth."""
+    from tritonguard.latency import LatencyRecorder, open_latency_log, paired_key
+
+    log = open_latency_log("g", repo, url="")
+    recorder = LatencyRecorder(log)
+    v1, v2 = Linear(W1), Linear(W2)
+    router, _ = make(repo, {1: v1, 2: v2}, candidate=2, share=1.0, judge="task", latency=recorder)
+    for k in range(6):
+        router.infer({"X": rows(3, seed=k)}, [1, 1, 1])
+        drain(router)
+    router.close()
+    cand, prim = log.read(paired_key(2, "candidate")), log.read(paired_key(2, "primary"))
+    assert len(cand) == len(prim) == 6 and set(cand.rows.tolist()) == {3}
+    assert (cand.t == prim.t).all()
+    # every canary batch ran v2 twice (served + paired) and v1 once, on the same three rows
+    assert v2.calls.count(3) == 12 and v1.calls.count(3) == 6
+    # serving-path samples are kept apart from the pairs
+    assert len(log.read(2)) == 6 and paired_key(2, "candidate") < 0
