@@ -330,8 +330,7 @@ def _judge(spec: ExportSpec, cli: str | None, repository: Path, raw: str, sha: s
            notices: list[str]) -> tuple[str, int | None]:
     """(judge, same_weights_as): the spec's judge, else the CLI's, else ``equivalence`` when an
     earlier version of ``raw`` has this very artifact (its sha256), else ``task``."""
-    same = next((v for v in reversed(repo_mod.versions(repository / raw))
-                 if (repo_mod.read_manifest(repository / raw / str(v)) or {}).get("sha256") == sha), None)
+    same = repo_mod.version_with_artifact(repository / raw, sha)
     if spec.judge is not None:
         if cli is not None and cli != spec.judge:
             notices.append(f"judge: the source says '{spec.judge}'; --judge {cli} ignored")

@@ -54,6 +54,8 @@ from typing import Any
 
 import numpy as np
 
+from tritonguard.state import JUDGES
+
 log = logging.getLogger(__name__)
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -279,8 +281,8 @@ class GateConfig:
             raise ValueError("gates.min_compared must be >= 1 and gates.min_latency_samples >= 2")
         if self.latency_tolerance < 0:
             raise ValueError(f"gates.latency_tolerance must be >= 0, got {self.latency_tolerance}")
-        if self.judge not in ("equivalence", "task"):
-            raise ValueError(f"gates.judge must be 'equivalence' or 'task', got {self.judge!r}")
+        if self.judge not in JUDGES:
+            raise ValueError(f"gates.judge must be one of {', '.join(JUDGES)}, got {self.judge!r}")
         if not 0 <= self.latency_min_share <= 1:
             raise ValueError(f"gates.latency_min_share must be in [0, 1], got {self.latency_min_share}")
         if not 0 <= self.max_regression < 1:

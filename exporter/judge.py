@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 
 from tritonguard import repository as repo_mod
+from tritonguard.state import JUDGES
+from tritonguard.validators import row_cosine
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
-JUDGES = ("task", "equivalence")
 Z95 = 1.6448536269514722  # one-sided 95 %
 COSINE_QUANTILE = 0.01  # embeddings: the share of offline rows under the per-row floor
 
@@ -95,12 +96,8 @@ def manifest_judge(repository: Path, target: str, version: int) -> str:
     judge = manifest.get("judge")
     if judge in JUDGES:
         return judge
-    sha = manifest.get("sha256")
-    for v in repo_mod.versions(Path(repository) / target):
-        other = repo_mod.read_manifest(Path(repository) / target / str(v)) or {}
-        if v != version and sha and other.get("sha256") == sha:
-            return "equivalence"
-    return "task"
+    same = repo_mod.version_with_artifact(Path(repository) / target, manifest.get("sha256", ""), exclude=version)
+    return "task" if same is None else "equivalence"
 
 
 def upper_bound(k: int, n: int, z: float = Z95) -> float:
@@ -155,9 +152,7 @@ def judge_offline(repository: Path, target: str, primary: int, candidate: int, *
     finite = np.isfinite(c2).all(axis=1)
     cosine_floor = None
     if task == "embedding":
-        with np.errstate(invalid="ignore", divide="ignore"):
-            cos = np.einsum("ij,ij->i", c2, p2) / (np.linalg.norm(c2, axis=1) * np.linalg.norm(p2, axis=1))
-        cos = np.nan_to_num(cos, nan=-1.0)
+        cos = row_cosine(c2, p2)
         cosine_floor = float(np.quantile(cos, COSINE_QUANTILE)) if judge == "task" else None
         differ = cos < (cosine_floor if cosine_floor is not None else 0.99)
     elif task == "classifier":

@@ -137,7 +137,10 @@ def promote(
 ) -> None:
     """Register VERSION (or each --arms version), load it on the servers, and stage it or roll it out."""
     from tritonguard.repository import read_manifest  # noqa: PLC0415
-    from tritonguard.state import open_store  # noqa: PLC0415
+    from tritonguard.state import (
+        JUDGES,  # noqa: PLC0415
+        open_store,  # noqa: PLC0415
+    )
 
     from .controller import ControllerError, RolloutConfig  # noqa: PLC0415
     from .gates import GateConfig  # noqa: PLC0415
@@ -162,8 +165,8 @@ def promote(
                 raise ValueError("--arms needs at least one VERSION=WEIGHT and a gated rollout to production")
             mode = "abn"
         config = None
-        if judge is not None and judge not in ("task", "equivalence"):
-            raise ValueError(f"--judge must be task or equivalence, got {judge!r}")
+        if judge is not None and judge not in JUDGES:
+            raise ValueError(f"--judge must be one of {', '.join(JUDGES)}, got {judge!r}")
         margin = parse_margin(max_regression)
         if to == "production" and rollout:
             config = RolloutConfig(steps=tuple(float(s) for s in steps.split(",")), mode=mode, arms=arm_weights,

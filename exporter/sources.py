@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tritonguard.state import JUDGES  # how a rollout compares a version with the one it replaces
+
 if TYPE_CHECKING:  # torch is heavy: import it where a module is actually built or run
     import torch
 
 log = logging.getLogger(__name__)
 
 TASKS = ("classifier", "embedding", "regression")
-JUDGES = ("task", "equivalence")  # how a rollout compares a version with the one it replaces
 MLFLOW_SCHEMES = ("models:/", "runs:/")
 HF_CONFIG = "config.json"
 HF_MAX_LENGTH = 512  # cap for models that state no limit of their own

@@ -281,12 +281,16 @@ class GuardModel:
                 rejects[err.rule] = rejects.get(err.rule, 0) + 1
         for rule, n in rejects.items():
             self.metrics.inc("rejects", n, reason=rule)
+        # parsed once per batch (most requests carry none: a string compare each), for the
+        # tenant and for the ground-truth labels the rollout's gates score
+        params = [triton.request_parameters(r) for r in requests]
+        tenancy_params = params if self.privacy.needs_parameters else None
         if not verdict.valid:
             if self.privacy.audit.enabled:
-                self.privacy.before(self._parameters(requests), verdict)  # audits the rejects
+                self.privacy.before(tenancy_params, verdict)  # audits the rejects
             return
         # tenants, quotas, redaction, cache lookups: what is left goes to the router
-        batch = self.privacy.before(self._parameters(requests), verdict)
+        batch = self.privacy.before(tenancy_params, verdict)
         for i, err in batch.errors.items():
             responses[i] = triton.error(err)
         routed = None
@@ -300,16 +304,13 @@ class GuardModel:
                     outs = {**outs, SERVED_BY: np.full((batch.hit_sizes[i], 1), batch.cache_label.encode(), dtype=object)}
                 responses[i] = triton.response(outs)
             if batch.route:
-                labels = [_label(requests[i]) for i in batch.route]
+                labels = [_label(params[i]) for i in batch.route]
                 routed = self.router.infer(batch.fused, batch.sizes, labels if any(x is not None for x in labels) else None)
                 self.privacy.redact_outputs(batch, routed)
                 self._respond(batch, routed, responses, served_by)
         finally:
             self.privacy.after(batch, routed)  # cache fill, audit, quota release; never raises
         self.router.publish()
-
-    def _parameters(self, requests: list[Any]) -> list[dict[str, Any]] | None:
-        return [triton.request_parameters(r) for r in requests] if self.privacy.needs_parameters else None
 
     @staticmethod
     def _wants_served_by(request: Any) -> bool:
@@ -350,12 +351,12 @@ def _latency_recorder(guard: str, repo: Path) -> Any:
         return None
 
 
-def _label(request: Any) -> Any:
+def _label(params: dict[str, Any]) -> Any:
     """The ground truth a client sent with a request (request parameter ``label``: a class id,
     or ids separated by commas for a request of several rows), or None. The rollout's gates
     compare the versions' accuracy on it; a label that does not parse is ignored, never an error
     (it is feedback, not an input)."""
-    raw = triton.request_parameters(request).get("label")
+    raw = params.get("label")
     if raw is None or isinstance(raw, bool):
         return None
     try:

@@ -78,6 +78,16 @@ def read_manifest(version_dir: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
+def version_with_artifact(model_dir: Path, sha256: str, *, exclude: int | None = None) -> int | None:
+    """The latest version of ``model_dir`` whose manifest records the artifact ``sha256``
+    (other than ``exclude``), or None: an export or a judge tells a re-export of the same weights
+    from a new model by it."""
+    if not sha256:
+        return None
+    return next((v for v in reversed(versions(model_dir))
+                 if v != exclude and (read_manifest(Path(model_dir) / str(v)) or {}).get("sha256") == sha256), None)
+
+
 def load_goldens(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(inputs, outputs) from a goldens.npz (``in__NAME`` / ``out__NAME``). BYTES are stored as
     fixed-width ``S`` arrays so reading never needs ``allow_pickle``; they come back as object

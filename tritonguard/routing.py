@@ -33,6 +33,7 @@ from . import repository
 from .breaker import CLOSED, Breaker, BreakerConfig
 from .drift import REFERENCE_FILE, DriftMonitor, Ewma, ReferenceSummary, featurize
 from .errors import TargetError, TritonGuardError
+from .latency import paired_key
 from .state import RolloutState, StateError, StateStore
 from .tensors import concat, offsets, rows_any, split
 from .validators import (
@@ -42,6 +43,7 @@ from .validators import (
     ValidatorConfig,
     ValidatorRegistry,
     load_callable,
+    row_cosine,
 )
 
 log = logging.getLogger(__name__)
@@ -720,18 +722,12 @@ class Router:
                     self._output_drift.pop(cand, None)
                     self._output_rows.pop(cand, None)
                     shared, changed = b.to_dict(), True
-        if trip is not None:
-            self.metrics.inc("trips", 1, target_version=str(cand), reason=trip.reason)
-            self.alert("breaker_trip", cand, {"reason": trip.reason, **trip.figures})
-        if changed:
-            self._store_breaker(cand, shared)
+        self._after_comparison(cand, trip, shared, changed)
 
     def _paired_run(self, cand: int, primary: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The primary's outputs for a canary comparison, and a paired timing on the way: the
         candidate runs again on the same rows right before or after the primary (alternating), both
         timed here (:func:`tritonguard.latency.paired_key`)."""
-        from .latency import paired_key  # noqa: PLC0415
-
         self._pairs += 1
         order = (cand, primary) if self._pairs % 2 else (primary, cand)
         outs, took = {}, {}
@@ -761,9 +757,7 @@ class Router:
         if cfg.workload == "classifier":
             agree = c2.argmax(axis=1) == r2.argmax(axis=1)
         elif cfg.workload == "embedding":
-            with np.errstate(invalid="ignore", divide="ignore"):
-                cos = np.einsum("ij,ij->i", c2, r2) / (np.linalg.norm(c2, axis=1) * np.linalg.norm(r2, axis=1))
-            agree = np.nan_to_num(cos, nan=-1.0) >= float(judge.get("cosine", cfg.cosine_marginal))
+            agree = row_cosine(c2, r2) >= float(judge.get("cosine", cfg.cosine_marginal))
         else:
             agree = self.registry.validate(c, r, cfg).per_row != FAIL
         agree &= finite
@@ -785,6 +779,10 @@ class Router:
                 trip = b.record_batch(now, rows if kind == "shadow" else 0,
                                       non_finite=non_finite if kind == "shadow" else 0)
                 shared, changed = (b.to_dict() if trip else None), trip is not None
+        self._after_comparison(cand, trip, shared, changed)
+
+    def _after_comparison(self, cand: int, trip: Any, shared: dict[str, Any] | None, changed: bool) -> None:
+        """What a comparison did to the candidate's breaker: count and alert a trip, share a change."""
         if trip is not None:
             self.metrics.inc("trips", 1, target_version=str(cand), reason=trip.reason)
             self.alert("breaker_trip", cand, {"reason": trip.reason, **trip.figures})

@@ -131,14 +131,20 @@ def classifier(candidate: Any, reference: Any, config: ValidatorConfig) -> Verdi
                                        "atol": atol})
 
 
-def embedding(candidate: Any, reference: Any, config: ValidatorConfig) -> Verdict:
-    """Cosine similarity per row (two zero vectors agree; one zero vector does not)."""
+def row_cosine(candidate: Any, reference: Any) -> np.ndarray:
+    """Cosine similarity per row in float64: two zero vectors agree (1), one zero vector or a
+    NaN/Inf row does not (0)."""
     c, r = _rows(candidate).astype(np.float64), _rows(reference).astype(np.float64)
     nc, nr = np.linalg.norm(c, axis=1), np.linalg.norm(r, axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         cos = np.einsum("ij,ij->i", c, r) / (nc * nr)
     cos = np.where((nc == 0) & (nr == 0), 1.0, cos)
-    cos = np.nan_to_num(cos, nan=0.0)
+    return np.nan_to_num(cos, nan=0.0)
+
+
+def embedding(candidate: Any, reference: Any, config: ValidatorConfig) -> Verdict:
+    """Cosine similarity per row (:func:`row_cosine`)."""
+    cos = row_cosine(candidate, reference)
     per_row = _grade(cos >= config.cosine_pass, cos >= config.cosine_marginal)
     return Verdict.from_rows(per_row, {"min_cosine": float(cos.min()) if cos.size else 1.0,
                                        "mean_cosine": float(cos.mean()) if cos.size else 1.0})

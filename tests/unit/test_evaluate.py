@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from exporter import goldens
 from exporter.compile import ADMITTED, Variant, compile_model
@@ -23,6 +22,7 @@ from exporter.evaluate import (
 )
 from exporter.export import export
 from exporter.sources import ExportSpec, TensorDef, TextFront
+from tests.unit.test_exporter import Tiny, TinyTextEncoder  # the same test models
 from tritonguard import repository
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -56,16 +56,6 @@ def test_bad_labels_are_named(task, output, labels, match):
 
 
 # -- plain models -------------------------------------------------------------------------------
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return torch.softmax(self.fc(x), dim=-1)
-
-
 def tiny_spec(**kw) -> ExportSpec:
     x = np.random.default_rng(1).uniform(0, 1, size=(16, 4)).astype(np.float32)
     return ExportSpec(module=Tiny().eval(), inputs=[TensorDef(name="X", dtype="float32", dims=(4,))],
@@ -151,17 +141,6 @@ def test_minilm_in_the_model_repository():
     out = run_version(MODEL_REPOSITORY, "minilm_raw", 1, inputs, batch=10)
     assert out["EMBEDDING"].shape == expected["EMBEDDING"].shape
     assert _cosines(out["EMBEDDING"], expected["EMBEDDING"]).min() > 0.999
-
-
-class TinyTextEncoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(30522, 8)
-
-    def forward(self, input_ids, attention_mask):
-        mask = attention_mask.unsqueeze(-1).float()
-        return nn.functional.normalize((self.emb(input_ids) * mask).sum(1) / mask.sum(1), dim=1)
 
 
 def test_text_version_runs_tokenizer_then_encoder(tmp_path):

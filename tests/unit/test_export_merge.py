@@ -12,13 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from torch import nn
 from typer.testing import CliRunner
 
 from exporter.cli import app
 from exporter.export import ExportError, export
 from exporter.sources import ExportSpec, TensorDef, TextFront, load_source
+from tests.unit.test_exporter import Tiny, TinyTextEncoder  # the same test models
 from tritonguard import repository
 from tritonguard.config import model_parameters
 from tritonguard.guard import GuardConfig
@@ -128,16 +127,6 @@ def config_keys() -> dict[str, str]:
             key = f"{section}.{f.name}" if section else f.name
             out[key] = _default(f)
     return out
-
-
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return torch.softmax(self.fc(x), dim=-1)
 
 
 def tiny_spec(**kw) -> ExportSpec:
@@ -262,17 +251,6 @@ def test_cli_prints_the_notices(tmp_path):
     assert "tiny: kept placement=bls (export proposed inprocess)" in res.output
     params = _params(repository.read_config(repo / "tiny"))
     assert params["validation.range.X"] == "0,16" and params["placement"] == "bls"
-
-
-class TinyTextEncoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(30522, 8)
-
-    def forward(self, input_ids, attention_mask):
-        mask = attention_mask.unsqueeze(-1).float()
-        return nn.functional.normalize((self.emb(input_ids) * mask).sum(1) / mask.sum(1), dim=1)
 
 
 def test_text_targets_keep_tuning_but_not_what_the_export_owns(tmp_path):
