@@ -14,6 +14,7 @@ import torch
 from examples import candidates, digits, faults
 from exporter import artifacts
 from exporter.export import ExportError, export
+from tests.unit.test_faults import _run  # the same runner as the faults' tests
 from tritonguard.engines import EngineConfig, OnnxEngine
 
 RETRAINS = tuple(candidates.RETRAIN_SEEDS)
@@ -31,14 +32,10 @@ def built():
         torch.set_num_threads(threads)
 
 
+
 @pytest.fixture(scope="module")
 def digits_data():
     return faults.load_all()
-
-
-def _run(spec, images: np.ndarray) -> np.ndarray:
-    with torch.inference_mode():
-        return spec.module(torch.from_numpy(np.ascontiguousarray(images))).numpy()
 
 
 def _accuracy(probs: np.ndarray, labels: np.ndarray) -> float:

