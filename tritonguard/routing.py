@@ -118,7 +118,9 @@ class Router:
         # exact per-call latencies, shared through the store for the rollout's latency gate
         # (a tritonguard.latency.LatencyRecorder; None: not kept)
         self.latency = latency
-        self._pairs = 0  # paired canary timings so far: their order alternates
+        # paired canary timings so far, per version under test: the order alternates for each
+        # (one counter for several A/B/n arms can put one arm first in every pair it gets)
+        self._pairs: dict[int, int] = {}
         self._targets: dict[int, Any] = {}
         self._breakers: dict[int, Breaker] = {}
         self._lock = threading.Lock()  # breakers are fed by execute() and by the worker
@@ -728,8 +730,8 @@ class Router:
         """The primary's outputs for a canary comparison, and a paired timing on the way: the
         candidate runs again on the same rows right before or after the primary (alternating), both
         timed here (:func:`tritonguard.latency.paired_key`)."""
-        self._pairs += 1
-        order = (cand, primary) if self._pairs % 2 else (primary, cand)
+        k = self._pairs[cand] = self._pairs.get(cand, 0) + 1
+        order = (cand, primary) if k % 2 else (primary, cand)
         outs, took = {}, {}
         for version in order:
             t0 = time.perf_counter()

@@ -204,3 +204,33 @@ def test_canary_comparisons_time_both_versions_on_the_same_rows(repo):
     assert v2.calls.count(3) == 12 and v1.calls.count(3) == 6
     # serving-path samples are kept apart from the pairs
     assert len(log.read(2)) == 6 and paired_key(2, "candidate") < 0
+
+
+def test_paired_order_alternates_for_each_version_under_test(repo):
+    """Two A/B/n arms whose comparisons interleave: each arm still runs first in exactly half of
+    its pairs (one shared counter put one arm first every time, and its first-call cost read as
+    a 1.2x slowdown)."""
+    from tritonguard.latency import LatencyRecorder, open_latency_log
+
+    order: list[int] = []
+
+    class Logged(Linear):
+        def __init__(self, version, w):
+            super().__init__(w)
+            self.version = version
+
+        def infer(self, inputs):
+            order.append(self.version)
+            return super().infer(inputs)
+
+    targets = {1: Logged(1, W1), 2: Logged(2, W2), 3: Logged(3, W2)}
+    router, _ = make(repo, targets, latency=LatencyRecorder(open_latency_log("g", repo, url="")))
+    x = {"X": rows(2)}
+    for _ in range(4):
+        for arm in (2, 3):
+            router._paired_run(arm, 1, x)
+    router.close()
+    pairs = [order[i:i + 2] for i in range(0, len(order), 2)]
+    for arm in (2, 3):
+        mine = [p for p in pairs if arm in p]
+        assert len(mine) == 4 and sum(p[0] == arm for p in mine) == 2, pairs
