@@ -526,14 +526,15 @@ class ArmTraffic:
 def test_abn_good_arms_walk_every_step_and_stay_at_full_weight(env):
     _, clock, store = env
     hooks = Hooks()
-    c = controller(env, ArmTraffic(store, clock), hooks, mode="abn", arms={2: 0.2, 3: 0.1})
+    # weights whose full share reaches 25 %, so that latency is judged at the last steps too
+    c = controller(env, ArmTraffic(store, clock), hooks, mode="abn", arms={2: 0.3, 3: 0.25})
     c.start()
-    assert store.load().arms == [Arm(2, pytest.approx(0.002)), Arm(3, pytest.approx(0.001))]
+    assert store.load().arms == [Arm(2, pytest.approx(0.003)), Arm(3, pytest.approx(0.0025))]
     p = c.run(max_ticks=5000)
     assert p.status == DONE and "route --arms none" in p.reason, p.reason
     assert [round(share, 2) for _, share, _ in hooks.steps] == [0.01, 0.05, 0.10, 0.25, 0.5, 1.0]
     state = store.load()
-    assert state.arms == [Arm(2, pytest.approx(0.2)), Arm(3, pytest.approx(0.1))]
+    assert state.arms == [Arm(2, pytest.approx(0.3)), Arm(3, pytest.approx(0.25))]
     assert state.primary == 1 and state.candidate is None and not hooks.promoted and not hooks.rolled_back
     assert {v: a["status"] for v, a in p.arms.items()} == {"2": RUNNING, "3": RUNNING}
     assert all(g["verdict"] == "PASS" for a in p.last_report["arms"].values() for g in a["gates"])
@@ -572,8 +573,9 @@ def test_abn_every_arm_failing_is_a_rollback(env):
 def test_abn_abort_and_slow_arm(env):
     _, clock, store = env
     hooks = Hooks()
+    # latency is judged once an arm's own share reaches 25 %: the slow arm's weight gets it there
     c = controller(env, ArmTraffic(store, clock, rate=4000, ms={3: 5.0}), hooks, mode="abn",
-                   arms={2: 0.2, 3: 0.2})
+                   arms={2: 0.2, 3: 0.3})
     c.start()
     for _ in range(2000):  # latency is judged from the 25 % step on (a rarely called arm runs cold)
         p = c.tick()
