@@ -227,7 +227,20 @@ def _exec(resolver, argv: Sequence[str]) -> int:
 
 
 def tritonserver_main() -> int:
-    return _exec(resolve_tritonserver, sys.argv[1:])
+    """Serve under the supervisor (``tritonguard.supervisor``): dead stubs are reloaded, a crashed
+    server restarted, leftover stubs killed. ``TRITONGUARD_SUPERVISE=0`` execs Triton directly.
+    Without ``--model-control-mode`` the server runs in ``explicit`` mode with every model
+    loaded at start (what the default ``none`` serves), so the supervisor can reload one model."""
+    if os.environ.get("TRITONGUARD_SUPERVISE", "1").lower() in ("0", "false", "no", "off"):
+        return _exec(resolve_tritonserver, sys.argv[1:])
+    from .supervisor import supervise, with_default_control  # noqa: PLC0415
+
+    try:
+        binary, full, env = resolve_tritonserver(with_default_control(sys.argv[1:]))
+    except LaunchError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    return supervise(binary, full, env)
 
 
 def perf_analyzer_main() -> int:
