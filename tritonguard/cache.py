@@ -14,14 +14,18 @@ Privacy (``cache.privacy``):
   moved to another row fails authentication and reads as a miss. A 32-byte key is required.
 
 A tier that fails (Redis down, disk full) is skipped for a backoff of 5 s doubling to 60 s:
-serving never waits on a broken cache, and ``stats`` shows the errors and degraded tiers.
+serving never waits on a broken cache, and ``stats`` shows the errors and degraded tiers. A
+damaged L2 file (not a database, malformed, another schema) is not a failure to wait out: it is
+moved aside (quarantined, never deleted on the spot) and the tier starts again empty.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import enum
+import fcntl
 import hashlib
 import json
 import logging
@@ -50,6 +54,10 @@ Value = dict[str, np.ndarray]
 DIGEST = 32  # key = sha256 digest + model name
 BACKOFF_S, MAX_BACKOFF_S = 5.0, 60.0
 _SQL_CHUNK = 500  # stays below SQLite's bound-parameter limit
+HEAL_EVERY_S = 60.0  # at most one runtime quarantine per process per minute: a flapping disk backs off
+KEEP_QUARANTINED = 3  # quarantined L2 files kept beside it; older ones go, so a bad disk cannot fill up
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26  # primary result codes of a damaged file
+_COLUMNS = ["key", "model", "nonce", "ct", "expires"]
 
 
 class PrivacyMode(str, enum.Enum):
@@ -373,29 +381,181 @@ class _Lru:
         return len(self._d)
 
 
-class _Sqlite:
-    """Encrypted rows in one WAL-mode SQLite file; safe for several processes of one host."""
+def is_corruption(exc: BaseException) -> bool:
+    """Whether a SQLite error says the file is damaged (quarantine it), as opposed to a transient
+    condition (locked, busy, disk full, I/O) that the backoff waits out."""
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)  # Python >= 3.11
+    if code is not None:
+        return code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+    msg = str(exc).lower()
+    return any(w in msg for w in ("malformed", "not a database", "disk image"))
 
-    def __init__(self, path: str, max_rows: int, busy_ms: int = 250):
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if not p.exists():
-            os.close(os.open(p, os.O_WRONLY | os.O_CREAT, 0o600))  # ciphertext, but still owner-only
+
+class _Damaged(Exception):
+    """The L2 file at ``ident`` (device, inode) failed its checks."""
+
+    def __init__(self, ident: tuple[int, int], reason: str):
+        super().__init__(reason)
+        self.ident, self.reason = ident, reason
+
+
+def _ident(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+@contextlib.contextmanager
+def _flocked(path: Path) -> Any:
+    """An exclusive flock on ``path`` (created owner-only), released when the block ends or the
+    process dies."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class _Sqlite:
+    """Encrypted rows in one WAL-mode SQLite file; safe for several processes of one host.
+
+    A damaged file is moved aside to ``<file>.corrupt-<UTC time>-<pid>`` (with its -wal/-shm) and
+    replaced by an empty one: at open, and at runtime through :meth:`heal`. Every guard process
+    of the host may find the same damage at once, so opening and moving hold an flock on
+    ``<file>.lock``, and a move only moves the file that was found damaged (same inode): one
+    process quarantines, the others open the fresh file. Serving never takes that lock.
+    """
+
+    def __init__(self, path: str, max_rows: int, busy_ms: int = 250, clock: Any = time.monotonic):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lockfile = self.path.with_name(self.path.name + ".lock")
+        self.busy_ms, self.clock = busy_ms, clock
         self.max_rows = max_rows
         # trimming counts the table: do it every ~5% of the cap, not on every write
         self.trim_every = max(16, max_rows // 20)
         self._since_trim = 0
+        self.quarantined = 0  # files this process moved aside
+        self._healed_at = -math.inf
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(p), timeout=busy_ms / 1000, isolation_level=None,
-                                   check_same_thread=False)
-        self._db.execute(f"PRAGMA busy_timeout={busy_ms}")
-        self._db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the one writer
-        self._db.execute("PRAGMA synchronous=NORMAL")  # a cache may lose its last writes on power loss
-        self._db.execute("CREATE TABLE IF NOT EXISTS entries (key BLOB PRIMARY KEY, model TEXT NOT NULL, "
-                         "nonce BLOB NOT NULL, ct BLOB NOT NULL, expires REAL NOT NULL) WITHOUT ROWID")
-        self._db.execute("CREATE INDEX IF NOT EXISTS entries_expires ON entries(expires)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS entries_model ON entries(model)")
+        self._db, self._ident = self._open()
 
+    # -- opening and quarantine: never on the hot path ------------------------------------
+    def _open(self) -> tuple[sqlite3.Connection, tuple[int, int]]:
+        """A checked connection; a damaged file is quarantined and an empty one opened.
+
+        One opener at a time: the file cannot move between its stat and its check, and processes
+        creating a fresh file together would otherwise get "database is locked" (switching it to
+        WAL needs an exclusive SQLite lock, and SQLite refuses rather than waits on that race)."""
+        with _flocked(self._lockfile):
+            try:
+                return self._connect()
+            except _Damaged as exc:
+                self._move_aside(exc)
+            try:
+                return self._connect()
+            except _Damaged as exc:
+                raise sqlite3.DatabaseError(f"{self.path} is damaged right after its quarantine: {exc.reason}") from None
+
+    def _connect(self) -> tuple[sqlite3.Connection, tuple[int, int]]:
+        if not self.path.exists():
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))  # ciphertext, but still owner-only
+        ident = _ident(self.path)
+        db = sqlite3.connect(str(self.path), timeout=self.busy_ms / 1000, isolation_level=None,
+                             check_same_thread=False)
+        try:
+            self._prepare(db, ident)
+        except sqlite3.DatabaseError as exc:
+            db.close()
+            if is_corruption(exc):
+                raise _Damaged(ident, str(exc)) from None
+            raise
+        except _Damaged:
+            db.close()
+            raise
+        return db, ident
+
+    def _prepare(self, db: sqlite3.Connection, ident: tuple[int, int]) -> None:
+        db.execute(f"PRAGMA busy_timeout={self.busy_ms}")
+        db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the one writer
+        db.execute("PRAGMA synchronous=NORMAL")  # a cache may lose its last writes on power loss
+        db.execute("CREATE TABLE IF NOT EXISTS entries (key BLOB PRIMARY KEY, model TEXT NOT NULL, "
+                   "nonce BLOB NOT NULL, ct BLOB NOT NULL, expires REAL NOT NULL) WITHOUT ROWID")
+        columns = [row[1] for row in db.execute("PRAGMA table_info(entries)")]
+        if columns != _COLUMNS:  # not ours, or another version's: its rows cannot be read anyway
+            raise _Damaged(ident, f"unexpected schema: entries has columns {columns}")
+        db.execute("CREATE INDEX IF NOT EXISTS entries_expires ON entries(expires)")
+        db.execute("CREATE INDEX IF NOT EXISTS entries_model ON entries(model)")
+        # damage below the first page only shows when a page is read: find it now, not mid-traffic
+        problems = [row[0] for row in db.execute("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise _Damaged(ident, "quick_check: " + "; ".join(problems[:3]))
+
+    def _move_aside(self, damaged: _Damaged) -> None:
+        """Move the damaged file and its -wal/-shm aside, unless another process already has.
+        Holds the flock."""
+        try:
+            if _ident(self.path) != damaged.ident:
+                return  # moved by another process; this path is already the fresh file
+        except FileNotFoundError:
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f".{time.time_ns() // 1000 % 1_000_000:06d}Z"
+        dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{os.getpid()}")
+        os.rename(self.path, dest)
+        for suffix in ("-wal", "-shm"):  # a stale WAL must never be replayed into the fresh file
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(f"{self.path}{suffix}", f"{dest}{suffix}")
+        self._prune()
+        self.quarantined += 1  # published by the guard as tritonguard_cache_quarantined_total
+        log.warning("cache L2 (SQLite): %s is damaged (%s); quarantined it as %s and started an empty cache",
+                    self.path, damaged.reason, dest.name)
+
+    def _prune(self) -> None:
+        """Keep the newest KEEP_QUARANTINED quarantined files (their names sort by time)."""
+        prefix = self.path.name + ".corrupt-"
+        kept = sorted(p for p in self.path.parent.iterdir()
+                      if p.name.startswith(prefix) and not p.name.endswith(("-wal", "-shm")))
+        for old in kept[:-KEEP_QUARANTINED]:
+            for p in (old, Path(f"{old}-wal"), Path(f"{old}-shm")):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            log.warning("cache L2 (SQLite): deleted the oldest quarantined file %s (keeping %d)",
+                        old.name, KEEP_QUARANTINED)
+
+    def _reopen(self) -> None:
+        old = self._db
+        self._db, self._ident = self._open()
+        self._since_trim = 0
+        # closed after the move: SQLite sees its file renamed and leaves the new -wal/-shm alone
+        with contextlib.suppress(sqlite3.Error):
+            old.close()
+
+    def heal(self, exc: BaseException) -> bool:
+        """After a corruption error: quarantine the file (unless another process already has) and
+        reopen an empty one. At most once per HEAL_EVERY_S; False when not done now."""
+        with self._lock:
+            now = self.clock()
+            if now - self._healed_at < HEAL_EVERY_S:
+                return False
+            self._healed_at = now
+            with _flocked(self._lockfile):
+                self._move_aside(_Damaged(self._ident, str(exc)))
+            self._reopen()
+            return True
+
+    def _follow(self) -> None:
+        """Reopen if another process quarantined our file: rows written there are lost to the rest."""
+        try:
+            current = _ident(self.path)
+        except FileNotFoundError:
+            current = None
+        if current != self._ident:
+            log.info("cache L2 (SQLite): %s was replaced by another process; reopening it", self.path)
+            self._reopen()
+
+    # -- serving ----------------------------------------------------------------------------
     def get_many(self, ids: Sequence[bytes], now: float) -> dict[bytes, tuple[bytes, bytes, float]]:
         found = {}
         with self._lock:
@@ -425,6 +585,7 @@ class _Sqlite:
             self._trim(now)
 
     def _trim(self, now: float) -> None:
+        self._follow()  # a stat every few thousand writes; cheaper than a split cache
         self._since_trim = 0
         self._db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
         (count,) = self._db.execute("SELECT count(*) FROM entries").fetchone()
@@ -496,7 +657,7 @@ class TieredCache:
     def __init__(self, config: CacheConfig, *, environ: Mapping[str, str] | None = None, clock: Any = time.time):
         self.config, self.clock = config, clock
         self.stats: dict[str, Any] = {f"{t}_{k}": 0 for t in ("l1", "l2", "l3") for k in ("hits", "misses")}
-        self.stats.update(l2_errors=0, l3_errors=0, errors=0, corrupt=0, degraded=())
+        self.stats.update(l2_errors=0, l3_errors=0, errors=0, corrupt=0, l2_quarantined=0, degraded=())
         self._l1: _Lru | None = None
         self._l2: _Sqlite | None = None
         self._l3: _Redis | None = None
@@ -515,9 +676,10 @@ class TieredCache:
         self._mac = hashlib.sha256(b"tritonguard-cache-row-id\0" + key).digest()
         if config.l2_path:
             try:
-                self._l2 = _Sqlite(config.l2_path, config.l2_max_rows)
+                self._l2 = _Sqlite(config.l2_path, config.l2_max_rows, clock=clock)
             except sqlite3.Error as exc:
                 raise ConfigError(f"cache.l2_path '{config.l2_path}': {exc}") from None
+            self.stats["l2_quarantined"] = self._l2.quarantined
         if config.l3_url:
             self._l3 = _Redis(config.l3_url, config.l3_ttl_s, config.l3_prefix, config.l3_timeout_ms / 1000)
             u = urlsplit(config.l3_url)
@@ -545,14 +707,29 @@ class TieredCache:
         try:
             out = fn(*args)
         except errors as exc:
-            health.failed(exc)
             self.stats[f"{tier}_errors"] += 1
             self.stats["errors"] += 1
             out = None
+            if tier == "l2" and is_corruption(exc) and self._heal_l2(exc):
+                health.ok()  # a fresh file: no outage to wait out
+            else:
+                health.failed(exc)
         else:
             health.ok()
         self.stats["degraded"] = tuple(t for t, h in self._health.items() if h.backoff)
         return out
+
+    def _heal_l2(self, exc: BaseException) -> bool:
+        """Quarantine a damaged L2 file and reopen it empty; False (then: backoff) when rate-limited
+        or when that failed too."""
+        assert self._l2 is not None
+        try:
+            healed = self._l2.heal(exc)
+        except (sqlite3.Error, OSError) as err:
+            log.warning("cache L2 (SQLite): could not replace the damaged %s: %s", self._l2.path, err)
+            healed = False
+        self.stats["l2_quarantined"] = self._l2.quarantined
+        return healed
 
     def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         """Cached value per key (None = miss), in order. Values are read-only arrays."""

@@ -23,6 +23,7 @@ router's safety events (golden results, breaker trips and states, fallbacks) int
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import itertools
@@ -37,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import repository
-from .audit import AuditConfig, AuditLog
+from .audit import AuditLog, open_anchor_store
 from .cache import PrivacyMode, TieredCache, canonical_params, load_key, row_keys
 from .errors import ConfigError, QuotaExceeded, TritonGuardError
 from .redaction import Redactor
-from .tenancy import QUOTA_FILE, QuotaManager, SharedQuotaManager, TenantResolver
+from .tenancy import QUOTA_FILE, QuotaManager, SharedQuotaManager, TenantResolver, authenticator
 from .tensors import ModelSignature, concat
 
 if TYPE_CHECKING:
@@ -68,8 +69,8 @@ def security_findings(config: GuardConfig, signature: ModelSignature, explicit: 
 
     ``explicit`` holds the parameter keys that were set in any layer (pyproject, environment,
     config.pbtxt); defaults do not count as "set". Errors: text inputs without an explicit
-    ``validation.max_bytes_length``; ``cache.privacy=persisted_encrypted`` without a usable key.
-    Everything else is a warning.
+    ``validation.max_bytes_length``; ``cache.privacy=persisted_encrypted`` without a usable key;
+    ``tenancy.auth`` without a readable keys file or a usable secret. Everything else is a warning.
     """
     out: list[Finding] = []
 
@@ -85,6 +86,14 @@ def security_findings(config: GuardConfig, signature: ModelSignature, explicit: 
     if not ten.enabled:
         shared = " and share every cache entry and quota" if cache.enabled else ""
         warn(f"tenant isolation is off (tenancy.enabled=false): all requests are tenant '{ten.default}'{shared}")
+    elif ten.auth != "none":
+        try:
+            authenticator(ten, environ)  # a readable keys file / a usable secret
+        except ConfigError as exc:
+            fail(str(exc))
+    elif ten.quotas:
+        warn("tenancy.auth=none: tenant ids are unverified claims, any client can use another tenant's quota; "
+             "set tenancy.auth=api_key or jwt, or let an authenticating proxy set the header")
     # redaction where inputs are text
     if text_in:
         if not red.enabled:
@@ -226,15 +235,16 @@ class PrivacyStage:
         tcfg = config.tenancy
         self.tenancy_on = tcfg.enabled
         self.default_tenant = tcfg.default
-        self.resolver = TenantResolver(tcfg)
+        self.resolver = TenantResolver(tcfg, environ)
         self.quotas = self._quotas(tcfg) if tcfg.enabled and tcfg.quotas else None
         self.cache: TieredCache | None = None
         if config.cache.enabled and self.batched:
             cache = TieredCache(config.cache, environ=environ)
             self.cache = cache if cache.enabled else None
         acfg = config.audit
-        self.audit = AuditLog(AuditConfig(path=audit_path, max_bytes=acfg.max_bytes, queue_size=acfg.queue_size,
-                                          flush_interval_ms=acfg.flush_interval_ms))
+        # anchors of the chain go to the guard's state store too (Redis, or beside rollout_state.json)
+        self.audit = AuditLog(dataclasses.replace(acfg, path=audit_path), environ=environ,
+                              anchors=open_anchor_store(guard, repo) if audit_path else None)
         self.keyed = self.cache is not None or self.audit.enabled
         # low-entropy inputs hash to guessable digests: key them when a secret is at hand
         self._digest_key: bytes | None = None
@@ -252,6 +262,7 @@ class PrivacyStage:
         self._sha: dict[int, str | None] = {}
         self._labels: set[str] = set()
         self._cache_errors = {"l2": 0, "l3": 0}
+        self._cache_quarantined = 0
         self._audit_dropped = 0
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -266,7 +277,8 @@ class PrivacyStage:
         c = self.config.cache
         self.audit.record("guard_start", model=self.guard, target=self.target, primary=router.primary(),
                           revision=self._revision, privacy=c.privacy if c.enabled else "off",
-                          tiers=self.tiers, tenancy=self.tenancy_on, quotas=sorted(self.config.tenancy.quotas),
+                          tiers=self.tiers, tenancy=self.tenancy_on, tenant_auth=self.config.tenancy.auth,
+                          quotas=sorted(self.config.tenancy.quotas),
                           redaction=self.redact_in or self.redact_out, model_sees_redacted=self.model_sees_redacted)
 
     def _tiers(self) -> list[str]:
@@ -627,6 +639,10 @@ class PrivacyStage:
                     self._cache_errors[tier] = errs
                 if tier in self.tiers:
                     self.metrics.set("cache_degraded", 1 if tier in degraded else 0, tier=tier)
+            quarantined = stats.get("l2_quarantined", 0)
+            if quarantined > self._cache_quarantined:
+                self.metrics.inc("cache_quarantined", quarantined - self._cache_quarantined, tier="l2")
+                self._cache_quarantined = quarantined
         if self.audit.dropped > self._audit_dropped:
             self.metrics.inc("audit_drops", self.audit.dropped - self._audit_dropped)
             self._audit_dropped = self.audit.dropped

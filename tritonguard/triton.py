@@ -160,6 +160,8 @@ class Metrics:
         "compare_drops": ("tritonguard_compare_drops_total", "Comparisons dropped because the queue was full"),
         "cache": ("tritonguard_cache_lookups_total", "Cache lookups per batch row, by tier, result (hit/miss) and tenant"),
         "cache_errors": ("tritonguard_cache_errors_total", "Cache tier failures (the tier is then skipped for a backoff), by tier"),
+        "cache_quarantined": ("tritonguard_cache_quarantined_total",
+                              "Damaged cache files moved aside (the tier then starts empty), by tier"),
         "redactions": ("tritonguard_redactions_total", "PII spans redacted, by type, direction (input/output) and tenant"),
         "quota_rejects": ("tritonguard_quota_rejects_total", "Requests refused by a tenant quota (UNAVAILABLE), by tenant and reason"),
         "audit_drops": ("tritonguard_audit_drops_total", "Audit records dropped because the writer's queue was full"),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tritonguard.cache import (
+    KEEP_QUARANTINED,
     CacheConfig,
     PrivacyMode,
     TieredCache,
@@ -240,6 +241,160 @@ def test_tenant_isolation(tmp_path):
 
 
 # -- L3 ----------------------------------------------------------------------------------------
+# -- L2: a damaged file is quarantined, never a blocker -----------------------------------------
+def _fill_and_checkpoint(path, n=200):
+    """An L2 file holding ``n`` rows, all in the main file (no WAL left to mask the damage)."""
+    make(privacy="persisted_encrypted", l2_path=path, l1_entries=0).put_many([(key(i), val(i)) for i in range(n)])
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+
+
+def _damage(path, where):
+    """Overwrite the first page (header and schema root) or every later page with garbage."""
+    size = os.path.getsize(path)
+    garbage = os.urandom(4096 if where == "first_page" else size - 4096)
+    with open(path, "r+b") as f:
+        f.seek(0 if where == "first_page" else 4096)
+        f.write(garbage)
+    return garbage
+
+
+def _quarantined(path):
+    """Quarantined main files beside ``path`` (their -wal/-shm companions left out)."""
+    return sorted(p for p in path.parent.iterdir()
+                  if p.name.startswith(path.name + ".corrupt-") and not p.name.endswith(("-wal", "-shm")))
+
+
+def _works(c, keys=range(300, 305)):
+    c.put_many([(key(i), val(i)) for i in keys])
+    return all(same(v, val(i)) for i, v in zip(keys, c.get_many([key(i) for i in keys]), strict=True))
+
+
+@pytest.mark.parametrize("where", ["first_page", "later_pages"])
+def test_damaged_l2_file_is_quarantined_at_open(tmp_path, caplog, where):
+    path = tmp_path / "cache.db"
+    _fill_and_checkpoint(path)
+    garbage = _damage(path, where)
+    with caplog.at_level(logging.WARNING, logger="tritonguard.cache"):
+        c = persisted(tmp_path, l1_entries=0)
+    (bad,) = _quarantined(path)
+    assert bad.name.startswith("cache.db.corrupt-") and bad.name.endswith(f"-{os.getpid()}")
+    assert garbage in bad.read_bytes(), "moved aside as it was, not deleted"
+    assert c.stats["l2_quarantined"] == 1
+    reason = "not a database" if where == "first_page" else "malformed"  # later pages: found by quick_check
+    assert str(path) in caplog.text and reason in caplog.text and bad.name in caplog.text
+    assert c.get_many([key(1)]) == [None]  # starts empty
+    assert _works(c) and _works(persisted(tmp_path, l1_entries=0), range(310, 312))
+    assert len(_quarantined(path)) == 1, "a healthy file is left alone"
+
+
+def test_l2_file_with_another_schema_is_quarantined(tmp_path, caplog):
+    path = tmp_path / "cache.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE entries (key BLOB PRIMARY KEY, value BLOB)")
+    db.commit()
+    db.close()
+    with caplog.at_level(logging.WARNING, logger="tritonguard.cache"):
+        c = persisted(tmp_path)
+    assert len(_quarantined(path)) == 1 and "unexpected schema" in caplog.text
+    assert _works(c)
+
+
+def test_quarantine_is_counted_in_the_stats_the_guard_publishes(tmp_path):
+    """PrivacyStage turns ``stats['l2_quarantined']`` into tritonguard_cache_quarantined_total
+    (asserted on the real server's /metrics in tests/functional/test_cache_corrupt.py)."""
+    _fill_and_checkpoint(tmp_path / "cache.db")
+    _damage(tmp_path / "cache.db", "first_page")
+    c = persisted(tmp_path)
+    assert c.stats["l2_quarantined"] == 1
+    assert _works(c)
+
+
+@pytest.mark.parametrize("where", ["first_page", "later_pages"])
+def test_l2_damaged_at_runtime_heals_once_then_backs_off(tmp_path, caplog, where):
+    clock = Clock()
+    path = tmp_path / "cache.db"
+    c = persisted(tmp_path, clock, l1_entries=0)
+    _fill_and_checkpoint(path)  # other connections wrote: c re-reads the file at its next read
+    _damage(path, where)
+    with caplog.at_level(logging.WARNING, logger="tritonguard.cache"):
+        assert c.get_many([key(1), key(2)]) == [None, None]  # the error costs a miss, nothing more
+    assert len(_quarantined(path)) == 1 and c.stats["l2_quarantined"] == 1
+    assert c.stats["degraded"] == () and c.stats["l2_errors"] == 1, "healed: no backoff"
+    assert _works(c) and _works(persisted(tmp_path, l1_entries=0), range(310, 312))
+    # damaged again within HEAL_EVERY_S: no second quarantine, today's backoff instead
+    _fill_and_checkpoint(path)
+    _damage(path, "first_page")
+    assert c.get_many([key(1)]) == [None]
+    assert len(_quarantined(path)) == 1 and c.stats["degraded"] == ("l2",)
+    clock.t += 61  # after the backoff and the rate limit: healed again
+    assert c.get_many([key(1)]) == [None]
+    assert len(_quarantined(path)) == 2 and c.stats["degraded"] == ()
+    assert _works(c)
+
+
+def test_locked_l2_is_transient_not_quarantined(tmp_path):
+    c = persisted(tmp_path, l1_entries=0)
+    c.put_many([(key(1), val(1))])
+    other = sqlite3.connect(tmp_path / "cache.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # holds the one writer's lock
+    try:
+        c.put_many([(key(2), val(2))])  # "database is locked" after the busy timeout
+        assert c.stats["l2_errors"] == 1 and c.stats["degraded"] == ("l2",)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert _quarantined(tmp_path / "cache.db") == [] and c.stats["l2_quarantined"] == 0
+
+
+def test_peer_follows_a_file_another_process_quarantined(tmp_path):
+    path = tmp_path / "cache.db"
+    a = persisted(tmp_path, l1_entries=0, l2_max_rows=10)  # trims (and checks its file) every 16 writes
+    b = persisted(tmp_path, l1_entries=0)
+    assert b._l2.heal(sqlite3.DatabaseError("database disk image is malformed"))
+    assert len(_quarantined(path)) == 1
+    a.put_many([(key(i), val(i)) for i in range(16)])  # the trim notices the move and reopens
+    assert _works(b, range(400, 402))
+    assert all(v is not None for v in a.get_many([key(i) for i in range(400, 402)])), "a and b share the fresh file"
+
+
+def test_at_most_a_few_quarantined_files_are_kept(tmp_path, caplog):
+    path = tmp_path / "cache.db"
+    for _ in range(KEEP_QUARANTINED + 2):
+        path.write_bytes(os.urandom(8192))
+        persisted(tmp_path).close()
+    assert len(_quarantined(path)) == KEEP_QUARANTINED
+    assert caplog.text.count("deleted the oldest quarantined file") == 2
+
+
+def _open_damaged(path, barrier, out):
+    barrier.wait()  # both processes open the damaged file at the same moment
+    c = make(privacy="persisted_encrypted", l2_path=path, l1_entries=0)
+    mine = [key(500 + os.getpid() % 1000 * 10 + i) for i in range(3)]
+    c.put_many([(k, val(1)) for k in mine])
+    out.put((c.stats["l2_quarantined"], [k.hex() for k in mine]))
+
+
+def test_two_processes_opening_a_damaged_file_quarantine_it_once(tmp_path):
+    path = tmp_path / "cache.db"
+    _fill_and_checkpoint(path)
+    _damage(path, "first_page")
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_open_damaged, args=(str(path), barrier, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert sorted(q for q, _ in results) == [0, 1]
+    assert len(_quarantined(path)) == 1
+    written = [bytes.fromhex(k) for _, keys in results for k in keys]
+    assert all(v is not None for v in persisted(tmp_path).get_many(written)), "both wrote to the one fresh file"
+
+
 def redis_cache(redis_server, clock=None, **params):
     return make(clock, privacy="persisted_encrypted", l3_url=redis_server.url, **params)
 
