@@ -11,6 +11,7 @@ breaks ``_ssl`` and so transformers), then passes every flag through.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -29,11 +30,12 @@ class LaunchError(RuntimeError):
 
 
 def _pytriton_root() -> Path | None:
-    try:
-        import pytriton  # noqa: PLC0415  (optional: absent in the NGC image)
-    except ImportError:
+    # found, not imported: importing pytriton pulls numpy and more into the supervisor that
+    # stays beside the server for its whole life (optional: absent in the NGC image)
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    root = Path(next(iter(spec.submodule_search_locations))).resolve() / "tritonserver"
     return root if (root / "bin" / "tritonserver").exists() else None
 
 
@@ -164,10 +166,12 @@ def resolve_tritonserver(args: Sequence[str]) -> tuple[str, list[str], dict[str,
 
 def _cudart_dir() -> Path | None:
     try:
-        import nvidia.cuda_runtime  # noqa: PLC0415
-    except ImportError:
+        spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    except ImportError:  # no `nvidia` namespace at all
         return None
-    for base in nvidia.cuda_runtime.__path__:
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for base in spec.submodule_search_locations:
         lib = Path(base) / "lib"
         if (lib / "libcudart.so.12").exists():
             return lib
