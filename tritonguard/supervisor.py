@@ -172,7 +172,7 @@ def http_base(args: Sequence[str]) -> str | None:
 class Control:
     """The supervised server's HTTP API: liveness, the repository index, configs, loads."""
 
-    def __init__(self, base: str, headers: dict[str, str] | None = None, timeout: float = 5.0):
+    def __init__(self, base: str, headers: dict[str, str] | None = None, timeout: float = 10.0):
         self.base, self.headers, self.timeout = base, headers or {}, timeout
 
     def _call(self, path: str, body: dict | None = None, timeout: float | None = None) -> tuple[int, bytes]:
@@ -229,6 +229,7 @@ class Supervisor:
         self.control = Control(base, repository_headers(args)) if base else None
         self.proc: subprocess.Popen | None = None
         self.stubs: dict[int, Stub] = {}
+        self.pending: dict[str, tuple[Stub, float]] = {}  # instance -> (its dead stub, when seen gone)
         self.stopping: int | None = None  # the signal that asked us to stop
         self.recoveries = 0
         self.restarts = 0
@@ -238,6 +239,7 @@ class Supervisor:
         self.proc = subprocess.Popen(list(self.argv), executable=self.binary, env=self.env,
                                      preexec_fn=_die_with_parent)
         self.stubs = {}
+        self.pending = {}
         self.started = time.monotonic()
         self.was_live = False
 
@@ -285,24 +287,32 @@ class Supervisor:
 
     # -- dead stubs -------------------------------------------------------------------
     def _check_stubs(self) -> None:
+        """Note stubs that are gone; once ``grace_s`` has passed, reload the models of those that
+        were not replaced while their model stayed READY. A stub stays pending until the
+        repository index can be read (a busy server may not answer at once)."""
         assert self.proc is not None
         now = scan_stubs({self.proc.pid})
-        gone = [s for p, s in self.stubs.items() if p not in now]
+        t = time.monotonic()
+        for pid, stub in self.stubs.items():
+            if pid not in now:
+                self.pending.setdefault(stub.instance, (stub, t))
         self.stubs = now
-        if not gone:
+        due = [stub for stub, since in self.pending.values() if t - since >= self.grace_s]
+        if not due:
             return
-        time.sleep(self.grace_s)  # a reload starts the new instance before the old one stops
-        if self.proc.poll() is not None or self.stopping is not None:
-            return
-        self.stubs = scan_stubs({self.proc.pid})
-        live_instances = {s.instance for s in self.stubs.values()}
         states = self.control.states() if self.control is not None else {}
+        if self.control is not None and not states:
+            return  # unreadable now: the stubs stay pending for the next poll
+        live = {s.instance for s in now.values()}
         dead: dict[str, list[Stub]] = {}
-        for stub in gone:
-            if stub.instance in live_instances:
-                continue  # replaced: a reload or a new version
-            if self.control is not None and states.get(stub.model) != "READY":
-                continue  # unloaded or being (re)loaded on purpose
+        for stub in due:
+            del self.pending[stub.instance]
+            if stub.instance in live:
+                continue  # replaced: a reload or a new version starts the new instance first
+            state = states.get(stub.model, "READY" if self.control is None else "absent")
+            if state != "READY":
+                self.log(f"stub {stub.instance} (pid {stub.pid}) exited while '{stub.model}' is {state}: left alone")
+                continue
             dead.setdefault(stub.model, []).append(stub)
         for model, stubs in dead.items():
             if self.stopping is None:

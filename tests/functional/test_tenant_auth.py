@@ -24,6 +24,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.functional.test_privacy import audit_records, wait_for
 from tritonguard.repository import read_config, write_config
 from tritonguard.server import Server
 from tritonguard.tenancy import hash_api_key, new_api_key
@@ -117,19 +118,7 @@ def refused(out, proto="http") -> str:
 
 def tenants_served(env, model):
     """Tenants of the audit log's inference records of ``model`` (each instance's file)."""
-    out = []
-    for p in sorted((env["data"] / "audit").glob(f"{model}.*.jsonl")):
-        out += [r["tenant"] for r in map(json.loads, p.read_text().splitlines()) if r["type"] == "inference"]
-    return out
-
-
-def wait_for(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    return [r["tenant"] for r in audit_records(env, model) if r["type"] == "inference"]
 
 
 def bearer(**claims):

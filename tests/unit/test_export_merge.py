@@ -69,6 +69,16 @@ VALUES = {
     "tenancy.default": "acme",
     "tenancy.tenant_pattern": "^[a-z]{1,16}$",
     "tenancy.quotas": '{"acme": {"rps": 50, "burst": 100}}',
+    "tenancy.auth": "none",  # api_key/jwt need tenancy.enabled, which this set turns off
+    "tenancy.unauthenticated": "default",
+    "tenancy.keys_file": "/etc/tg/tenant_keys.toml",
+    "tenancy.key_header": "x-org-key",
+    "tenancy.jwt_secret_env": "MY_JWT_SECRET",
+    "tenancy.jwt_claim": "org",
+    "tenancy.jwt_header": "x-org-token",
+    "tenancy.jwt_leeway_s": "30",
+    "tenancy.jwt_audience": "tritonguard",
+    "tenancy.jwt_issuer": "https://idp.example",
     "cache.enabled": "true",
     "cache.privacy": "hashes_only",
     "cache.l1_entries": "128",
@@ -86,6 +96,8 @@ VALUES = {
     "audit.max_bytes": "1048576",
     "audit.queue_size": "500",
     "audit.flush_interval_ms": "50",
+    "audit.anchor_records": "250",
+    "audit.anchor_interval_ms": "500",
 }
 README_PLACEHOLDERS = {"validation.range.<INPUT>": "validation.range.X",
                        "redaction.pattern.<NAME>": "redaction.pattern.EMPLOYEE"}
