@@ -390,6 +390,10 @@ class Supervisor:
                 time.sleep(0.1)  # the server is shutting down: wait for it
                 continue
             if not self.was_live:
+                # Stubs are known from the start: Triton's HTTP endpoint (and so "live") only opens
+                # once every model has loaded, and a stub killed just then would otherwise never
+                # have been seen. Exits before live (a failed load) are the load's business.
+                self.stubs = scan_stubs({self.proc.pid})
                 self.was_live = self.control.live() if self.control is not None else True
             if self.was_live:
                 self._check_stubs()

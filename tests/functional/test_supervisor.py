@@ -116,6 +116,9 @@ def _until_serving(srv: Server, model: str, n_ok: int = 20) -> float:
 
 def test_a_killed_inprocess_guard_stub_is_reloaded(supervised):
     assert _infer(supervised, "digits") == 200
+    # A stub that dies within its first poll (0.5 s) of life is a failed load, not a death: give
+    # the supervisor one poll after the server opened (it lists stubs from the first second on)
+    time.sleep(1.0)
     _kill_stub(supervised, "digits_0_0")
     took = _until_serving(supervised, "digits")
     assert _status(supervised, "/v2/models/digits/ready") == 200
