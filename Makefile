@@ -32,7 +32,7 @@ SERVER_FLAGS += "--http-restricted-api=model-repository,model-config:$(ADMIN_HEA
           "--grpc-restricted-protocol=model-repository,model-config:$(ADMIN_HEADER)=$$TRITONGUARD_ADMIN_KEY"
 endif
 
-.PHONY: help setup system-deps venv models run test unit functional bench lint clean
+.PHONY: help setup system-deps venv models run test unit functional bench soak lint clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -76,6 +76,10 @@ unit: $(STAMP) ## unit tests only (no server)
 
 bench: setup ## perf_analyzer: guarded vs raw vs in-process ceiling; writes perf/results/
 	$(PY) -m perf.bench --repository $(REPO)
+
+SOAK_S ?= 1800
+soak: setup ## saturate a private server with mixed traffic for SOAK_S s (1800): failures, p99 drift, RSS growth
+	$(PY) -m perf.soak --repository $(REPO) --duration-s $(SOAK_S)
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check tritonguard exporter examples backends tests perf
