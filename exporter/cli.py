@@ -245,7 +245,8 @@ def main() -> None:
     app()
 
 
-# `python -m exporter audit verify PATH` (exit 0 intact, 1 tampered, 2 no log)
+# `python -m exporter audit verify PATH` (exit 0 intact, 1 tampered, 2 no log, 3 truncated, 4 gaps,
+# 5 unanchored with --require-anchor)
 from .audit_cmd import audit_app  # noqa: E402
 
 app.add_typer(audit_app, name="audit")

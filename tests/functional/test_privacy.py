@@ -201,6 +201,19 @@ def test_unsafe_configs_refuse_to_load_with_a_clear_message(env):
     assert index["nolimit"]["state"] == "UNAVAILABLE"
     assert "validation.max_bytes_length" in index["nolimit"]["reason"]
     assert index["minilm_priv"]["state"] == "READY"
+    # over gRPC Triton wants the key under its prefixed metadata name (as the README shows); the
+    # bare header name is refused even with the right key
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    grpc = grpcclient.InferenceServerClient(env["server"].grpc_url)
+    try:
+        models = grpc.get_model_repository_index(headers={f"triton-grpc-protocol-{ADMIN_HEADER}": ADMIN_KEY}).models
+        assert "nokey" in {m.name for m in models}
+        with pytest.raises(InferenceServerException, match="(?i)permission|denied|unavailable|restricted"):
+            grpc.get_model_repository_index(headers={ADMIN_HEADER: ADMIN_KEY})
+    finally:
+        grpc.close()
     # soft findings are warnings in the server log
     log = env["server"].log_path.read_text(errors="replace")
     assert "security check:" in log and "redaction.model_sees_redacted=false" in log
