@@ -231,7 +231,6 @@ class Supervisor:
         self.stubs: dict[int, Stub] = {}
         self.pending: dict[str, tuple[Stub, float]] = {}  # instance -> (its dead stub, when seen gone)
         self.stopping: int | None = None  # the signal that asked us to stop
-        self.recoveries = 0
         self.restarts = 0
 
     # -- process management -------------------------------------------------------
@@ -333,7 +332,6 @@ class Supervisor:
         config = self.control.config(model)
         ok, msg = (self.control.load(model, config) if config is not None
                    else (False, "its config could not be read"))
-        self.recoveries += 1
         for stub in stubs:  # the dead stub's region: Triton does not remove it
             _unlink_shm(stub.shm_region)
         took = time.monotonic() - t0
