@@ -48,6 +48,10 @@ class TargetConfig:
     # BLS only: the model that serves version N, e.g. "minilm_raw_v{version}" (per-version
     # ensembles); empty: version N of ``target`` itself
     target_per_version: str = ""
+    # the public name this guard serves under when it is a step of an ensemble (``<name>`` =
+    # ``<name>_intake`` -> ``<name>_guard``, see tritonguard.intake): its rollout state,
+    # metrics, audit and latency log are keyed by that name; empty: the guard's own name
+    serves_as: str = ""
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -175,6 +179,8 @@ class GuardModel:
             self.config = GuardConfig.from_parameters(params, self.name)
         except ConfigError as exc:
             raise ConfigError(_with_source(str(exc), params)) from None
+        if self.config.target.serves_as:
+            self.name = self.config.target.serves_as
         self.signature = ModelSignature.from_config(cfg)
         self.config.validation.check_against(self.signature, self.name)
         self.input_names = [s.name for s in self.signature.inputs]

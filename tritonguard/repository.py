@@ -59,6 +59,56 @@ def write_config(model_dir: Path, config: dict[str, Any]) -> Path:
     return path
 
 
+def guard_dir(repo: Path, model: str) -> tuple[Path, dict[str, Any]] | None:
+    """(folder, config) of the guard that serves the public ``model``: ``model`` itself when
+    its backend is ``guard``, or the step served by backend ``guard`` of the ensemble ``model``
+    (``<name>`` = ``<name>_intake`` -> ``<name>_guard``, see :mod:`tritonguard.intake`); None
+    otherwise. Raises what :func:`read_config` raises for an unreadable config."""
+    repo = Path(repo)
+    if not (repo / model / CONFIG).exists():
+        return None
+    cfg = read_config(repo / model)
+    if cfg.get("backend") == "guard":
+        return repo / model, cfg
+    if cfg.get("platform") != "ensemble":
+        return None
+    for step in (cfg.get("ensemble_scheduling") or {}).get("step") or []:
+        name = step.get("model_name", "")
+        if name and (repo / name / CONFIG).exists():
+            inner = read_config(repo / name)
+            if inner.get("backend") == "guard":
+                return repo / name, inner
+    return None
+
+
+def holds_state(model_dir: Path) -> bool:
+    """A guard, or the ensemble a guard serves under: the folders where rollout state, latency
+    samples and audit anchors are written (by the public name)."""
+    model_dir = Path(model_dir)
+    if not (model_dir / CONFIG).exists():
+        return False
+    return guard_dir(model_dir.parent, model_dir.name) is not None
+
+
+def mirror(src: Path, dest: Path) -> Path:
+    """A repository at ``dest`` serving what ``src`` serves without writing into it: the
+    folders that :func:`holds_state` copied (without their state), every other model linked.
+    For tests and benchmarks that must leave the exported repository as it was."""
+    import shutil  # noqa: PLC0415
+
+    src, dest = Path(src), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for model_dir in sorted(src.iterdir()):
+        if not (model_dir / CONFIG).exists():
+            continue
+        if holds_state(model_dir):
+            shutil.copytree(model_dir, dest / model_dir.name,
+                            ignore=shutil.ignore_patterns("rollout_state.json*", ".rollout_state*", ".latency"))
+        else:
+            (dest / model_dir.name).symlink_to(model_dir.resolve())
+    return dest
+
+
 def versions(model_dir: Path) -> list[int]:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():

@@ -1,0 +1,47 @@
+"""The intake backend's guard rail and the layout helpers that find a guard behind an ensemble."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exporter import layout
+from tritonguard import repository
+from tritonguard.intake import IntakeModel
+
+GUARD = {"name": "t_guard", "backend": "guard", "max_batch_size": 8,
+         "input": [{"name": "TEXT", "data_type": "TYPE_STRING", "dims": ["1"]}],
+         "output": [{"name": "E", "data_type": "TYPE_FP32", "dims": ["4"]},
+                    {"name": "SERVED_BY", "data_type": "TYPE_STRING", "dims": ["1"]}],
+         "parameters": {"target": {"string_value": "t_raw"}, "serves_as": {"string_value": "t"}}}
+
+
+def test_intake_refuses_a_batcher():
+    cfg = {**layout.intake_config("t_intake", GUARD), "dynamic_batching": {}}
+    with pytest.raises(ValueError, match="must not batch"):
+        IntakeModel().initialize({"model_name": "t_intake", "model_config": json.dumps(cfg)})
+    IntakeModel().initialize({"model_name": "t_intake", "model_config": json.dumps(layout.intake_config("t_intake", GUARD))})
+
+
+def test_intake_outputs_are_its_inputs_and_the_front_keeps_the_guards_interface():
+    intake = layout.intake_config("t_intake", GUARD)
+    assert [o["name"] for o in intake["output"]] == ["TEXT"] and "dynamic_batching" not in intake
+    front = layout.front_config("t", GUARD, "t_intake", "t_guard")
+    assert front["input"] == GUARD["input"] and front["output"] == GUARD["output"]
+    layout.render(intake)
+    layout.render(front)
+    assert layout.needs_intake(GUARD) and not layout.needs_intake(
+        {**GUARD, "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": ["4"]}]})
+
+
+def test_guard_dir_resolves_the_public_name(tmp_path):
+    repository.write_config(tmp_path / "t_guard", GUARD)
+    repository.write_config(tmp_path / "t_intake", layout.intake_config("t_intake", GUARD))
+    repository.write_config(tmp_path / "t", layout.front_config("t", GUARD, "t_intake", "t_guard"))
+    found = repository.guard_dir(tmp_path, "t")
+    assert found is not None and found[0] == tmp_path / "t_guard"
+    assert repository.guard_dir(tmp_path, "t_guard")[0] == tmp_path / "t_guard"
+    assert repository.guard_dir(tmp_path, "t_intake") is None
+    assert repository.guard_dir(tmp_path, "missing") is None
+    assert repository.holds_state(tmp_path / "t") and not repository.holds_state(tmp_path / "t_intake")
