@@ -63,6 +63,7 @@ $(STAMP): pyproject.toml Makefile
 models: $(STAMP) ## export digits and minilm into $(REPO) when absent
 	@[ -f $(REPO)/digits_raw/config.pbtxt ] || $(PY) -m exporter export --source examples.digits:build --name digits --repository $(REPO)
 	@[ -f $(REPO)/minilm_raw/config.pbtxt ] || $(PY) -m exporter export --source examples.minilm:build --name minilm --repository $(REPO)
+	@[ -f $(REPO)/minilm_intake/config.pbtxt ] || $(PY) -m exporter upgrade --repository $(REPO)
 
 run: setup ## serve the example models on 127.0.0.1:8000 (HTTP), 8001 (gRPC), 8002 (metrics)
 	@echo "serving $(REPO): try  curl -s localhost:$(HTTP_PORT)/v2/models/digits  (README has more)"

@@ -224,6 +224,29 @@ def route(
         out.print(f"  breaker v{v}: {b['state']} (trips {b['trips']})")
 
 
+@app.command()
+def upgrade(repository: Repository = Path("model_repository")) -> None:
+    """Move the repository to the current layout, adding no version: a guard with a text (BYTES)
+    input becomes the ensemble NAME = NAME_intake -> NAME_guard, so one malformed request cannot
+    fail the batch it lands in. Settings and rollout state are kept. `export` does this too."""
+    from rich.markup import escape  # noqa: PLC0415
+
+    from .export import ExportError, upgrade_layout  # noqa: PLC0415
+
+    if not (repository.is_dir()):
+        err.print(f"[bold red]✗[/] no model repository at {escape(str(repository.resolve()))}", soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    try:
+        moved = upgrade_layout(repository)
+    except ExportError as exc:
+        err.print(f"[bold red]✗ upgrade failed:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    for line in moved:
+        out.print(f"[green]✓[/] {escape(line)}", soft_wrap=True)
+    if not moved:
+        out.print(f"{escape(str(repository.resolve()))}: already up to date", soft_wrap=True)
+
+
 @app.command("tenant-key")
 def tenant_key(tenant: Annotated[str, typer.Argument(help="Tenant id the key is for.")]) -> None:
     """A fresh random API key for TENANT on stdout (hand it over; it is stored nowhere) and, on

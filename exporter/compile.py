@@ -165,15 +165,18 @@ def _config(repository: Path, model: str) -> dict[str, Any]:
 
 def _guard_and_target(repository: Path, model: str) -> tuple[str, str]:
     """MODEL is a guard; its target's name is accepted too (then the guard in front of it)."""
-    cfg = _config(repository, model)
-    params = {k: v.get("string_value", "") for k, v in (cfg.get("parameters") or {}).items()}
-    if cfg.get("backend") == "guard":
-        return model, params["target"]
+    _config(repository, model)  # exists and reads, or a CompileError naming it
+    with contextlib.suppress(Exception):
+        found = repo_mod.guard_dir(repository, model)
+        if found is not None:
+            return model, found[1]["parameters"]["target"]["string_value"]
     for d in sorted(p for p in repository.iterdir() if (p / repo_mod.CONFIG).exists()):
         with contextlib.suppress(Exception):
             other = repo_mod.read_config(d)
             if other.get("backend") == "guard" and other["parameters"]["target"]["string_value"] == model:
-                return d.name, model
+                # the public name: the guard's, or the ensemble's it is a step of
+                public = (other.get("parameters") or {}).get("serves_as", {}).get("string_value") or d.name
+                return public, model
     raise CompileError(f"'{model}' is not a guard model and no guard in {repository} fronts it")
 
 

@@ -14,7 +14,11 @@ rollout should judge it (``judge``: ``task`` or ``equivalence``).
 Models written for ``--name NAME``:
 - plain model: ``NAME_raw`` (backend runtime, the artifact) and ``NAME`` (guard, in-process);
 - text model: ``NAME_tokenizer`` + ``NAME_encoder`` joined by the ensemble ``NAME_raw``, and
-  ``NAME`` (guard, over BLS). The three share one version number per export.
+  the public ``NAME``: an ensemble ``NAME_intake`` -> ``NAME_guard`` (guard, over BLS) that keeps
+  a malformed BYTES request from failing the batch it lands in (:mod:`tritonguard.intake`).
+  The three parts share one version number per export. A repository exported before the intake
+  existed (``NAME`` itself the guard) is moved to this layout by its next export, settings and
+  rollout state kept.
 
 :func:`export_source` then registers the version in the MLflow model registry
 (:mod:`exporter.registry`) as DRAFT, with the artifact hash, golden verdict and lineage. A
@@ -101,9 +105,15 @@ def _fmt(v) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
+# roles that are not versioned targets: the guard and what serves it under the public name
+_FRONT_ROLES = ("guard", "intake", "front")  # written in this order: the public name last
+
+
 def model_names(name: str, text: bool) -> dict[str, str]:
+    """Model name per role. ``front`` is the public name when the guard is behind an intake."""
     if text:
-        return {"tokenizer": f"{name}_tokenizer", "encoder": f"{name}_encoder", "raw": f"{name}_raw", "guard": name}
+        return {"tokenizer": f"{name}_tokenizer", "encoder": f"{name}_encoder", "raw": f"{name}_raw",
+                "front": name, **layout.front_names(name)}
     return {"raw": f"{name}_raw", "guard": name}
 
 
@@ -222,14 +232,18 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
     fmt = fmt or artifacts.default_format(spec)
     text = spec.text is not None
     names = model_names(name, text)
-    targets = [m for k, m in names.items() if k != "guard"]
+    targets = [m for k, m in names.items() if k not in _FRONT_ROLES]
     version = next_version(repository, targets)
     art_model = names["encoder" if text else "raw"]
     if native and fmt != "onnx":
         raise ExportError("--native needs --format onnx (Triton's pytorch backend wants INPUT__0-style names)")
     configs = _configs(spec, names, native=native)  # cheap, and a spec the server would reject fails here
-    _check_existing(repository, configs)
-    configs, notices = _merge_existing(repository, configs, names)
+    # an older layout is moved along with this export (and only if it lands)
+    upgrades, upgraded = upgrade_plan(repository)
+    planned = dict(upgrades)
+    _check_existing(repository, configs, planned)
+    configs, notices = _merge_existing(repository, configs, names, planned)
+    notices = upgraded + notices
     timings: dict[str, float] = {}
 
     def timed(label: str):
@@ -237,7 +251,7 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
 
     if text:  # PII never lands in goldens: they hold what the guard would pass on
         with timed("redact golden text"):
-            spec = redact_golden_text(spec, repository, names["guard"])
+            spec = redact_golden_text(spec, repository, name)
     with tempfile.TemporaryDirectory(prefix="tritonguard-export-") as tmp:
         stage = Path(tmp)
         vdir = {m: stage / m / str(version) for m in targets}
@@ -278,17 +292,20 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
                        **({"evaluation": evaluation} if evaluation is not None else {})}
             _write_manifests(spec, names, version, vdir, artifact.name, sha, tok_dir, common, judging)
             _place([(vdir[m], repository / m / str(version)) for m in targets])
-            for model in [*targets, name]:  # targets first: the guard checks them when it loads
+            fronts = [names[r] for r in _FRONT_ROLES if r in names]
+            _apply(repository, [(m, c) for m, c in upgrades if m not in configs])
+            for model in [*targets, *fronts]:  # targets first: the guard checks them when it loads
                 layout.write(repository / model, configs[model])
             if text:  # this version's pinned ensemble, which the guard routes to
                 pinned = layout.version_ensemble_name(names["raw"], version)
                 layout.write(repository / pinned, {**layout.ensemble_config(
                     names["raw"], spec, names["tokenizer"], names["encoder"], pin=version), "name": pinned})
                 (repository / pinned / "1").mkdir(parents=True, exist_ok=True)
-            if not repo_mod.versions(repository / name):
-                # Triton wants a version folder even for a model with no artifact
-                (repository / name / "1").mkdir(parents=True, exist_ok=True)
-    return ExportResult(name=name, version=version, models=[*targets, name],
+            for model in fronts:
+                if not repo_mod.versions(repository / model):
+                    # Triton wants a version folder even for a model with no artifact
+                    (repository / model / "1").mkdir(parents=True, exist_ok=True)
+    return ExportResult(name=name, version=version, models=[*targets, *fronts],
                         artifact=repository / art_model / str(version) / artifact.name,
                         sha256=sha, report=report, timings=timings, notices=notices, judge=judged,
                         same_weights_as=same, evaluation=evaluation)
@@ -341,15 +358,16 @@ def _judge(spec: ExportSpec, cli: str | None, repository: Path, raw: str, sha: s
 
 
 def redact_golden_text(spec: ExportSpec, repository: Path, guard: str) -> ExportSpec:
-    """``spec`` with its BYTES golden inputs redacted as the guard ``guard`` redacts requests
-    (its config.pbtxt where it exists, else the same layers it reads: [tool.tritonguard],
+    """``spec`` with its BYTES golden inputs redacted as the guard serving ``guard`` redacts
+    requests (its config.pbtxt where it exists, the guard step's of an ensemble ``guard`` too, else the same layers it reads: [tool.tritonguard],
     TRITONGUARD_* and the defaults). The reference outputs are then taken on the redacted text,
     which is what the model sees behind a guard (``redaction.model_sees_redacted``, default on);
     with redaction off, the goldens stay as given."""
     from tritonguard.config import from_params, layered_parameters, model_parameters  # noqa: PLC0415
     from tritonguard.redaction import RedactionConfig, Redactor  # noqa: PLC0415
 
-    own = model_parameters(repo_mod.read_config(repository / guard)) if (repository / guard / repo_mod.CONFIG).exists() else {}
+    found = repo_mod.guard_dir(repository, guard)
+    own = model_parameters(found[1]) if found else {}
     params = layered_parameters(own, repository)
     section = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("redaction.")}
     try:
@@ -408,7 +426,11 @@ def _configs(spec: ExportSpec, names: dict[str, str], native: bool = False) -> d
                          "version_policy": layout.ALL_VERSIONS},
                    raw: layout.ensemble_config(raw, spec, tok, enc)}
         placement = "bls"  # an ensemble can only be reached through Triton
-    configs[guard] = layout.guard_config(guard, spec, raw, placement=placement)
+    configs[guard] = layout.guard_config(guard, spec, raw, placement=placement,
+                                         serves_as=names.get("front", ""))
+    if "front" in names:
+        configs[names["intake"]] = layout.intake_config(names["intake"], configs[guard])
+        configs[names["front"]] = layout.front_config(names["front"], configs[guard], names["intake"], guard)
     for cfg in configs.values():
         layout.render(cfg)
     sig = ModelSignature.from_config(configs[guard])
@@ -421,18 +443,20 @@ def _configs(spec: ExportSpec, names: dict[str, str], native: bool = False) -> d
 
 
 # what each kind of model keeps of its existing config.pbtxt (see layout.merge)
-_OWNS = {"tokenizer": layout.TOKENIZER_OWNS, "encoder": layout.ENCODER_OWNS, "guard": layout.GUARD_OWNS}
+_OWNS = {"tokenizer": layout.TOKENIZER_OWNS, "encoder": layout.ENCODER_OWNS, "guard": layout.GUARD_OWNS,
+         "intake": layout.INTAKE_OWNS, "front": layout.ENSEMBLE_OWNS}
 
 
-def _merge_existing(repository: Path, configs: dict[str, dict],
-                    names: dict[str, str]) -> tuple[dict[str, dict], list[str]]:
+def _merge_existing(repository: Path, configs: dict[str, dict], names: dict[str, str],
+                    planned: dict[str, dict] | None = None) -> tuple[dict[str, dict], list[str]]:
     """``configs`` merged over the existing config.pbtxt files (user settings kept), and the
     notices of every value that differed. The merged guard is checked as the guard will check
     it at load, so kept settings that no longer fit (a range on a vanished input) fail here."""
     merged, notices = {}, []
     for role, model in names.items():
         path = repository / model / repo_mod.CONFIG
-        existing = repo_mod.read_config(repository / model) if path.exists() else None  # readable: _check_existing
+        existing = (planned or {}).get(model) or (
+            repo_mod.read_config(repository / model) if path.exists() else None)  # readable: _check_existing
         if role == "raw":
             owns = layout.ENSEMBLE_OWNS if "tokenizer" in names else layout.RUNTIME_OWNS
         else:
@@ -459,14 +483,70 @@ def _check_guard(cfg: dict, guard: str) -> None:
     GuardConfig.from_parameters(model_parameters(cfg), guard).validation.check_against(sig, guard)
 
 
+def upgrade_plan(repository: Path) -> tuple[list[tuple[str, dict]], list[str]]:
+    """What :func:`upgrade_layout` would write: ``[(model, config)]`` and one line per guard moved."""
+    repository = Path(repository)
+    if not repository.is_dir():
+        return [], []
+    writes: list[tuple[str, dict]] = []
+    moved = []
+    for model_dir in sorted(p for p in repository.iterdir() if (p / repo_mod.CONFIG).exists()):
+        try:
+            cfg = repo_mod.read_config(model_dir)
+        except Exception:  # noqa: BLE001, S112 - not ours to fix here; the export that needs it says so
+            continue
+        params = cfg.get("parameters") or {}
+        if cfg.get("backend") != "guard" or "serves_as" in params or not layout.needs_intake(cfg):
+            continue
+        name = model_dir.name
+        fronts = layout.front_names(name)
+        for role in ("guard", "intake"):
+            if (repository / fronts[role]).exists():
+                raise ExportError(f"cannot move guard '{name}' behind its intake: {repository / fronts[role]} "
+                                  "already exists (rename or remove it)")
+        guard = {**cfg, "name": fronts["guard"], "parameters": {**params, "serves_as": {"string_value": name}}}
+        plan = [(fronts["guard"], guard), (fronts["intake"], layout.intake_config(fronts["intake"], cfg)),
+                (name, layout.front_config(name, cfg, fronts["intake"], fronts["guard"]))]
+        for _model, config in plan:
+            layout.render(config)
+        writes += plan  # the steps first: the public name changes last
+        moved.append(f"{name}: now the ensemble {fronts['intake']} -> {fronts['guard']} "
+                     f"(the guard's settings and rollout state kept)")
+    return writes, moved
+
+
+def upgrade_layout(repository: Path) -> list[str]:
+    """Move every guard with a BYTES input that is still the public model itself (exported
+    before the intake existed) behind an intake: ``NAME`` becomes the ensemble ``NAME_intake`` ->
+    ``NAME_guard``; the guard keeps every setting and, serving as ``NAME``, its rollout state,
+    latency samples and audit anchors (they stay in ``NAME/``). No version is added. Returns one
+    line per model moved. A running server serves the new layout once the models are loaded again
+    (a restart does it)."""
+    writes, moved = upgrade_plan(repository)
+    _apply(Path(repository), writes)
+    return moved
+
+
+def _apply(repository: Path, writes: list[tuple[str, dict]]) -> None:
+    for model, config in writes:
+        layout.write(repository / model, config)
+        (repository / model / "1").mkdir(parents=True, exist_ok=True)
+
+
 def _kind(cfg: dict) -> str:
     return cfg.get("backend") or cfg.get("platform") or "?"
 
 
-def _check_existing(repository: Path, configs: dict[str, dict]) -> None:
+def _check_existing(repository: Path, configs: dict[str, dict], planned: dict[str, dict] | None = None) -> None:
     """Refuse to turn an existing model into another kind (e.g. a runtime model into an
-    ensemble, or a target into a guard): its old versions would no longer match its config."""
+    ensemble, or a target into a guard): its old versions would no longer match its config.
+    ``planned``: configs :func:`upgrade_plan` will write (they count as the existing ones)."""
     for model, cfg in configs.items():
+        if model in (planned or {}):
+            if _kind(planned[model]) != _kind(cfg):
+                raise ExportError(f"model '{model}' would be '{_kind(planned[model])}' after the layout "
+                                  f"upgrade; this export would make it '{_kind(cfg)}' (choose another --name)")
+            continue
         if not (repository / model / repo_mod.CONFIG).exists():
             continue
         try:

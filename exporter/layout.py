@@ -111,9 +111,13 @@ def ensemble_config(name: str, spec: ExportSpec, tokenizer: str, encoder: str, p
     }
 
 
-def guard_config(name: str, spec: ExportSpec, target: str, *, placement: str) -> dict[str, Any]:
-    """The public model: same IO and batch cap as its target, plus validation parameters."""
+def guard_config(name: str, spec: ExportSpec, target: str, *, placement: str, serves_as: str = "") -> dict[str, Any]:
+    """The guard: same IO and batch cap as its target, plus validation parameters. It is the
+    public model itself, or with ``serves_as`` the guard step of the public ensemble of that
+    name (:func:`front_config`)."""
     params: dict[str, Any] = {"target": target, "placement": placement}
+    if serves_as:
+        params["serves_as"] = serves_as
     if spec.text is not None:
         params["target_per_version"] = f"{target}_v{{version}}"
     for inp, (lo, hi) in spec.input_ranges.items():
@@ -133,6 +137,48 @@ def guard_config(name: str, spec: ExportSpec, target: str, *, placement: str) ->
         "output": [*(_tensor(t) for t in spec.public_outputs),
                    {"name": "SERVED_BY", "data_type": "TYPE_STRING", "dims": [1]}],
         "parameters": _params(**params),
+    }
+
+
+# the unbatched intake in front of a guard with BYTES inputs (tritonguard.intake): two
+# instances, so one slow request (a large text being read) does not hold up the next
+INTAKE_INSTANCES = 2
+
+
+def needs_intake(config: dict[str, Any]) -> bool:
+    """A guard with a BYTES input is served behind an intake: python_backend reads BYTES inputs
+    for a whole batch before the guard runs, and one malformed one fails them all."""
+    return any(t.get("data_type") == "TYPE_STRING" for t in config.get("input") or [])
+
+
+def front_names(name: str) -> dict[str, str]:
+    """``name`` is the public ensemble; these are its steps."""
+    return {"intake": f"{name}_intake", "guard": f"{name}_guard"}
+
+
+def intake_config(name: str, guard: dict[str, Any]) -> dict[str, Any]:
+    """Hands the guard's inputs on one request at a time (no dynamic_batching on purpose)."""
+    return {
+        "name": name, "backend": "intake", "max_batch_size": guard.get("max_batch_size", 0),
+        "input": [dict(t) for t in guard["input"]],
+        "output": [{k: v for k, v in t.items() if k in ("name", "data_type", "dims")} for t in guard["input"]],
+        "instance_group": [{"kind": "KIND_CPU", "count": INTAKE_INSTANCES}],
+    }
+
+
+def front_config(name: str, guard: dict[str, Any], intake: str, guard_name: str) -> dict[str, Any]:
+    """The public model ``name``: the ensemble intake -> guard, with the guard's interface."""
+    ins = [t["name"] for t in guard["input"]]
+    outs = [t["name"] for t in guard["output"]]
+    return {
+        "name": name, "platform": "ensemble", "max_batch_size": guard.get("max_batch_size", 0),
+        "input": [dict(t) for t in guard["input"]], "output": [dict(t) for t in guard["output"]],
+        "ensemble_scheduling": {"step": [
+            {"model_name": intake, "model_version": -1,
+             "input_map": {n: n for n in ins}, "output_map": {n: f"{n}__intake" for n in ins}},
+            {"model_name": guard_name, "model_version": -1,
+             "input_map": {n: f"{n}__intake" for n in ins}, "output_map": {n: n for n in outs}},
+        ]},
     }
 
 
@@ -160,7 +206,11 @@ class Owned:
     parameters: tuple[str, ...] = ()
 
 
-GUARD_OWNS = RUNTIME_OWNS = Owned()
+RUNTIME_OWNS = Owned()
+# which public name the guard serves under follows from the layout, not from a hand edit
+GUARD_OWNS = Owned(parameters=("serves_as",))
+# a batcher in front of the guard would bring back what the intake is there to prevent
+INTAKE_OWNS = Owned(fields=("dynamic_batching", "sequence_batching"))
 # every version stays loaded: each pinned ensemble <raw>_v<N> names its own
 ENCODER_OWNS = Owned(fields=("version_policy",))
 # the tokenizer must cut text as it was cut for the golden check

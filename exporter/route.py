@@ -54,10 +54,11 @@ def _guard_target(repo: Path, model: str) -> str:
     cfg_path = repo / model / repository.CONFIG
     if not cfg_path.exists():
         raise RouteError(f"no model '{model}' in {repo}")
-    cfg = repository.read_config(repo / model)
-    if cfg.get("backend") != "guard":
+    found = repository.guard_dir(repo, model)
+    if found is None:
+        cfg = repository.read_config(repo / model)
         raise RouteError(f"'{model}' is not a guard model (backend {cfg.get('backend') or cfg.get('platform')!r})")
-    return cfg["parameters"]["target"]["string_value"]
+    return found[1]["parameters"]["target"]["string_value"]
 
 
 def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli") -> RolloutState:

@@ -41,13 +41,12 @@ class ServingError(TritonGuardError):
 
 
 def _guard_config(repo: Path, model: str) -> dict[str, Any]:
-    cfg_dir = Path(repo) / model
-    if not (cfg_dir / repository.CONFIG).exists():
+    if not (Path(repo) / model / repository.CONFIG).exists():
         raise ServingError(f"no model '{model}' in {repo}")
-    cfg = repository.read_config(cfg_dir)
-    if cfg.get("backend") != "guard":
+    found = repository.guard_dir(repo, model)
+    if found is None:
         raise ServingError(f"'{model}' is not a guard model")
-    return cfg
+    return found[1]
 
 
 def _params(cfg: dict[str, Any]) -> dict[str, str]:

@@ -39,6 +39,8 @@ def collect(repository: Path) -> list[dict[str, Any]]:
             entry["error"] = error
         if "target" in params:
             entry["target"] = params["target"]
+        if params.get("serves_as"):  # the guard step of the public ensemble of that name
+            entry["serves_as"] = params["serves_as"]
         for v in repo_mod.versions(model_dir):
             man = repo_mod.read_manifest(model_dir / str(v)) or {}
             golden = man.get("golden") or {}
@@ -157,7 +159,7 @@ def live(repository: Path, metrics_urls: list[str]) -> list[dict[str, Any]]:
     for m in collect(repository):
         if m.get("kind") != "guard":
             continue
-        name = m["name"]
+        name = m.get("serves_as") or m["name"]  # rollout state and metrics go by the public name
         entry: dict[str, Any] = {"model": name, "target": m.get("target")}
         try:
             st = open_store(name, repository).load()

