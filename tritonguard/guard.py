@@ -278,8 +278,16 @@ class GuardModel:
     def _execute(self, requests: list[Any], responses: list[Any]) -> None:
         self._served = True
         self.metrics.inc("requests", len(requests))
-        inputs = [triton.request_inputs(r, self.input_names) for r in requests]
+        inputs, unreadable = [], {}
+        for i, r in enumerate(requests):  # per request: one unreadable tensor fails its own request
+            try:
+                inputs.append(triton.request_inputs(r, self.input_names))
+            except InvalidInput as exc:
+                inputs.append({})  # fails validation ("presence"); the read error replaces that below
+                unreadable[i] = exc
         verdict = self.validator.validate(inputs)
+        for i, exc in unreadable.items():
+            verdict.errors[i] = exc
         rejects: dict[str, int] = {}
         for i, err in enumerate(verdict.errors):
             if err is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import TargetError, TritonGuardError
+from .errors import InvalidInput, TargetError, TritonGuardError
 
 log = logging.getLogger("tritonguard")
 
@@ -44,12 +44,18 @@ def model_config(args: Mapping[str, str]) -> dict[str, Any]:
 
 
 def request_inputs(request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The request's inputs as numpy arrays. One that cannot be read raises InvalidInput naming
+    it, so the caller fails that request alone (its neighbours in the batch are served)."""
     get = pb().get_input_tensor_by_name
     out = {}
     for name in names:
-        t = get(request, name)
-        if t is not None:
-            out[name] = t.as_numpy()
+        try:
+            t = get(request, name)
+            if t is not None:
+                out[name] = t.as_numpy()
+        except Exception as exc:  # noqa: BLE001 - e.g. a BYTES tensor the stub cannot deserialise
+            log.warning("input %r of one request cannot be read: %s: %s", name, type(exc).__name__, exc)
+            raise InvalidInput(name, "readable", f"the tensor cannot be read ({type(exc).__name__})") from None
     return out
 
 

@@ -45,3 +45,33 @@ def test_guard_dir_resolves_the_public_name(tmp_path):
     assert repository.guard_dir(tmp_path, "t_intake") is None
     assert repository.guard_dir(tmp_path, "missing") is None
     assert repository.holds_state(tmp_path / "t") and not repository.holds_state(tmp_path / "t_intake")
+
+
+def test_an_unreadable_input_fails_its_own_request_naming_it(monkeypatch):
+    """The guard reads each request's tensors on its own: a tensor the stub cannot deserialise
+    raises InvalidInput for that request (400 naming the input), not an error for the batch."""
+    import numpy as np
+
+    from tritonguard import triton
+    from tritonguard.errors import InvalidInput
+
+    class Tensor:
+        def __init__(self, arr):
+            self.arr = arr
+
+        def as_numpy(self):
+            if self.arr is None:
+                raise RuntimeError("incomplete string data")
+            return self.arr
+
+    class Pb:
+        @staticmethod
+        def get_input_tensor_by_name(request, name):
+            return request.get(name)
+
+    monkeypatch.setattr(triton, "pb", lambda: Pb)
+    good = {"TEXT": Tensor(np.array([[b"hi"]], dtype=object))}
+    assert triton.request_inputs(good, ["TEXT", "OPTIONAL"])["TEXT"][0, 0] == b"hi"
+    with pytest.raises(InvalidInput) as err:
+        triton.request_inputs({"TEXT": Tensor(None)}, ["TEXT"])
+    assert err.value.code == "INVALID_ARG" and "'TEXT'" in str(err.value) and "readable" in str(err.value)
