@@ -87,3 +87,7 @@ lint: $(STAMP) ## ruff
 
 clean: ## remove the venv and the generated model repository contents
 	rm -rf $(VENV) $(REPO)/*/
+
+.PHONY: check-image
+check-image: ## resolve the Docker image's pinned packages for Python 3.10 (PyPI; no container engine)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) .ci/check_image_deps.py

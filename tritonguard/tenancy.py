@@ -168,7 +168,10 @@ def read_keys_file(path: Path, pattern: re.Pattern[str]) -> dict[str, str]:
     digest). Raises ValueError / OSError naming the problem, never a digest."""
     raw = path.read_bytes()
     if path.suffix.lower() == ".toml":
-        import tomllib  # noqa: PLC0415 - Python >= 3.11
+        try:
+            import tomllib  # noqa: PLC0415 - Python >= 3.11
+        except ModuleNotFoundError:  # pragma: no cover - Python 3.10 (the NGC image): tomli
+            import tomli as tomllib  # noqa: PLC0415
 
         try:
             table = tomllib.loads(raw.decode())
