@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.logging import RichHandler
+
+from .consoles import console, log_handler
 
 app = typer.Typer(
     help="Export models into a Triton model repository, behind a tritonguard guard.",
@@ -21,12 +21,14 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,  # locals hold tensors and weights: unreadable
 )
-# results to stdout, progress and logs to stderr, so `status --json | jq` stays clean
-out = Console()
-err = Console(stderr=True)
+# results to stdout, progress and logs to stderr, so `status --json | jq` stays clean; full-width
+# lines when piped (a CI log, `| cat`), $COLUMNS respected (exporter.consoles)
+out = console()
+err = console(stderr=True)
 
 EXIT_GOLDEN_FAILED = 1
-EXIT_BAD_INPUT = 2
+EXIT_BAD_INPUT = 2  # also: an artifact identical to an existing version's (export without --force)
+EXIT_UNREACHABLE = 2  # status --server/--metrics-url: a replica that cannot be reached
 
 Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
 
@@ -50,7 +52,20 @@ class Judge(str, Enum):
 @app.callback()
 def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
-                        handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)
+                        handlers=[log_handler(err)], force=True)
+
+
+def _where(repository: Path, registry: bool = False) -> None:
+    """Where a writing command writes, on stderr (stdout stays clean for --json): the repository
+    as an absolute path and, when the command registers versions, the registry's URI."""
+    from rich.markup import escape  # noqa: PLC0415
+
+    line = f"repository {Path(repository).resolve()}"
+    if registry:
+        from .registry import default_uri  # noqa: PLC0415 - no mlflow import
+
+        line += f"\nregistry   {default_uri(repository)}"
+    err.print(f"[dim]{escape(line)}[/]", soft_wrap=True)
 
 
 @contextmanager
@@ -86,10 +101,14 @@ def export(
                                                 "model) or on equivalence (the same weights). Default: the "
                                                 "source's choice, else equivalence when an earlier version has "
                                                 "the same artifact hash, else task.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Export even when an existing version has the very same "
+                                        "artifact (same SHA-256); it becomes a new version judged by "
+                                        "equivalence. Without it such an export is refused (exit 2).")] = False,
 ) -> None:
     """Export SOURCE as a new version, check it against its goldens, write it behind a guard,
     and register it in the MLflow model registry. Settings in existing config.pbtxt files
-    (guard parameters, instance groups, batching) are kept."""
+    (guard parameters, instance groups, batching) are kept. An export whose artifact is identical
+    to an existing version's is refused unless --force is given."""
     from rich.markup import escape  # noqa: PLC0415
 
     from tritonguard.errors import ConfigError  # noqa: PLC0415
@@ -98,19 +117,21 @@ def export(
     from .sources import SourceError  # noqa: PLC0415
 
     _quiet_onnxruntime()
+    _where(repository, registry=register)
     try:
         result = export_source(
             source, name=name, repository=repository, fmt=fmt.value if fmt else None, opset=opset,
             inputs=inputs, task=task.value if task else None, input_names=input_name or (),
             output_names=output_name or (), step=_step, native=native, mlflow_uri=mlflow_uri,
-            register=register, register_timeout=register_timeout, judge=judge.value if judge else None)
+            register=register, register_timeout=register_timeout, judge=judge.value if judge else None,
+            force=force)
     except GoldenCheckFailed as exc:
         # soft_wrap: one line however long (an engine's message), markup escaped ("[ONNXRuntimeError]")
         err.print(f"[bold red]✗ {escape(str(exc))}[/]", soft_wrap=True)
         raise typer.Exit(EXIT_GOLDEN_FAILED) from None
     except (ExportError, SourceError, ConfigError) as exc:
         err.print(f"[bold red]✗ export failed:[/] {escape(str(exc))}", soft_wrap=True)
-        err.print(f"nothing was written to {escape(str(repository))}", soft_wrap=True)
+        err.print(f"nothing was written to {escape(str(Path(repository).resolve()))}", soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     for notice in result.notices:
         err.print(f"[yellow]![/] {escape(notice)}", soft_wrap=True)
@@ -156,15 +177,22 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")] = False,
 ) -> None:
     """Models with versions, hashes and goldens; per guard: routing, rollout step and gates,
-    registry stages, and (with --server) live breaker states and drift."""
+    registry stages, and (with --server) live breaker states and drift. A --server or
+    --metrics-url that cannot be reached is an error (exit 2), named on stderr."""
+    from rich.markup import escape  # noqa: PLC0415
+
     from .serving import ServingError, metrics_urls  # noqa: PLC0415
-    from .status import collect, live, print_live, table  # noqa: PLC0415
+    from .status import collect, live, print_live, table, unreachable  # noqa: PLC0415
 
     try:
         urls = metrics_urls(list(server or []), metrics_url or [])
     except ServingError as exc:
-        err.print(f"[bold red]✗ status failed:[/] {exc}")
+        err.print(f"[bold red]✗ status failed:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    if problems := unreachable(list(server or []), urls, explicit_metrics=bool(metrics_url)):
+        for problem in problems:
+            err.print(f"[bold red]✗ status failed:[/] {escape(problem)}", soft_wrap=True)
+        raise typer.Exit(EXIT_UNREACHABLE)
     models = collect(repository)
     guards = live(repository, urls)
     if as_json:
@@ -201,6 +229,7 @@ def route(
                              fallback=fallback.split(",") if fallback else None, default=default,
                              reset_breaker=reset_breaker, arms=None if arms is None else parse_arms(arms))
         if any(v is not None for v in vars(change).values()):
+            _where(repository)
             apply(repository, model, change)
         state = show(repository, model)
     except RouteError as exc:
@@ -236,6 +265,7 @@ def upgrade(repository: Repository = Path("model_repository")) -> None:
     if not (repository.is_dir()):
         err.print(f"[bold red]✗[/] no model repository at {escape(str(repository.resolve()))}", soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT)
+    _where(repository)
     try:
         moved = upgrade_layout(repository)
     except ExportError as exc:

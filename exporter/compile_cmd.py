@@ -13,11 +13,15 @@ from typing import Annotated
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-out = Console()
-err = Console(stderr=True)
+from .consoles import console
+
+# full-width lines when piped (a CI log, `| cat`); $COLUMNS respected
+out = console()
+err = console(stderr=True)
 EXIT_BAD_INPUT = 2
 
 _STYLE = {"admitted": "green", "rejected": "red", "skipped": "dim"}
@@ -111,6 +115,13 @@ def compile_command(
     from .compile import CompileError, compile_model, environment  # noqa: PLC0415
 
     names = [v.strip() for v in variants.split(",") if v.strip()] if variants is not None else None
+    # where admitted variants land, on stderr (stdout stays clean for --json)
+    where = f"repository {Path(repository).resolve()}"
+    if register:
+        from .registry import default_uri  # noqa: PLC0415 - no mlflow import
+
+        where += f"\nregistry   {default_uri(repository)}"
+    err.print(f"[dim]{escape(where)}[/]", soft_wrap=True)
     try:
         if batch_size < 1 or rounds < 1:
             raise CompileError("--batch-size and --rounds must be >= 1")
@@ -119,7 +130,8 @@ def compile_command(
                                              batch_size=batch_size, rounds=rounds,
                                              registry="default" if register else None, progress=bars)
     except CompileError as exc:
-        err.print(f"[bold red]✗ compile failed:[/] {exc}\nnothing was written to {repository}")
+        err.print(f"[bold red]✗ compile failed:[/] {escape(str(exc))}\n"
+                  f"nothing was written to {escape(str(Path(repository).resolve()))}", soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     if as_json:
         typer.echo(json.dumps({"model": parent.model, "target": parent.target, "parent_version": parent.version,

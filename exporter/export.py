@@ -72,6 +72,17 @@ class ExportError(Exception):
     """The export cannot proceed; nothing was written to the repository."""
 
 
+class DuplicateArtifact(ExportError):
+    """The new artifact is byte-identical (same sha256) to an existing version of the model:
+    refused unless the export is forced; nothing was written."""
+
+    def __init__(self, name: str, version: int, sha256: str, where: Path):
+        self.name, self.version, self.sha256 = name, version, sha256
+        super().__init__(f"{name} v{version} already holds this artifact (sha256 {sha256[:16]}…, {where}): "
+                         f"nothing new to export. Use v{version}, or export again with --force "
+                         f"(force=True) to add it as a new version judged by equivalence")
+
+
 class GoldenCheckFailed(ExportError):
     def __init__(self, report: GoldenReport):
         self.report = report
@@ -125,9 +136,11 @@ def export_source(source: str, *, name: str, repository: Path, fmt: str | None =
                   inputs: Path | None = None, task: str | None = None, input_names: Sequence[str] = (),
                   output_names: Sequence[str] = (), step: Step | None = None, native: bool = False,
                   mlflow_uri: str | None = None, register: bool = True,
-                  register_timeout: float = REGISTER_TIMEOUT_S, judge: str | None = None) -> ExportResult:
+                  register_timeout: float = REGISTER_TIMEOUT_S, judge: str | None = None,
+                  force: bool = False) -> ExportResult:
     """Load ``source`` (see :mod:`exporter.sources`), export it, and register the new version
     (unless ``register`` is false; a registry failure is reported in the result, not raised).
+    ``force``: export even when an existing version has the same artifact (see :func:`export`).
     An ``--inputs`` .npz with a ``labels`` array (file, MLflow and Hugging Face sources) also
     becomes the evaluation set: its input rows with those labels."""
     timings: dict[str, float] = {}
@@ -137,7 +150,7 @@ def export_source(source: str, *, name: str, repository: Path, fmt: str | None =
         if labels is not None:
             spec = _with_eval_labels(spec, labels)
     result = export(spec, name=name, repository=repository, source=source, fmt=fmt, opset=opset, step=step,
-                    native=native, judge=judge)
+                    native=native, judge=judge, force=force)
     result.timings = {**timings, **result.timings}
     if register:
         t0 = time.perf_counter()
@@ -220,10 +233,15 @@ def _with_eval_labels(spec: ExportSpec, labels: Any) -> ExportSpec:
 
 def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: str | None = None,
            opset: int = 17, step: Step | None = None, native: bool = False,
-           judge: str | None = None) -> ExportResult:
+           judge: str | None = None, force: bool = False) -> ExportResult:
     """Export ``spec`` as the next version of ``name``. ``judge`` (the CLI's ``--judge``) sets
     how a rollout judges it when the spec does not say; by default ``equivalence`` if an
-    earlier version has the same artifact hash, else ``task``."""
+    earlier version has the same artifact hash, else ``task``.
+
+    An artifact whose sha256 equals an existing version's is refused with
+    :class:`DuplicateArtifact` (raised as soon as the artifact is built, before the golden check
+    and before anything is written), unless ``force``: then it becomes a new version, judged by
+    ``equivalence`` (``same_weights_as`` in its manifest)."""
     if not _NAME.match(name):
         raise ExportError(f"invalid model name {name!r} (letters, digits, '_', '-', '.')")
     if judge not in (None, *JUDGES):
@@ -238,6 +256,7 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
     if native and fmt != "onnx":
         raise ExportError("--native needs --format onnx (Triton's pytorch backend wants INPUT__0-style names)")
     configs = _configs(spec, names, native=native)  # cheap, and a spec the server would reject fails here
+    _defer_to_lower_layers(configs[names["guard"]], repository)
     # an older layout is moved along with this export (and only if it lands)
     upgrades, upgraded = upgrade_plan(repository)
     planned = dict(upgrades)
@@ -263,6 +282,10 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
         with timed(f"export {fmt}"), _step_errors(f"export to {fmt} failed"):
             artifact = artifacts.build(spec, fmt, vdir[art_model], opset=opset)
             sha = artifacts.sha256_file(artifact)
+        if not force:  # a re-export of the same weights: refused before the repository is touched
+            same = repo_mod.version_with_artifact(repository / names["raw"], sha)
+            if same is not None:
+                raise DuplicateArtifact(name, same, sha, repository / names["raw"] / str(same))
         tok_dir = None
         if text:
             with timed("save tokenizer"), _step_errors("saving the tokenizer failed"):
@@ -481,6 +504,18 @@ def _check_guard(cfg: dict, guard: str) -> None:
 
     sig = ModelSignature.from_config(cfg)
     GuardConfig.from_parameters(model_parameters(cfg), guard).validation.check_against(sig, guard)
+
+
+def _defer_to_lower_layers(guard: dict, repository: Path) -> None:
+    """Drop the export's computed guard settings that the user already sets in a lower layer
+    ([tool.tritonguard] or TRITONGUARD_*): config.pbtxt would otherwise override them."""
+    from tritonguard.config import layered_parameters  # noqa: PLC0415
+
+    lower = layered_parameters({}, repository)
+    params = guard.get("parameters") or {}
+    for key in ("validation.max_payload_bytes",):
+        if key in lower:
+            params.pop(key, None)
 
 
 def upgrade_plan(repository: Path) -> tuple[list[tuple[str, dict]], list[str]]:

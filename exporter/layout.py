@@ -28,6 +28,11 @@ TEXT_GUARD_QUEUE_DELAY_US = 0
 TEXT_GUARD_INSTANCES = 2
 # 256 tokens are a few KB of text; 16 KiB bounds the tokenizer's work per element with margin
 TEXT_MAX_BYTES_LENGTH = 16384
+# validation.max_payload_bytes = margin x the largest valid request (max_batch_size rows at full
+# size), rounded up to whole KiB; BYTES elements count at validation.max_bytes_length each, plus
+# Triton's 4-byte length prefix per element
+PAYLOAD_MARGIN = 2
+BYTES_ELEMENT_OVERHEAD = 4
 # the encoder dominates the text path's cost (~70 ms at batch 32 on 2 threads vs ~1 ms for
 # the tokenizer), so it gets the second thread; the small raw models keep one per instance
 ENCODER_THREADS = 2
@@ -111,6 +116,26 @@ def ensemble_config(name: str, spec: ExportSpec, tokenizer: str, encoder: str, p
     }
 
 
+def max_payload_bytes(spec: ExportSpec, max_bytes_length: int | None = None) -> int | None:
+    """A ``validation.max_payload_bytes`` that every valid request fits: ``max_batch_size`` rows
+    of every public input at full size (a BYTES element at ``max_bytes_length``, plus overhead),
+    times :data:`PAYLOAD_MARGIN`, in whole KiB. None when an input has a dynamic dimension (no
+    bound follows from the spec), or a BYTES input without a ``max_bytes_length``."""
+    per_row = 0
+    for t in spec.public_inputs:
+        if any(d < 0 for d in t.dims):
+            return None
+        count = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
+        if np.dtype(t.dtype) == np.dtype(object):
+            if not max_bytes_length:
+                return None
+            per_row += count * (max_bytes_length + BYTES_ELEMENT_OVERHEAD)
+        else:
+            per_row += count * np.dtype(t.dtype).itemsize
+    total = PAYLOAD_MARGIN * max(spec.max_batch_size, 1) * per_row
+    return max(1024, -(-total // 1024) * 1024)
+
+
 def guard_config(name: str, spec: ExportSpec, target: str, *, placement: str, serves_as: str = "") -> dict[str, Any]:
     """The guard: same IO and batch cap as its target, plus validation parameters. It is the
     public model itself, or with ``serves_as`` the guard step of the public ensemble of that
@@ -126,6 +151,10 @@ def guard_config(name: str, spec: ExportSpec, target: str, *, placement: str, se
         params["validation.max_bytes_length"] = TEXT_MAX_BYTES_LENGTH
         # PII is redacted before the text reaches the target, the cache key or the audit log
         params["redaction.model_sees_redacted"] = "true"
+    # an explicit request size limit (the guard warns at load when there is none)
+    payload = max_payload_bytes(spec, TEXT_MAX_BYTES_LENGTH if spec.text is not None else None)
+    if payload is not None:
+        params["validation.max_payload_bytes"] = payload
     text = spec.text is not None
     delay = TEXT_GUARD_QUEUE_DELAY_US if text else RAW_QUEUE_DELAY_US
     return {

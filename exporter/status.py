@@ -97,6 +97,71 @@ def table(models: list[dict[str, Any]], repository: Path) -> Table:
 
 
 # -- live rollout view ----------------------------------------------------------------------------
+PROBE_TIMEOUT_S = 5.0
+
+
+def _reason(exc: BaseException) -> str:
+    """A connection failure in a few words ("connection refused"), not urllib's repr."""
+    import socket  # noqa: PLC0415
+    import urllib.error  # noqa: PLC0415
+
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code} {exc.reason}"
+    if isinstance(exc, urllib.error.URLError):
+        if not isinstance(exc.reason, BaseException):
+            return str(exc.reason)
+        exc = exc.reason
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return f"no answer within {PROBE_TIMEOUT_S:g} s"
+    if isinstance(exc, socket.gaierror):
+        return f"unknown host ({exc.strerror or exc})"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
+
+
+def _get(url: str) -> str | None:
+    """None when ``url`` answers 200, else why not."""
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as resp:  # noqa: S310 - operator-given URL
+            resp.read(1)
+            return None
+    except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts; ValueError: a malformed URL
+        return _reason(exc)
+
+
+def unreachable(servers: list[str], metrics_urls: list[str], *, explicit_metrics: bool = False) -> list[str]:
+    """One line per ``--server`` that cannot be reached (Triton's ``/v2/health/live``), and per
+    metrics URL that does not answer; empty when every one does. Metrics URLs derived from the
+    servers (``explicit_metrics`` false: one per server, HTTP port + 2) are named with their
+    server, and not probed for a server that is down (one line says it)."""
+    from .serving import _base  # noqa: PLC0415
+
+    problems = []
+    down: set[int] = set()
+    for i, server in enumerate(servers):
+        base = _base(server).rstrip("/")
+        why = _get(f"{base}/v2/health/live")
+        # any HTTP answer means something listens there; only a failed connection is "down"
+        if why is not None and not why.startswith("HTTP "):
+            problems.append(f"server {base} cannot be reached: {why}")
+            down.add(i)
+    for i, url in enumerate(metrics_urls):
+        if not explicit_metrics and i in down:
+            continue
+        why = _get(url)
+        if why is None:
+            continue
+        if explicit_metrics or i >= len(servers):
+            problems.append(f"metrics URL {url} cannot be read: {why}")
+        else:
+            problems.append(f"metrics of server {_base(servers[i]).rstrip('/')} at {url} (its HTTP port + 2) "
+                            f"cannot be read: {why}; pass --metrics-url if they are elsewhere")
+    return problems
+
+
 def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
     """Stages by version from the registry, or None when there is none (never creates one)."""
     import os  # noqa: PLC0415
@@ -125,7 +190,7 @@ def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
             with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - operator-given URL
                 series = parse(resp.read().decode())
         except OSError as exc:
-            out["unreachable"].append(f"{url}: {exc}")
+            out["unreachable"].append(f"{url}: {_reason(exc)}")
             continue
         seen = False
         for (name, labelset), value in series.items():
@@ -223,8 +288,12 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
         met = g.get("metrics")
         if met:
             names = {0: "closed", 1: "half-open", 2: "open"}
-            console.print(f"  live ({met['replicas']} replica{'s' if met['replicas'] != 1 else ''}): "
-                          + ", ".join(f"{k} {v:.0f}" for k, v in sorted(met["served"].items())))
+            if met["replicas"]:
+                console.print(f"  live ({met['replicas']} replica{'s' if met['replicas'] != 1 else ''}): "
+                              + ", ".join(f"{k} {v:.0f}" for k, v in sorted(met["served"].items())))
+            else:
+                console.print("  live: [yellow]no replica reports this model[/]"
+                              + (" (see unreachable below)" if met["unreachable"] else " (not loaded there?)"))
             for v, code in sorted(met["breaker"].items()):
                 console.print(f"    breaker v{v}: {names.get(code, code)} (worst replica)")
             for v, count in sorted(met["errors"].items()):

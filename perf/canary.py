@@ -47,7 +47,9 @@ def run(src_repo: Path, workdir: Path, models: list[str], measure, concurrency: 
     candidates = {}
     for model in models:
         t0 = time.perf_counter()
-        res = export(_source(CANDIDATES[model]), name=model, repository=repo, source=CANDIDATES[model])
+        # force: the minilm candidate is the served weights again, on purpose (same artifact)
+        res = export(_source(CANDIDATES[model]), name=model, repository=repo, source=CANDIDATES[model],
+                     force=True)
         candidates[model] = res.version
         sys.stderr.write(f"canary: exported {model} v{res.version} in {time.perf_counter() - t0:.0f} s\n")
     rows = []

@@ -54,8 +54,11 @@ def ctx(tmp_path_factory):
     for name in ("nan_subset", "accuracy_drop", "slow"):
         v[name] = export(getattr(faults, name)(), name="digits", repository=repo,
                          source=f"examples.faults:{name}").version
-    v["good_b"] = export(faults.good(), name="digits", repository=repo, source="examples.faults:good").version
-    v["good_c"] = export(faults.good(), name="digits", repository=repo, source="examples.faults:good").version
+    # further copies of "good" on purpose (force: the same artifact as v["good"])
+    v["good_b"] = export(faults.good(), name="digits", repository=repo, source="examples.faults:good",
+                         force=True).version
+    v["good_c"] = export(faults.good(), name="digits", repository=repo, source="examples.faults:good",
+                         force=True).version
 
     cfg = read_config(repo / "digits")
     params = {k: x["string_value"] for k, x in cfg["parameters"].items()}

@@ -63,7 +63,8 @@ def rollout(tmp_path_factory):
         versions[name] = export(getattr(faults, name)(), name="digits", repository=repo,
                                 source=f"examples.faults:{name}").version
     # a version whose artifact was swapped after export: its goldens must fail on this server
-    tampered = export(faults.good(), name="digits", repository=repo, source="examples.faults:good").version
+    tampered = export(faults.good(), name="digits", repository=repo, source="examples.faults:good",
+                      force=True).version  # the same artifact as "good" until it is swapped below
     shutil.copy(repo / "digits_raw" / str(versions["accuracy_drop"]) / "model.onnx",
                 repo / "digits_raw" / str(tampered) / "model.onnx")
     versions["tampered"] = tampered

@@ -28,7 +28,9 @@ def text_rollout(tmp_path_factory):
 
     repo = tmp_path_factory.mktemp("text_repo")
     v = {"base": export(minilm.build(), name="minilm", repository=repo, source="examples.minilm:build").version}
-    v["good"] = export(minilm.build(), name="minilm", repository=repo, source="examples.minilm:build").version
+    # the same weights again, on purpose: a candidate that must behave exactly as the base
+    v["good"] = export(minilm.build(), name="minilm", repository=repo, source="examples.minilm:build",
+                       force=True).version
     v["pulled"] = export(faults_text.pulled(), name="minilm", repository=repo,
                          source="examples.faults_text:pulled").version
     cfg = read_config(repo / "minilm_guard")  # the guard step of the public ensemble minilm

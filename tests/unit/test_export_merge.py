@@ -186,7 +186,8 @@ def test_second_export_keeps_every_documented_key_and_the_batching(tmp_path):
           dynamic_batching={"max_queue_delay_microseconds": "2000"},
           version_policy={"latest": {"num_versions": 3}})
 
-    res = export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
+    # force: the same weights again, on purpose (the settings are what this test is about)
+    res = export(tiny_spec(), name="tiny", repository=repo, source="test:tiny", force=True)
     assert res.version == 2
 
     guard = repository.read_config(repo / "tiny")
@@ -213,7 +214,7 @@ def test_second_export_keeps_every_documented_key_and_the_batching(tmp_path):
 
     # the settings stay through any number of exports (the notices repeat: the export's
     # proposal still differs)
-    third = export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
+    third = export(tiny_spec(), name="tiny", repository=repo, source="test:tiny", force=True)
     assert third.notices == res.notices
     assert repository.read_config(repo / "tiny") == guard
 
@@ -226,11 +227,13 @@ def test_onnx_file_reexport_keeps_the_range_and_the_guard_still_rejects(tmp_path
     np.savez(tmp_path / "in.npz", X=tiny_spec().golden_inputs["X"])
     spec = load_source(str(first.artifact), inputs=tmp_path / "in.npz", task="classifier")
     assert spec.input_ranges == {}
-    res = export(spec, name="tiny", repository=repo, source=str(first.artifact))
+    res = export(spec, name="tiny", repository=repo, source=str(first.artifact), force=True)  # v1's artifact
     assert res.version == 2
     # the file's spec has the default batch cap; the interface is the export's, and it says so
+    # the payload limit follows the batch cap in a fresh export; an existing one is kept, said so
     assert res.notices == ["tiny_raw: set max_batch_size 64 (was 8; the export owns it)",
-                           "tiny: set max_batch_size 64 (was 8; the export owns it)"]
+                           "tiny: set max_batch_size 64 (was 8; the export owns it)",
+                           "tiny: kept validation.max_payload_bytes=1024 (export proposed 2048)"]
 
     guard = repository.read_config(repo / "tiny")
     assert _params(guard)["validation.range.X"] == "0,1"
@@ -261,7 +264,7 @@ def test_cli_prints_the_notices(tmp_path):
     np.savez(tmp_path / "in.npz", X=tiny_spec().golden_inputs["X"])
     res = CliRunner().invoke(app, ["export", "--source", str(repo / "tiny_raw" / "1" / "model.onnx"),
                                    "--name", "tiny", "--repository", str(repo), "--inputs",
-                                   str(tmp_path / "in.npz"), "--task", "classifier", "--no-register"])
+                                   str(tmp_path / "in.npz"), "--task", "classifier", "--no-register", "--force"])
     assert res.exit_code == 0, res.output
     assert "tiny: kept placement=bls (export proposed inprocess)" in res.output
     params = _params(repository.read_config(repo / "tiny"))
@@ -285,7 +288,7 @@ def test_text_targets_keep_tuning_but_not_what_the_export_owns(tmp_path):
           instance_group=[{"kind": "KIND_CPU", "count": 3}])
     _edit(tmp_path / "txt_intake", dynamic_batching={"max_queue_delay_microseconds": "100"})
 
-    res = export(spec, name="txt", repository=tmp_path, source="test:text")
+    res = export(spec, name="txt", repository=tmp_path, source="test:text", force=True)  # the same weights
     enc = repository.read_config(tmp_path / "txt_encoder")
     assert _params(enc)["intra_op_threads"] == "4" and enc["instance_group"][0]["count"] == 2
     assert enc["version_policy"] == {"all": {}}  # every version loaded: pinned ensembles need them
@@ -353,7 +356,7 @@ def test_export_over_an_old_text_layout_upgrades_it_and_keeps_the_settings(tmp_p
     export(spec, name="txt", repository=tmp_path, source="test:text")
     _old_text_layout(tmp_path)
 
-    res = export(spec, name="txt", repository=tmp_path, source="test:text")
+    res = export(spec, name="txt", repository=tmp_path, source="test:text", force=True)  # the same weights
     assert res.version == 2
     assert res.notices[0].startswith("txt: now the ensemble txt_intake -> txt_guard")
     guard = repository.read_config(tmp_path / "txt_guard")

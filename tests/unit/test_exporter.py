@@ -130,7 +130,9 @@ def test_export_writes_target_guard_and_versions(tmp_path):
     guard = repository.read_config(repo / "tiny")
     params = {k: v["string_value"] for k, v in guard["parameters"].items()}
     assert guard["backend"] == "guard"
-    assert params == {"target": "tiny_raw", "placement": "inprocess", "validation.range.X": "0,1"}
+    # max_payload_bytes: 2 x 8 rows x 4 float32, at least 1 KiB
+    assert params == {"target": "tiny_raw", "placement": "inprocess", "validation.range.X": "0,1",
+                      "validation.max_payload_bytes": "1024"}
 
     man = repository.read_manifest(v1)
     assert man["name"] == "tiny_raw" and man["version"] == 1 and man["artifact"] == "model.onnx"
@@ -140,7 +142,7 @@ def test_export_writes_target_guard_and_versions(tmp_path):
     assert ins["X"].shape == (32, 4) and outs["P"].shape == (32, 3)
 
     before = _files(v1)
-    res2 = export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
+    res2 = export(tiny_spec(), name="tiny", repository=repo, source="test:tiny", force=True)  # same weights
     assert res2.version == 2 and repository.versions(repo / "tiny_raw") == [1, 2]
     assert _files(v1) == before  # an existing version is never rewritten
 
@@ -155,8 +157,8 @@ def test_failed_golden_check_writes_nothing(tmp_path):
 
     export(tiny_spec(), name="tiny", repository=repo, source="test:tiny")
     before = _files(repo)
-    with pytest.raises(GoldenCheckFailed):
-        export(bad, name="tiny", repository=repo, source="test:bad")
+    with pytest.raises(GoldenCheckFailed):  # force: bad's artifact is v1's, only its reference differs
+        export(bad, name="tiny", repository=repo, source="test:bad", force=True)
     assert _files(repo) == before
 
 
@@ -277,7 +279,7 @@ def test_text_export_writes_tokenizer_encoder_ensemble_and_guard(tmp_path):
     assert man["sha256"] == res.sha256 and man["parts"]["encoder"]["model"] == "txt_encoder"
     ins, outs = goldens.load(tmp_path / "txt_raw" / "1" / "goldens.npz")
     assert ins["TEXT"][2, 0].decode() == "caf\u00e9" and outs["EMBEDDING"].shape == (3, 8)
-    assert export(spec, name="txt", repository=tmp_path, source="test:text").version == 2
+    assert export(spec, name="txt", repository=tmp_path, source="test:text", force=True).version == 2
 
 
 def test_native_export_targets_triton_onnxruntime(tmp_path):
@@ -498,15 +500,16 @@ def test_judge_task_then_equivalence_for_the_same_weights(tmp_path):
 
     np.savez(tmp_path / "in.npz", X=tiny_spec().golden_inputs["X"])
     spec = load_source(str(first.artifact), inputs=tmp_path / "in.npz", task="classifier")
-    second = export(spec, name="tiny", repository=tmp_path, source="file")
+    second = export(spec, name="tiny", repository=tmp_path, source="file", force=True)  # the same weights
     assert second.sha256 == first.sha256
     man = repository.read_manifest(tmp_path / "tiny_raw" / "2")
     assert man["judge"] == "equivalence" and man["same_weights_as"] == 1
 
     # the CLI's --judge when the spec says nothing; the spec's own judge wins over it
-    third = export(spec, name="tiny", repository=tmp_path, source="file", judge="task")
+    third = export(spec, name="tiny", repository=tmp_path, source="file", judge="task", force=True)
     assert third.judge == "task" and third.same_weights_as == 2  # the latest with these weights
-    other = export(tiny_spec(judge="task"), name="tiny", repository=tmp_path, source="test", judge="equivalence")
+    other = export(tiny_spec(judge="task"), name="tiny", repository=tmp_path, source="test", judge="equivalence",
+                   force=True)
     assert other.judge == "task"
     assert "judge: the source says 'task'; --judge equivalence ignored" in other.notices
     with pytest.raises(ExportError, match="judge must be one of"):

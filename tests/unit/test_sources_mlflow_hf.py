@@ -141,9 +141,11 @@ def test_mlflow_export_registers_the_version_with_hash_verdict_and_lineage(store
     mv = registry_of(repo).client.get_model_version("tiny", info.mlflow_version)
     assert mv.source == str(vdir.resolve())  # MLflow points at the version folder, copies nothing
 
-    # a second export is the next version, registered in turn; the history chain holds both
+    # a second export (the same model: force) is the next version, registered in turn; the history
+    # chain holds both
     res2 = export_source("models:/tiny_torch/1", name="tiny", repository=repo, inputs=store["inputs"],
-                         task="classifier", mlflow_uri=store["uri"], input_names=["X"], output_names=["P"])
+                         task="classifier", mlflow_uri=store["uri"], input_names=["X"], output_names=["P"],
+                         force=True)
     assert res2.version == 2 and res2.registration.version == 2
     reg = registry_of(repo)
     assert [v.version for v in reg.versions("tiny")] == [1, 2]
