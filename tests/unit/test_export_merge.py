@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from exporter.cli import app
 from exporter import layout
+from exporter.cli import app
 from exporter.export import ExportError, export, upgrade_layout
 from exporter.sources import ExportSpec, TensorDef, load_source
 from tests.unit.test_exporter import Tiny, tiny_text_spec  # the same test models
