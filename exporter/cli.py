@@ -248,9 +248,10 @@ def route(
     if arms_line := describe_arms(state):
         out.print(f"  {arms_line}")
     for v, g in sorted(state.get("goldens", {}).items()):
-        out.print(f"  goldens v{v}: {g.get('verdict')}")
+        out.print(f"  goldens v{v}: {g.get('summary') or g.get('verdict')}")
     for v, b in sorted(state.get("breakers", {}).items()):
-        out.print(f"  breaker v{v}: {b['state']} (trips {b['trips']})")
+        last = f"; last trip {b['last_trip_text']}" if b.get("last_trip_text") else ""
+        out.print(f"  breaker v{v}: {b['state']} (trips {b['trips']}{last})")
 
 
 @app.command()

@@ -48,12 +48,15 @@ from .gates import FAIL, INCONCLUSIVE, PASS, GateConfig, GateReport, GuardReadin
 from .progress import LEASE_S, PROGRESS_FILE, ControllerError, ProgressUnavailable, open_progress
 
 __all__ = ["PROGRESS_FILE", "ControllerError", "ProgressUnavailable", "RolloutConfig", "RolloutController",
-           "Progress", "metrics_reader"]
+           "Progress", "metrics_reader", "settle_progress"]
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 RUNNING, PAUSED, ABORTED, DONE, ROLLED_BACK = "running", "paused", "aborted", "done", "rolled_back"
+# a finished rollout whose outcome was later replaced by hand (route --primary, --arms, promote
+# --no-rollout): the record stays, saying it no longer describes what serves
+SUPERSEDED = "superseded"
 ACTIVE = (RUNNING, PAUSED)
 BREAKER_CODES = {"closed": 0, "half_open": 1, "open": 2}
 WINDOW = ("baseline", "look", "reference", "last_report", "reason")  # one gated window's fields
@@ -156,6 +159,34 @@ def _judge_doc(cfg: RolloutConfig) -> dict[str, Any]:
     return doc
 
 
+def _name_the_trip(report: GateReport, breaker: dict[str, Any] | None) -> None:
+    """A failing breaker gate says why the breaker tripped (the figure against its limit), from
+    the breaker document the guards share in the rollout state."""
+    from .gates import trip_reason  # noqa: PLC0415
+
+    last = (breaker or {}).get("last_trip")
+    if not last:
+        return
+    for g in report.gates:
+        if g.name == "breaker" and g.verdict == FAIL:
+            g.reason = f"{g.reason}; last trip {trip_reason(last)}"
+
+
+def settle_progress(model: str, repo: str | os.PathLike, state: RolloutState, reason: str, *,
+                    rolled_back: bool = False) -> Progress | None:
+    """After the routing changed outside a rollout: a finished (``done``) rollout whose outcome
+    no longer holds in ``state`` -- its candidate is no longer the primary, or (A/B/n) its arms
+    left the split -- becomes ``rolled_back`` (``exporter rollback``) or ``superseded``, with
+    ``reason``, so status views stop calling it promoted. Active rollouts are left to their
+    driver (it notices changes at its next look). Never raises: logs and returns None."""
+    try:
+        return RolloutController(model, repo, reader=None, store=None).settle(state, reason,  # type: ignore[arg-type]
+                                                                              rolled_back=rolled_back)
+    except Exception as exc:  # noqa: BLE001 - the routing change stands; the record is only a view
+        log.warning("rollout progress of '%s' not updated after a routing change: %s", model, exc)
+        return None
+
+
 def metrics_reader(urls: Sequence[str], model: str, *, target: str | None = None,
                    timeout: float = 5.0) -> Reader:
     """A reader scraping every Triton metrics URL (one per replica) and summing them."""
@@ -188,7 +219,7 @@ class RolloutController:
                  on_step: Callable[[int, float, GateReport | None], Any] | None = None,
                  by: str = "controller", lease_s: float = LEASE_S,
                  latency_reader: LatencyReader | None = None):
-        self.model, self.reader = model, reader
+        self.model, self.reader, self.repo = model, reader, repo
         self.latency_reader = latency_reader
         self.config = config or RolloutConfig()
         self.store = store if store is not None else open_store(model, repo)
@@ -293,10 +324,11 @@ class RolloutController:
             golden = state.goldens.get(str(p.candidate), {})
             if golden.get("verdict") == FAIL:
                 # the guards never route to it: no traffic would ever judge it, so it is done
-                return self._finish(p, ROLLED_BACK, f"goldens FAIL on the server at {p.share:.0%}: "
-                                                    f"{golden.get('metrics')}")
+                return self._finish(p, ROLLED_BACK, f"{self._golden_text(golden)} (on the server, at "
+                                                    f"{p.share:.0%})")
             window = {k: getattr(p, k) for k in WINDOW}
-            report = self._look(window, readings, cfg, p.mode, self._latency(p.primary, p.candidate), p.share)
+            report = self._look(window, readings, cfg, p.mode, self._latency(p.primary, p.candidate), p.share,
+                                trip=state.breakers.get(str(p.candidate)))
             for k in WINDOW:
                 setattr(p, k, window[k])
             if report is None:
@@ -350,6 +382,59 @@ class RolloutController:
                 raise ControllerError(f"no running rollout of '{self.model}' to pause")
             p.status, p.reason = PAUSED, reason
             return self._save(p)
+
+    def settle(self, state: RolloutState, reason: str, *, rolled_back: bool = False) -> Progress | None:
+        """See :func:`settle_progress`."""
+        with self._lock():
+            p = self.status()
+            if p is None or p.status != DONE or self._holds(p, state):
+                return p
+            p.status = ROLLED_BACK if rolled_back else SUPERSEDED
+            p.reason = f"{p.reason}; then {reason}" if p.reason else reason
+            log.info("rollout of '%s' %s: %s", self.model, p.status, reason)
+            return self._save(p)
+
+    def _holds(self, p: Progress, state: RolloutState) -> bool:
+        """Whether what the finished rollout ``p`` left in the routing still stands in ``state``."""
+        if p.mode == "abn":
+            routed = {a.version for a in state.arms}
+            return bool(p.live_arms()) and set(p.live_arms()) <= routed
+        if self._config(p).promote:
+            return state.primary == p.candidate
+        return state.candidate is not None and state.candidate.version == p.candidate
+
+    def peek(self) -> dict[str, Any] | None:
+        """A look at the running window without acting on it: the gate reports the next look
+        would judge (per arm for A/B/n), from the reader's current metrics. Nothing is written.
+        None without a rollout; ``{"error": ...}`` when the metrics cannot be read."""
+        p = self.status()
+        if p is None:
+            return None
+        cfg = self._config(p)
+        state = self.store.load()
+        versions = p.live_arms() if p.mode == "abn" else [p.candidate]
+        out: dict[str, Any] = {"status": p.status, "windows": {}}
+        for v in versions:
+            window = ({k: p.arms[str(v)].get(k) for k in WINDOW} if p.mode == "abn"
+                      else {k: getattr(p, k) for k in WINDOW})
+            window = json.loads(json.dumps(window))  # a copy: _look writes into it
+            try:
+                readings = self.reader(p.primary, v)
+            except Exception as exc:  # noqa: BLE001 - unreachable replicas: said, not raised
+                return {"status": p.status, "error": f"metrics unavailable: {type(exc).__name__}: {exc}"}
+            if state is not None:
+                self._breaker_from_state(readings, state, v)
+            share = p.share * p.arms[str(v)]["weight"] if p.mode == "abn" else p.share
+            mode = "split" if p.mode == "abn" else p.mode
+            if window["baseline"] is None:
+                out["windows"][str(v)] = {"report": None, "reason": "no baseline yet (the driver's first look "
+                                                                    "takes it)", "readings": readings.to_dict()}
+                continue
+            report = self._look(window, readings, cfg, mode, self._latency(p.primary, v), share,
+                                trip=state.breakers.get(str(v)) if state else None)
+            out["windows"][str(v)] = {"report": None if report is None else report.to_dict(),
+                                      "reason": window["reason"], "readings": readings.to_dict()}
+        return out
 
     def abort(self, reason: str = "aborted by operator") -> Progress:
         """Stop the rollout and take the candidate out of the routing state."""
@@ -478,10 +563,16 @@ class RolloutController:
             return read(candidate, since), read(primary, since)
         return samples
 
+    def _golden_text(self, golden: dict[str, Any]) -> str:
+        from .gates import golden_reason  # noqa: PLC0415
+        from .route import validator_limits  # noqa: PLC0415
+
+        return golden_reason(golden, validator_limits(self.repo, self.model))
+
     @staticmethod
     def _look(window: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig, mode: str,
               latency: Callable[[float], tuple[Any, Any]] | None = None,
-              share: float | None = None) -> GateReport | None:
+              share: float | None = None, trip: dict[str, Any] | None = None) -> GateReport | None:
         """One look at a window (the :data:`WINDOW` fields of a candidate's progress, or of one
         arm); None while only its start was taken (the first look) or retaken (a counter reset)."""
         if window["baseline"] is None:
@@ -497,6 +588,7 @@ class RolloutController:
                 log.warning("latency samples unavailable (%s: %s); judging histogram buckets", type(exc).__name__, exc)
         report = evaluate(GuardReadings.from_dict(window["baseline"]), readings, cfg.gates, look=window["look"],
                           mode=mode, primary_reference=ref, latency_samples=samples, share=share)
+        _name_the_trip(report, trip)
         window["last_report"], window["reason"] = report.to_dict(), report.summary()
         if report.reset:
             window["baseline"], window["look"] = readings.to_dict(), 0
@@ -527,7 +619,7 @@ class RolloutController:
             # an arm's own share of traffic decides whether its latency is judged: a rarely called
             # arm runs cold even in paired timings (a same-speed arm at 15 % of ~90 req/s read 1.25x)
             report = self._look(arm, readings[v], cfg, "split", self._latency(p.primary, v),
-                                p.share * arm["weight"])
+                                p.share * arm["weight"], trip=state.breakers.get(str(v)) if state else None)
             if report is None:
                 continue
             verdicts[v] = report.verdict

@@ -110,6 +110,85 @@ def open_registry(repository: str | os.PathLike, **kwargs: Any) -> Registry:
     return Registry(uri, **kwargs)
 
 
+RECONCILE_TIMEOUT_S = 20.0
+
+
+def registry_exists(repository: str | os.PathLike) -> bool:
+    """Whether there is a registry to read for ``repository``: ``$MLFLOW_TRACKING_URI`` is set,
+    or the embedded sqlite store beside the repository exists (reads never create one)."""
+    uri = default_uri(repository)
+    db = _sqlite_path(uri)
+    return db is None or db.exists()
+
+
+def reconcile_registry(repository: str | os.PathLike, model: str, *, state: Any = None,
+                       primary: int | None = None, create: bool = False, registry: Registry | None = None,
+                       timeout: float = RECONCILE_TIMEOUT_S,
+                       warn: Callable[[str], Any] | None = None) -> str | None:
+    """Make the registry agree with the routing: the rollout state's primary (``primary``
+    overrides it), which serves the traffic, is PRODUCTION (registered from its manifest if it
+    was not), any other PRODUCTION becomes ARCHIVED (:meth:`Registry.ensure_production`).
+
+    For every CLI command that reads or changes rollout state. Skipped while a rollout of
+    ``model`` is active (its controller moves the stages; its promotion is not atomic with the
+    routing change), for a primary of -1 (none pinned yet) and, unless ``create``, when there is
+    no registry (:func:`registry_exists`). Never raises: a registry that fails or does not
+    answer within ``timeout`` seconds (a daemon thread) is reported through ``warn`` (default:
+    the log) and the command goes on. Returns a line saying what changed, or None."""
+    import threading  # noqa: PLC0415
+
+    say = warn or (lambda msg: log.warning("%s", msg))
+    repo = Path(repository)
+    try:
+        from tritonguard.repository import read_manifest  # noqa: PLC0415
+        from tritonguard.state import open_store  # noqa: PLC0415
+
+        from .controller import ACTIVE, RolloutController  # noqa: PLC0415
+        from .route import _guard_target  # noqa: PLC0415
+
+        if primary is None:
+            if state is None:
+                state = open_store(model, repo).load()
+            primary = state.primary if state is not None else -1
+        if primary is None or primary < 1 or (not create and registry is None and not registry_exists(repo)):
+            return None
+        progress = RolloutController(model, repo, reader=None).status()  # type: ignore[arg-type]
+        if progress is not None and progress.status in ACTIVE:
+            return None
+        vdir = repo / _guard_target(repo, model) / str(primary)
+    except Exception as exc:  # noqa: BLE001 - a view must not fail on the registry's account
+        say(f"registry not reconciled for '{model}': {type(exc).__name__}: {exc}")
+        return None
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            reg = registry or open_registry(repo)
+            info, changed = reg.ensure_production(
+                model, primary, manifest=read_manifest(vdir), source=str(vdir.resolve()),
+                reason=f"reconcile: v{primary} is the primary of the rollout state (it serves the traffic)")
+            box["changed"] = changed
+        except Exception as exc:  # noqa: BLE001 - reported below
+            lines = str(exc).strip().splitlines()
+            box["error"] = f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    worker = threading.Thread(target=work, name="tritonguard-reconcile", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    where = registry.uri if registry is not None else default_uri(repo)
+    if worker.is_alive():
+        say(f"registry {where} did not answer within {timeout:g} s: '{model}' v{primary} (the primary) "
+            "not checked for PRODUCTION")
+        return None
+    if "error" in box:
+        say(f"registry {where}: could not make '{model}' v{primary} (the primary) PRODUCTION: {box['error']}")
+        return None
+    if box.get("changed"):
+        return f"registry: '{model}' v{primary} is the primary, now PRODUCTION (any other PRODUCTION ARCHIVED)"
+    return None
+
+
 def code_hash(cwd: str | os.PathLike | None = None) -> str | None:
     """``git rev-parse HEAD`` (suffixed ``-dirty`` with uncommitted changes), None outside git."""
     try:
@@ -331,6 +410,38 @@ class Registry:
         if to == "PRODUCTION":
             return archived, version
         return archived, None if current == "PRODUCTION" else self.production(name)
+
+    def ensure_production(self, name: str, version: int, *, manifest: Mapping[str, Any] | None = None,
+                          source: str = "", reason: str = "") -> tuple[ModelVersionInfo, bool]:
+        """Make the registry say ``version`` is PRODUCTION because it *is* live (the routing's
+        primary): registers it first if needed (from ``manifest``), moves it to PRODUCTION with
+        the alias, archives every other PRODUCTION, and appends the move to the history
+        (``"reconcile": true``). Idempotent: (info, False) when the registry already agrees,
+        stale PRODUCTION tags and a misplaced alias included. Runs no approvers: it records
+        where traffic already went; approval belongs to the command that moved it (promote)."""
+        if self._find(name, version) is None:
+            if manifest is None:
+                raise RegistryError(f"'{name}' v{version} is not registered and has no manifest to register")
+            self.register(name, version, manifest, {}, source=source)
+        with self._locked(name):
+            mv = self._find(name, version)
+            info = self._info(name, mv)
+            others = [o.version for o in self.versions(name)
+                      if o.stage == "PRODUCTION" and o.mlflow_version != str(mv.version)]
+            if info.stage == "PRODUCTION" and self.production(name) == version and not others:
+                return info, False
+            if info.tags.get(f"{T}golden.verdict") == "FAIL":
+                raise RegistryError(f"'{name}' v{version} failed its golden check; it cannot become PRODUCTION")
+            archived, live = self._apply(name, mv, "PRODUCTION", info.stage, False)
+            self._append({"type": "transition", "model": name, "version": int(version),
+                          "mlflow_version": str(mv.version), "sha256": info.sha256, "from": info.stage,
+                          "to": "PRODUCTION", "archived": archived, "live": live, "approver": "",
+                          "by": _who(None), "reason": reason or "reconcile: the routing's primary",
+                          "rollback": False, "reconcile": True})
+        log.info("'%s' v%d: %s -> PRODUCTION (reconciled with the routing)%s", name, version, info.stage,
+                 f" (archived {archived})" if archived else "")
+        info.stage, info.tags[f"{T}stage"] = "PRODUCTION", "PRODUCTION"
+        return info, True
 
     def rollback(self, name: str, *, approver: str | None = None, reason: str = "") -> ModelVersionInfo:
         """Make :meth:`previous_production` PRODUCTION again; the current one is ARCHIVED."""

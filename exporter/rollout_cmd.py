@@ -76,6 +76,15 @@ def _controller(model: str, repository: Path, urls: list[str], *, approver: str 
                              latency_reader=latency), reg, target
 
 
+def _reconcile(repository: Path, model: str, **kwargs) -> None:
+    """The registry's PRODUCTION follows the routing's primary; problems are warnings."""
+    from .registry import reconcile_registry  # noqa: PLC0415
+
+    done = reconcile_registry(repository, model, warn=lambda msg: err.print(f"[yellow]![/] {msg}"), **kwargs)
+    if done:
+        err.print(f"[green]✓[/] {done}")
+
+
 def _who(progress) -> str:
     """``v2``, or for an A/B/n rollout ``arms v2=0.3, v3 (rolled_back)``."""
     if progress.mode != "abn":
@@ -85,7 +94,7 @@ def _who(progress) -> str:
 
 
 def _exit_for(progress) -> None:
-    style = {"done": "green", "running": "yellow", "paused": "yellow"}.get(progress.status, "red")
+    style = {"done": "green", "running": "yellow", "paused": "yellow", "superseded": "yellow"}.get(progress.status, "red")
     out.print(f"[bold]{progress.model}[/] {_who(progress)}: [{style}]{progress.status}[/] at step "
               f"{progress.step_index + 1}/{len(progress.steps)} ({progress.steps[progress.step_index]:g} %): "
               f"{progress.reason}")
@@ -192,14 +201,13 @@ def promote(
                 raise RegistryError(f"v{v} of '{target}' has no manifest in {vdir}: not an exported version")
             return reg.register(model, v, manifest, {}, source=str(vdir.resolve()))
 
-        # the version serving before the first registered rollout becomes PRODUCTION, so that
-        # a later `rollback` has somewhere to go back to
+        # the version serving now is PRODUCTION (registered if it was not: a guard pins its
+        # first version as primary without the registry), so that a later `rollback` has
+        # somewhere to go back to; a registry that fails here is said, and register() below decides
         state = open_store(model, repository).load()
         serving = primary or (state.primary if state else -1)
-        if reg.production(model) is None and serving > 0 and serving not in (version, *(arm_weights or ())):
-            stage = register(serving).stage
-            if stage != "PRODUCTION":
-                reg.transition(model, serving, "PRODUCTION", stage, approver, reason="serving before rollout")
+        if serving > 0 and serving not in (version, *(arm_weights or ())):
+            _reconcile(repository, model, primary=serving, create=True, registry=reg)
 
         def stage_version(v: int):
             info = register(v)
@@ -229,7 +237,8 @@ def promote(
         if not rollout:
             if info.stage != "PRODUCTION":
                 reg.transition(model, version, "PRODUCTION", info.stage, approver, reason="promoted without rollout")
-            apply(repository, model, RouteChange(primary=version, candidate=0), by="promote")
+            apply(repository, model, RouteChange(primary=version, candidate=0), by="promote",
+                  reason=f"v{version} made primary by promote --no-rollout")
             _purge(repository, model, "promote")
             out.print(f"[bold]{model}[/] v{version}: PRODUCTION and primary (no gradual rollout)")
             return
@@ -306,6 +315,7 @@ def rollback(
         if progress is not None and progress.status in ACTIVE:
             progress = ctl.abort(reason)
             _purge(repository, model, "rollback")
+            _reconcile(repository, model, registry=reg)
             out.print(f"[bold]{model}[/]: rollout of {_who(progress)} aborted, taken out of the routing")
             return
         target_version = reg.previous_production(model)
@@ -313,30 +323,45 @@ def rollback(
             raise RegistryError(f"'{model}' has no previous production version to roll back to")
         ensure_loaded(list(server or []), repository, model, target_version)
         info = reg.rollback(model, approver=approver, reason=reason)
-        apply(repository, model, RouteChange(primary=info.version, candidate=0), by="rollback")
+        apply(repository, model, RouteChange(primary=info.version, candidate=0), by="rollback",
+              reason=f"rolled back to v{info.version} by `exporter rollback` ({reason})", rolled_back=True)
         _purge(repository, model, "rollback")
     except (RouteError, RegistryError, ControllerError, ServingError) as exc:
         err.print(f"[bold red]✗ rollback failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    _reconcile(repository, model, registry=reg)
     out.print(f"[bold]{model}[/]: v{info.version} is primary and PRODUCTION again")
 
 
 @rollout_app.command("status")
 def rollout_status(
     model: Model,
+    server: Servers = None,
+    metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of each replica "
+                           "(repeat; default: each --server's port + 2).")] = None,
     repository: Repository = Path("model_repository"),
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable progress on stdout.")] = False,
 ) -> None:
-    """Show the rollout's step, dwell, status and last gate report."""
+    """Show the rollout's step, dwell, status and last gate report; with --server (as for
+    `rollout resume`), also the gates as the next look would judge them now (nothing is changed)."""
     from .controller import ControllerError, RolloutController  # noqa: PLC0415
+    from .serving import ServingError, metrics_urls  # noqa: PLC0415
 
     try:
+        urls = metrics_urls(list(server or []), metrics_url or [])
         progress = RolloutController(model, repository, reader=None).status()
-    except ControllerError as exc:  # unreadable progress, or its Redis unreachable
+    except (ControllerError, ServingError) as exc:  # unreadable progress, or its Redis unreachable
         err.print(f"[bold red]✗ status failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    _reconcile(repository, model)
+    live = None
+    if urls and progress is not None and progress.status in ("running", "paused"):
+        live = _peek(model, repository, urls)
     if as_json:
-        typer.echo(json.dumps(progress.to_dict() if progress else None, indent=2))
+        doc = progress.to_dict() if progress else None
+        if doc is not None and urls:
+            doc["live"] = live
+        typer.echo(json.dumps(doc, indent=2))
         return
     if progress is None:
         out.print(f"{model}: no rollout")
@@ -348,6 +373,36 @@ def rollout_status(
     for who, report in reports.items():
         for g in (report or {}).get("gates", []):
             out.print(f"  {who:<4}{g['name']:<11} {g['verdict']:<12} n={g['samples']:<7} {g['reason']}")
+    if urls and live is None:
+        out.print(f"  live: the rollout is {progress.status}; no window to look at")
+    elif live is not None and "error" in live:
+        out.print(f"  live: [red]{live['error']}[/]")
+    elif live is not None:
+        for v, w in live["windows"].items():
+            rep = w["report"]
+            head = f"  live v{v}: " + (f"{rep['verdict']} now (not recorded; the driver decides)" if rep
+                                       else w["reason"])
+            out.print(head)
+            for g in (rep or {}).get("gates", []):
+                out.print(f"    {g['name']:<11} {g['verdict']:<12} n={g['samples']:<7} {g['reason']}")
+
+
+def _peek(model: str, repository: Path, urls: list[str]) -> dict | None:
+    """The gates over the running window as of now, from the replicas' metrics (read only)."""
+    from .controller import ControllerError, RolloutController, metrics_reader, store_latency_reader  # noqa: PLC0415
+    from .route import RouteError, _guard_target  # noqa: PLC0415
+
+    try:
+        target = _guard_target(repository, model)
+        try:
+            latency = store_latency_reader(model, repository)
+        except Exception:  # noqa: BLE001 - the buckets still judge
+            latency = None
+        ctl = RolloutController(model, repository, metrics_reader(urls, model, target=target),
+                                latency_reader=latency)
+        return ctl.peek()
+    except (ControllerError, RouteError) as exc:
+        return {"error": str(exc)}
 
 
 @rollout_app.command("abort")

@@ -61,7 +61,11 @@ def _guard_target(repo: Path, model: str) -> str:
     return found[1]["parameters"]["target"]["string_value"]
 
 
-def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli") -> RolloutState:
+def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli", reason: str | None = None,
+          rolled_back: bool = False) -> RolloutState:
+    """Apply ``change`` to ``model``'s rollout state (one compare-and-set). A finished rollout
+    that the change undoes is marked in its progress record: ``rolled_back`` (``rolled_back=True``,
+    for ``exporter rollback``) or ``superseded``, with ``reason``."""
     repo = Path(repo)
     target = _guard_target(repo, model)
     versions = set(repository.versions(repo / target))
@@ -86,8 +90,15 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli") -> Ro
             if state.primary > 0:
                 state.previous_primary = state.primary
             state.primary = change.primary
+        before = state.candidate.version if state.candidate is not None else None
         if change.candidate is not None:
-            state.candidate = None if change.candidate == 0 else Candidate(change.candidate, change.share or 0.0)
+            if change.candidate == 0:
+                state.candidate = None
+            elif change.candidate == before:  # the same candidate again: keep its share unless given
+                state.candidate.share = state.candidate.share if change.share is None else change.share
+            else:  # a new candidate starts from nothing: no share, no shadow, unless given
+                state.candidate = Candidate(change.candidate, change.share or 0.0)
+                state.shadow_share = 0.0
         elif change.share is not None:
             if state.candidate is None:
                 raise RouteError("--share needs a candidate (--candidate N)")
@@ -95,7 +106,12 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli") -> Ro
         if state.candidate is not None and state.candidate.version == state.primary:
             state.candidate = None
         if change.shadow is not None:
+            if change.shadow > 0 and state.candidate is None:
+                raise RouteError("--shadow needs a candidate (--candidate N): it mirrors the primary's "
+                                 "traffic to the candidate")
             state.shadow_share = change.shadow
+        if state.candidate is None:  # no candidate, nothing to mirror to: its shadow goes with it
+            state.shadow_share = 0.0
         if change.fallback is not None:
             state.fallback = list(change.fallback)
         if change.default is not None:
@@ -121,9 +137,15 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli") -> Ro
 
     store = open_store(model, repo)
     try:
-        return store.update(update, by=by)
+        state = store.update(update, by=by)
     except StateError as exc:
         raise RouteError(str(exc)) from None
+    if change.primary is not None or change.candidate is not None or change.arms is not None:
+        # a finished rollout whose outcome this change undid says so (status, rollout status)
+        from .controller import settle_progress  # noqa: PLC0415
+
+        settle_progress(model, repo, state, reason or f"routing changed by {by}", rolled_back=rolled_back)
+    return state
 
 
 def describe_arms(state: dict[str, Any]) -> str | None:
@@ -136,12 +158,70 @@ def describe_arms(state: dict[str, Any]) -> str | None:
             + f", primary v{state['primary']['version']} {rest:.0%}")
 
 
-def show(repo: Path, model: str) -> dict[str, Any]:
+def named_versions(state: RolloutState) -> list[int]:
+    """Versions the state routes to or may fall back to: primary, candidate, arms, previous primary."""
+    named = [state.primary, *(a.version for a in state.arms), *state.route_versions()]
+    return [v for v in dict.fromkeys(named) if v > 0]
+
+
+def breakers(state: RolloutState) -> dict[str, dict[str, Any]]:
+    """Breaker per version: every version the state names (a guard shares a breaker's state only
+    when it changes, so a version that never tripped has no document: it is closed) plus every
+    version with a shared document (a tripped breaker stays listed after its version left)."""
+    out: dict[str, dict[str, Any]] = {}
+    for v in sorted({*map(str, named_versions(state)), *state.breakers}, key=lambda k: (not k.isdigit(), k.zfill(9))):
+        b = state.breakers.get(v) or {}
+        last = b.get("last_trip")
+        out[v] = {"state": b.get("state", CLOSED), "trips": b.get("trips", 0), "last_trip": last,
+                  "shared": v in state.breakers}
+        if last:
+            out[v]["last_trip_text"] = describe_trip(last)
+    return out
+
+
+def describe_trip(trip: dict[str, Any]) -> str:
+    """``latency: p95_ms 41.2 > budget_ms 20`` from a breaker's ``last_trip`` document."""
+    from .gates import trip_reason  # noqa: PLC0415
+
+    return trip_reason(trip)
+
+
+def show(repo: Path, model: str, *, reconcile: bool = True) -> dict[str, Any]:
+    """The state as a dict for display: breakers of every version it names (closed unless shared
+    otherwise), golden results with their figures against the limits (``summary``). With
+    ``reconcile``, the registry is brought in line with the state first (the primary is
+    PRODUCTION; a warning, never an error, when it cannot be)."""
+    from .gates import golden_reason  # noqa: PLC0415
+
+    repo = Path(repo)
     _guard_target(repo, model)
     state = open_store(model, repo).load()
     if state is None:
         return {"model": model, "state": None}
+    if reconcile:
+        from .registry import reconcile_registry  # noqa: PLC0415
+
+        reconcile_registry(repo, model, state=state)
     d = state.to_dict()
-    d["breakers"] = {v: {"state": b.get("state", CLOSED), "trips": b.get("trips", 0),
-                         "last_trip": b.get("last_trip")} for v, b in state.breakers.items()}
+    d["breakers"] = breakers(state)
+    limits = validator_limits(repo, model)
+    for g in d.get("goldens", {}).values():
+        g["summary"] = golden_reason(g, limits)
     return d
+
+
+def validator_limits(repo: Path, model: str):
+    """The guard's ``validator.*`` settings (the limits its goldens are judged against), from
+    the guard's config.pbtxt (``NAME_guard`` for a text model); the defaults when unreadable."""
+    from tritonguard.config import from_params  # noqa: PLC0415
+    from tritonguard.validators import ValidatorConfig  # noqa: PLC0415
+
+    try:
+        found = repository.guard_dir(Path(repo), model)
+        if found is None:
+            return ValidatorConfig()
+        params = {k[len("validator."):]: v.get("string_value", "")
+                  for k, v in (found[1].get("parameters") or {}).items() if k.startswith("validator.")}
+        return from_params(ValidatorConfig, params, section="validator", model=model)
+    except Exception:  # noqa: BLE001 - only for display: the defaults are what a guard would use
+        return ValidatorConfig()

@@ -218,6 +218,7 @@ def live(repository: Path, metrics_urls: list[str]) -> list[dict[str, Any]]:
     from tritonguard.state import StateError, open_store  # noqa: PLC0415
 
     from .controller import ControllerError, RolloutController  # noqa: PLC0415
+    from .registry import reconcile_registry  # noqa: PLC0415
 
     repository = Path(repository)
     guards = []
@@ -226,11 +227,14 @@ def live(repository: Path, metrics_urls: list[str]) -> list[dict[str, Any]]:
             continue
         name = m.get("serves_as") or m["name"]  # rollout state and metrics go by the public name
         entry: dict[str, Any] = {"model": name, "target": m.get("target")}
+        st = None
         try:
             st = open_store(name, repository).load()
             entry["state"] = st.to_dict() if st else None
         except (StateError, OSError) as exc:
             entry["state"] = {"error": str(exc)}
+        if st is not None:  # the registry says PRODUCTION for what serves (never raises; warns)
+            reconcile_registry(repository, name, state=st)
         try:
             p = RolloutController(name, repository, reader=None).status()  # type: ignore[arg-type]
             entry["rollout"] = None if p is None else {

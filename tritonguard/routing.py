@@ -720,7 +720,9 @@ class Router:
                 self.metrics.set("output_drift", float(ewma.value), target_version=str(cand))
                 seen = self._output_rows[cand] = self._output_rows.get(cand, 0) + rows
                 if ewma.exceeded and seen >= self.config.output_drift_min_rows:
-                    trip = b.trip(now, "drift", {"fail_share_ewma": ewma.value, "kind": kind, **verdict.metrics})
+                    trip = b.trip(now, "drift", {"fail_share_ewma": ewma.value,
+                                                  "limit": self.config.output_drift_threshold, "kind": kind,
+                                                  **verdict.metrics})
                     self._output_drift.pop(cand, None)
                     self._output_rows.pop(cand, None)
                     shared, changed = b.to_dict(), True
