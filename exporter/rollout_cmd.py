@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-out = Console(soft_wrap=True)  # no hard wraps at 80 columns when piped: a CI log keeps whole lines
-err = Console(stderr=True, soft_wrap=True)
+from .consoles import WideConsole
+
+# no wraps at 80 columns when piped (tables included): a CI log keeps whole lines
+out = WideConsole(soft_wrap=True)
+err = WideConsole(stderr=True, soft_wrap=True)
 EXIT_ROLLED_BACK, EXIT_BAD_INPUT, EXIT_HOLDING = 1, 2, 3
 
 Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
