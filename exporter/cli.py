@@ -316,3 +316,8 @@ app.add_typer(rollout_app, name="rollout")
 from .compile_cmd import compile_command  # noqa: E402
 
 app.command("compile")(compile_command)
+
+# the profiling level for a guarded pipeline: sweep guard + target serving knobs together
+from .tune_cmd import tune_command  # noqa: E402
+
+app.command("tune")(tune_command)
