@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from tritonguard.state import JUDGES
 
@@ -75,48 +76,29 @@ LATENCY = "tritonguard_target_latency_seconds_bucket"
 
 # -- Prometheus text exposition ---------------------------------------------------------
 def parse(text: str) -> Series:
-    """Prometheus text format -> ``{(name, frozenset(labels.items())): value}``."""
-    out: Series = {}
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            name, labels, rest = _split_sample(line)
-            value = float(rest.split()[0])  # an optional timestamp follows
-        except (ValueError, IndexError):
-            log.warning("metrics line %d not understood, skipped: %.120s", lineno, line)
-            continue
-        out[(name, frozenset(labels.items()))] = value
-    return out
+    """Prometheus text format -> ``{(name, frozenset(labels.items())): value}``.
+
+    Samples only, parsed by ``prometheus_client``: comment lines are dropped before it sees the
+    text, since on a ``# TYPE x counter`` it renames the samples of ``x`` to ``x_total`` (Triton's
+    ``nv_*`` counters). A line it cannot parse is logged and skipped, not the whole scrape.
+    """
+    lines = [(n, ln) for n, raw in enumerate(text.splitlines(), 1)
+             if (ln := raw.strip()) and not ln.startswith("#")]
+    try:
+        return _samples("\n".join(ln for _, ln in lines))
+    except ValueError:  # a bad line stops the library's parser: take the lines one by one
+        out: Series = {}
+        for lineno, line in lines:
+            try:
+                out.update(_samples(line))
+            except ValueError:
+                log.warning("metrics line %d not understood, skipped: %.120s", lineno, line)
+        return out
 
 
-def _split_sample(line: str) -> tuple[str, dict[str, str], str]:
-    brace = line.find("{")
-    space = line.find(" ")
-    if brace == -1 or (space != -1 and space < brace):
-        name, rest = line.split(None, 1)
-        return name, {}, rest
-    name, i, labels = line[:brace], brace + 1, {}
-    while True:
-        while line[i] in " ,":
-            i += 1
-        if line[i] == "}":
-            return name, labels, line[i + 1:]
-        eq = line.index("=", i)
-        key = line[i:eq].strip()
-        if line[eq + 1] != '"':
-            raise ValueError("label value is not quoted")
-        i, chars = eq + 2, []
-        while line[i] != '"':
-            if line[i] == "\\":  # the format escapes only \\, \" and \n
-                i += 1
-                chars.append("\n" if line[i] == "n" else line[i])
-            else:
-                chars.append(line[i])
-            i += 1
-        labels[key] = "".join(chars)
-        i += 1
+def _samples(text: str) -> Series:
+    return {(s.name, frozenset(s.labels.items())): float(s.value)
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def scrape(url: str, timeout: float = 5.0) -> Series:

@@ -77,6 +77,13 @@ def test_parse_exposition():
            frozenset({"model": "digits", "target_version": "2", "version": "1", "le": "+Inf"}.items()))
     assert s[inf] == 12.0
     assert parse("garbage line without value\nok 1\n") == {("ok", frozenset()): 1.0}
+    # a counter declared without _total keeps its name (prometheus_client would add _total)
+    typed = parse('# TYPE nv_inference_count counter\nnv_inference_count{model="m"} 3\n')
+    assert typed == {("nv_inference_count", frozenset({("model", "m")})): 3.0}
+    # a bad line among good ones drops only itself; values are floats, never ints
+    mixed = parse('a{x="1"} 2\nb{x=unquoted} 3\nc 4 1700000000000\n')
+    assert mixed == {("a", frozenset({("x", "1")})): 2.0, ("c", frozenset()): 4.0}
+    assert all(type(v) is float for v in mixed.values())
 
 
 def test_scrape_real_http_endpoint():
