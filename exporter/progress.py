@@ -9,12 +9,12 @@ Two backends, one interface (``read``, ``write`` inside ``lock()``, ``driver()``
 - :class:`RedisProgress`, whenever the state is in Redis (``TRITONGUARD_STATE_URL``): the
   progress document sits beside it (``tritonguard:rollout:<model>``), so a rollout started on
   one host can be watched, paused, aborted or resumed from any other, and survives the loss of
-  the host that drove it. Both locks are leases: ``SET key token NX PX lease``, renewed by a
-  daemon thread every third of the lease, released by compare-and-delete. Writes are fenced: a
-  Lua script stores the document only while the writer's lock token is still in place, so a
-  writer whose lease lapsed (a stall longer than the lease) writes nothing and says so. A
-  driver that dies stops renewing; its lease lapses within ``lease_s`` and ``rollout resume``
-  anywhere takes over at the same step.
+  the host that drove it. Both locks are leases, redis-py's ``Lock`` (``SET key token NX PX
+  lease``, released by compare-and-delete), renewed by a daemon thread every third of the lease.
+  Writes are fenced: a Lua script stores the document only while the writer's lock token is
+  still in place, so a writer whose lease lapsed (a stall longer than the lease) writes nothing
+  and says so. A driver that dies stops renewing; its lease lapses within ``lease_s`` and
+  ``rollout resume`` anywhere takes over at the same step.
 
 Redis errors surface as :class:`ProgressUnavailable` (a :class:`StateError`), which the
 controller treats like a state-store outage: hold, look again later, never pass a gate.
@@ -23,21 +23,21 @@ controller treats like a state-store outage: hold, look again later, never pass 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from filelock import Timeout
+
 from tritonguard.errors import TritonGuardError
 from tritonguard.repository import atomic_write
-from tritonguard.state import RedisStateStore, StateUnavailable
+from tritonguard.state import RedisStateStore, StateUnavailable, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +78,15 @@ class FileProgress:
     @contextlib.contextmanager
     def _flock(self, suffix: str, blocking: bool, model: str) -> Iterator[_Held]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(f"{self.path}{suffix}", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = file_lock(f"{self.path}{suffix}")
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                raise ControllerError(f"another process is driving the rollout of '{model}'") from None
+            lock.acquire(blocking=blocking)
+        except Timeout:
+            raise ControllerError(f"another process is driving the rollout of '{model}'") from None
+        try:
             yield _Held()
         finally:
-            os.close(fd)
+            lock.release()
 
     def lock(self):
         return self._flock(".lock", True, self.path.parent.name)
@@ -96,8 +96,6 @@ class FileProgress:
 
 
 # -- redis ------------------------------------------------------------------------------------
-_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 _FENCED_SET = "if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('set', KEYS[2], ARGV[2]) return 1 end return 0"
 
 
@@ -112,39 +110,44 @@ def _safe_url(url: str) -> str:
 
 
 class Lease(_Held):
-    """A Redis key held with a random token and renewed in the background until released."""
+    """A redis-py ``Lock`` whose token names its holder (for :meth:`RedisProgress.holder`),
+    renewed in the background until released."""
 
     def __init__(self, progress: RedisProgress, key: str, ttl_s: float):
-        self.progress, self.key, self.ttl_ms = progress, key, max(100, int(ttl_s * 1000))
+        self.progress, self.key = progress, key
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        # not thread-local: the renewal thread renews with the token the caller's thread took
+        self._lock = progress.client.lock(key, timeout=max(0.1, ttl_s), sleep=0.05, thread_local=False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def acquire(self) -> bool:
-        if not self.progress._call(self.progress.client.set, self.key, self.token, nx=True, px=self.ttl_ms):
+    def acquire(self, wait_s: float | None = None) -> bool:
+        """Take the lease now, or (``wait_s``) retry for that long."""
+        if not self.progress._call(self._lock.acquire, blocking=wait_s is not None, blocking_timeout=wait_s,
+                                   token=self.token):
             return False
         self._thread = threading.Thread(target=self._renew, name=f"lease {self.key}", daemon=True)
         self._thread.start()
         return True
 
     def _renew(self) -> None:
-        period = self.ttl_ms / 3000
-        while not self._stop.wait(period):
+        redis = self.progress._redis
+        while not self._stop.wait(self._lock.timeout / 3):
             try:
-                if not self.progress._call(self.progress._renew, keys=[self.key], args=[self.token, self.ttl_ms]):
-                    self.lost = True
-                    log.error("lease %s lapsed (another holder took it, or renewal stalled past the lease)",
-                              self.key)
-                    return
-            except ProgressUnavailable as exc:  # keep trying: the lease may still hold
-                log.warning("lease %s: renewal failed: %s", self.key, exc)
+                self._lock.reacquire()  # the TTL back to the full lease, if the token is still ours
+            except redis.exceptions.LockNotOwnedError:
+                self.lost = True
+                log.error("lease %s lapsed (another holder took it, or renewal stalled past the lease)", self.key)
+                return
+            except redis.RedisError as exc:  # keep trying: the lease may still hold
+                log.warning("lease %s: renewal failed: %s: %s", self.key, type(exc).__name__, exc)
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        with contextlib.suppress(ProgressUnavailable):  # it lapses by itself within the lease
-            self.progress._call(self.progress._release, keys=[self.key], args=[self.token])
+        with contextlib.suppress(self.progress._redis.RedisError):  # not ours any more, or Redis away:
+            self._lock.release()  # it lapses by itself within the lease
 
 
 class RedisProgress:
@@ -159,8 +162,6 @@ class RedisProgress:
         self.where = f"{_safe_url(url)} key {self.key}"
         # unlike the guards' reads (100 ms, then back off), the controller can afford to wait
         self.client = client or redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-        self._renew = self.client.register_script(_RENEW)
-        self._release = self.client.register_script(_RELEASE)
         self._fenced_set = self.client.register_script(_FENCED_SET)
         self._lock: Lease | None = None
 
@@ -194,12 +195,9 @@ class RedisProgress:
     @contextlib.contextmanager
     def lock(self) -> Iterator[Lease]:
         lease = Lease(self, self.lock_key, self.lease_s)
-        deadline = time.monotonic() + self.lock_wait_s
-        while not lease.acquire():
-            if time.monotonic() > deadline:
-                raise ControllerError(f"the rollout progress of '{self.model}' stayed locked for "
-                                      f"{self.lock_wait_s:g} s (held by {self.holder(self.lock_key)})")
-            time.sleep(0.05)
+        if not lease.acquire(wait_s=self.lock_wait_s):
+            raise ControllerError(f"the rollout progress of '{self.model}' stayed locked for "
+                                  f"{self.lock_wait_s:g} s (held by {self.holder(self.lock_key)})")
         self._lock = lease
         try:
             yield lease

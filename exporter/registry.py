@@ -8,7 +8,7 @@ the tag ``tritonguard.stage`` (DRAFT -> STAGING -> PRODUCTION -> ARCHIVED) plus 
 
 MLflow has no compare-and-set, so :meth:`Registry.transition` adds one:
 
-- embedded sqlite store (the default, :func:`default_uri`): an exclusive ``fcntl`` lock on
+- embedded sqlite store (the default, :func:`default_uri`): an exclusive ``flock`` on
   ``<db>.lock`` around "re-read the stage, compare, write, append history". Two processes
   promoting at once are serialised; the second finds the stage moved and gets StageConflict.
 - any other tracking URI (a team server) with a Redis to share (``lock_url``, default
@@ -31,7 +31,6 @@ it); it is only ever appended to.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import getpass
 import hashlib
 import importlib
@@ -51,6 +50,7 @@ from urllib.parse import unquote
 
 from tritonguard.audit import GENESIS, VerifyResult, canonical, verify
 from tritonguard.errors import TritonGuardError
+from tritonguard.state import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -469,12 +469,8 @@ class Registry:
     def _locked(self, name: str):
         if self.lock_path is not None:
             self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+            with file_lock(self.lock_path):
                 yield
-            finally:
-                os.close(fd)  # closing drops the lock
             return
         if self.lock_url:
             from .progress import ControllerError, ProgressUnavailable, RedisProgress  # noqa: PLC0415
@@ -509,9 +505,7 @@ class Registry:
         remote registries whose lock is only optimistic."""
         path = self.history_path
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with file_lock(f"{path}.lock"):
             seq, prev = _tail(path)
             rec = {"seq": seq, "ts": self.clock(), "prev": prev, **fields}
             body = canonical(rec)
@@ -520,8 +514,6 @@ class Registry:
                 f.write(line)
                 f.flush()
                 os.fsync(f.fileno())
-        finally:
-            os.close(fd)
 
     def verify_history(self) -> VerifyResult:
         if not self.history_path.exists():

@@ -33,7 +33,6 @@ would interleave two chains, so the second one fails at construction (an advisor
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import hmac
 import json
@@ -52,6 +51,8 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from .errors import ConfigError, TritonGuardError
+from .outage import Backoff
+from .state import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -322,8 +323,7 @@ class RedisAnchors:
         self.client = client or redis.Redis.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
             retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self._down_until = 0.0
-        self._backoff = 0.0
+        self._health = Backoff(monotonic, self.BACKOFF_START_S, self.BACKOFF_MAX_S)
 
     def __str__(self) -> str:
         u = urlsplit(self.url)
@@ -333,15 +333,14 @@ class RedisAnchors:
         return f"{self}[{name}]"
 
     def _call(self, fn: Any) -> Any:
-        if self.monotonic() < self._down_until:
+        if not self._health.available():
             raise AnchorError(f"anchor store {self} is backing off after an error")
         try:
             out = fn()
         except self._redis.RedisError as exc:
-            self._backoff = min(self.BACKOFF_MAX_S, self._backoff * 2 if self._backoff else self.BACKOFF_START_S)
-            self._down_until = self.monotonic() + self._backoff
+            self._health.fail()
             raise AnchorError(f"anchor store {self}: {type(exc).__name__}: {exc}") from None
-        self._backoff = 0.0
+        self._health.recover()
         return out
 
     def put(self, name: str, blob: str) -> None:
@@ -452,11 +451,10 @@ class AuditLog:
         self.name = anchor_name(self.path)
         self.anchor_path = local_anchor_path(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._owner = file_lock(f"{self.path}.lock", 0o600)
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._lock_fd)
+            self._owner.acquire(blocking=False)
+        except OSError:  # filelock.Timeout is one
             raise ConfigError(f"audit.path '{self.path}' is being written by another audit log; "
                               "give each guard instance its own file (e.g. suffix it with the pid)") from None
         self._seq, self._prev = self._resume()
@@ -510,7 +508,7 @@ class AuditLog:
         self._wake.set()
         self._thread.join(timeout)
         os.close(self._fd)
-        os.close(self._lock_fd)
+        self._owner.release()
         closer = getattr(self.anchors, "close", None)
         if closer is not None:
             closer()

@@ -25,7 +25,6 @@ import base64
 import binascii
 import contextlib
 import enum
-import fcntl
 import hashlib
 import json
 import logging
@@ -47,6 +46,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .errors import ConfigError
+from .outage import Backoff
+from .state import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -315,32 +316,31 @@ def _frozen(value: Mapping[str, np.ndarray]) -> Value:
 
 
 # -- tiers ------------------------------------------------------------------------------------
-class _Health:
+class _Health(Backoff):
     """Backoff of one tier: after an error it is skipped (not retried) until ``until``."""
 
     def __init__(self, name: str, clock: Any):
-        self.name, self.clock = name, clock
-        self.backoff = 0.0
-        self.until = 0.0
-        self.errors = 0
-
-    def available(self) -> bool:
-        return not self.backoff or self.clock() >= self.until
+        super().__init__(clock, BACKOFF_S, MAX_BACKOFF_S)
+        self.name, self.errors = name, 0
 
     def failed(self, exc: BaseException) -> None:
         self.errors += 1
         if not self.backoff:  # log once per outage, not once per request
             log.warning("cache %s failed (%s: %s); skipping it for %.0f s, then retrying with backoff",
                         self.name, type(exc).__name__, exc, BACKOFF_S)
-        self.backoff = min(self.backoff * 2, MAX_BACKOFF_S) if self.backoff else BACKOFF_S
-        self.until = self.clock() + self.backoff
+        self.fail()
 
     def ok(self) -> None:
-        if self.backoff:
+        if self.recover():
             log.info("cache %s is back", self.name)
-            self.backoff = 0.0
 
 
+# Kept hand-written (issue 16): an entry expires at its own time (an L2/L3 promotion keeps the
+# row's earlier expiry), which cachetools.TTLCache (one ttl for all) cannot express; TLRUCache
+# can, but is slower on the hot path. timeit, 100k mixed ops (30% put) of small numpy entries,
+# 4096 keys over 1024 entries, under a lock as here, cachetools 7.3.3, 2 shared cores, best of
+# 5 in two runs: this class 102-147 ms, TLRUCache 373-636 ms, TTLCache 323-570 ms
+# (loop overhead 12 ms): about 3.5-4x slower.
 class _Lru:
     def __init__(self, capacity: int, ttl: float):
         self.capacity, self.ttl = capacity, ttl
@@ -406,18 +406,6 @@ def _ident(path: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-@contextlib.contextmanager
-def _flocked(path: Path) -> Any:
-    """An exclusive flock on ``path`` (created owner-only), released when the block ends or the
-    process dies."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 class _Sqlite:
     """Encrypted rows in one WAL-mode SQLite file; safe for several processes of one host.
 
@@ -449,7 +437,7 @@ class _Sqlite:
         One opener at a time: the file cannot move between its stat and its check, and processes
         creating a fresh file together would otherwise get "database is locked" (switching it to
         WAL needs an exclusive SQLite lock, and SQLite refuses rather than waits on that race)."""
-        with _flocked(self._lockfile):
+        with file_lock(self._lockfile, 0o600):
             try:
                 return self._connect()
             except _Damaged as exc:
@@ -540,7 +528,7 @@ class _Sqlite:
             if now - self._healed_at < HEAL_EVERY_S:
                 return False
             self._healed_at = now
-            with _flocked(self._lockfile):
+            with file_lock(self._lockfile, 0o600):
                 self._move_aside(_Damaged(self._ident, str(exc)))
             self._reopen()
             return True

@@ -184,6 +184,12 @@ def ks_2samp_rows(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     """Two-sample KS per row of ``a`` [f, n1] and ``b`` [f, n2]: statistic and p-value.
 
     Equal to ``scipy.stats.ks_2samp(a[i], b[i], method="asymp")`` for every row, in one sort.
+    Kept hand-written: ``scipy.stats.ks_2samp(a, b, axis=1, method="asymp")`` gives the same
+    numbers (within 1e-13) but in scipy 1.17 its ``axis`` is a per-row Python loop
+    (``apply_along_axis``, one ``kstwo.sf`` per row). Measured on one
+    :meth:`DriftMonitor.scores` (64 features, window 2000, 2 shared CPU cores, timeit, best
+    of 7, interleaved): reference sample 500: 38 ms here vs 64 ms with scipy's axis=; reference
+    5000: 80 ms vs 123 ms. Scoring holds the lock that the request path's ``update`` takes.
     """
     n1, n2 = a.shape[1], b.shape[1]
     pooled = np.concatenate([a, b], axis=1)

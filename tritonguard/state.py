@@ -4,7 +4,7 @@ Each Triton model instance is its own process, so routing (primary, candidate sh
 chain) and breaker state live in a store, never in module globals. Two stores, one interface:
 
 - :class:`FileStateStore`: ``<repo>/<guard>/rollout_state.json``; writes are atomic replaces
-  under an ``fcntl.flock`` on a sidecar lock file, so writers in separate processes never lose
+  under an ``flock`` (:func:`file_lock`) on a sidecar lock file, so writers in separate processes never lose
   an update; ``poll`` costs one ``stat`` while nothing changed.
 - :class:`RedisStateStore`: one hash per model; writes are WATCH/MULTI/EXEC compare-and-set.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import json
 import logging
 import os
@@ -30,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from filelock import FileLock
 
 from .errors import TritonGuardError
+from .outage import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -350,6 +351,14 @@ def _breaker_fn(version: int | str, fn: BreakerUpdater) -> Updater:
     return update
 
 
+def file_lock(path: str | os.PathLike, mode: int = 0o644) -> FileLock:
+    """An exclusive ``flock`` on ``path`` (created with ``mode``) for a ``with`` block; the kernel
+    drops it when the holder dies. No soft-lock fallback where flock is missing (a marker file
+    would outlive a dead holder); a waiter polls every 5 ms (filelock's default is 50). Not
+    thread-local, so another thread may release it: make one per holder, never share one."""
+    return FileLock(path, mode=mode, fallback_to_soft=False, poll_interval=0.005, thread_local=False)
+
+
 class FileStateStore:
     """The state document as a file; see the module docstring."""
 
@@ -409,15 +418,9 @@ class FileStateStore:
             return None
         return self._last
 
-    @contextlib.contextmanager
-    def _locked(self):
+    def _locked(self) -> FileLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor drops the lock
+        return file_lock(self.lock_path)
 
     def _write(self, state: RolloutState) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
@@ -484,24 +487,20 @@ class RedisStateStore:
             retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.errors = 0
         self._last: RolloutState | None = None
-        self._down_until = 0.0
-        self._backoff = 0.0
+        self._health = Backoff(monotonic, self.BACKOFF_START_S, self.BACKOFF_MAX_S)
 
     # -- outage handling ------------------------------------------------------------------
     def _available(self) -> bool:
-        return self.monotonic() >= self._down_until
+        return self._health.available()
 
     def _failed(self, exc: Exception) -> None:
         self.errors += 1
-        self._backoff = min(self.BACKOFF_MAX_S, self._backoff * 2 if self._backoff else self.BACKOFF_START_S)
-        self._down_until = self.monotonic() + self._backoff
         log.error("rollout state store %s unreachable (%s: %s); retrying in %.0f s", self.url,
-                  type(exc).__name__, exc, self._backoff)
+                  type(exc).__name__, exc, self._health.fail())
 
     def _ok(self) -> None:
-        if self._backoff:
+        if self._health.recover():
             log.info("rollout state store %s reachable again", self.url)
-        self._backoff = 0.0
 
     # -- reads ----------------------------------------------------------------------------
     def _parse(self, raw: bytes | None) -> RolloutState | None:

@@ -610,6 +610,10 @@ class SharedQuotaManager(QuotaManager):
             raise
         self._fd = fd
 
+    # Kept on fcntl, not filelock (issue 16): this runs on every request and locks the fd that
+    # also backs the mmap. filelock opens and closes its own descriptor per acquire and, when
+    # contended, polls with sleeps instead of blocking in the kernel. Uncontended lock+unlock
+    # (timeit, 20k, 2 shared cores): 2 us here vs 214 us with filelock 4.3.1 (one FileLock kept).
     @contextlib.contextmanager
     def _locked(self):
         with self._lock:

@@ -1,3 +1,4 @@
+import fcntl
 import json
 import multiprocessing
 import os
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from filelock import Timeout
 
 from tritonguard.state import (
     Arm,
@@ -18,6 +20,7 @@ from tritonguard.state import (
     StateConflict,
     StateError,
     StateUnavailable,
+    file_lock,
     open_store,
 )
 
@@ -290,7 +293,7 @@ def test_redis_down_returns_last_known_quickly(redis_server):
         assert store.poll(None) == good
         assert time.perf_counter() - t0 < 0.3
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-        assert store.errors == 1 and store._backoff == 5.0
+        assert store.errors == 1 and store._health.backoff == 5.0
         # backing off: no network at all, even though the server is back
         t0 = time.perf_counter()
         assert store.load() == good and store.poll(1) is None
@@ -303,12 +306,12 @@ def test_redis_down_returns_last_known_quickly(redis_server):
         t0 = time.perf_counter()
         assert store.load() == good
         assert time.perf_counter() - t0 < 0.3
-        assert store.errors == 2 and store._backoff == 10.0
+        assert store.errors == 2 and store._health.backoff == 10.0
         clock[0] = 1000.0
         for _ in range(5):
             store.load()
             clock[0] += 1000.0
-        assert store._backoff == 60.0
+        assert store._health.backoff == 60.0
     finally:
         # the session's shared server: leave it running for the tests after this one
         if redis_server.proc.poll() is None:
@@ -316,7 +319,7 @@ def test_redis_down_returns_last_known_quickly(redis_server):
         redis_server.start()
     # reachable again: the store recovers (the new server is empty, so the last good one stays)
     clock[0] += 1000.0
-    assert store.load() == good and store._backoff == 0.0
+    assert store.load() == good and store._health.backoff == 0.0
     assert store.update(set_share(0.2)).revision == 1
 
 
@@ -325,3 +328,22 @@ def test_open_store_reads_env(monkeypatch, tmp_path):
     assert isinstance(open_store("m", tmp_path), RedisStateStore)
     monkeypatch.delenv("TRITONGUARD_STATE_URL")
     assert isinstance(open_store("m", Path(tmp_path)), FileStateStore)
+
+
+def test_file_lock_is_an_flock_with_its_mode(tmp_path):
+    """filelock-backed: excludes another holder (even in this process), interoperates with a plain
+    ``fcntl.flock`` (processes still on the old code), keeps the file and its mode on release."""
+    path = tmp_path / "x.lock"
+    with file_lock(path, 0o600):
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+        with pytest.raises(Timeout):
+            file_lock(path).acquire(blocking=False)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    assert path.exists()
+    with file_lock(path):  # free again
+        pass
