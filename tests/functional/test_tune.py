@@ -37,6 +37,10 @@ def test_tune_digits_report_apply_and_hand_edit(exported_repo, tmp_path, monkeyp
     repo = tmp_path / "repo"
     for name in ("digits", "digits_raw"):
         shutil.copytree(exported_repo / name, repo / name, ignore=shutil.ignore_patterns(".latency"))
+    if not (repo / "digits" / "rollout_state.json").exists():  # a fresh export: no server loaded it yet
+        from exporter.route import RouteChange, apply  # noqa: PLC0415
+
+        apply(repo, "digits", RouteChange(primary=repository.latest_version(repo / "digits_raw")), by="test")
     state_before = (repo / "digits" / "rollout_state.json").read_bytes()
     raw_cfg = repo / "digits_raw" / "config.pbtxt"
     edited = {}
