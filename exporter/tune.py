@@ -17,14 +17,12 @@ Everything here but :class:`Session` runs without a server (and is unit-tested t
 from __future__ import annotations
 
 import copy
-import csv
 import dataclasses
 import json
 import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -499,33 +497,14 @@ class CoordinateDescent:
 
 
 # -- measuring -------------------------------------------------------------------------------
-def sentences(n: int = 48) -> list[str]:
-    """Varied real text that ships offline (first lines of stdlib docstrings), as perf/soak.py."""
-    import inspect  # noqa: PLC0415
-    import pydoc  # noqa: PLC0415
-
-    out: list[str] = []
-    for mod in ("os", "json", "re", "collections", "itertools", "functools", "pathlib", "textwrap", "shutil"):
-        try:
-            module = pydoc.locate(mod)
-        except pydoc.ErrorDuringImport:
-            continue
-        for _, obj in inspect.getmembers(module):
-            line = (inspect.getdoc(obj) or "").strip().split("\n")[0].strip()
-            if 12 < len(line) < 300 and line not in out:
-                out.append(line)
-    import random  # noqa: PLC0415
-
-    random.Random(0).shuffle(out)
-    return (out or ["Canary releases send a small share of traffic to a new model version first."])[:n]
-
-
 def input_data(pipe: Pipeline, configs: dict[str, dict[str, Any]], path: Path) -> Path:
     """perf_analyzer ``--input-data``: varied realistic requests (load_digits images, sentences)."""
     inputs = configs[pipe.guard].get("input") or []
     if pipe.text:
         name = inputs[0]["name"] if inputs else "TEXT"
-        data = [{name: {"content": [s], "shape": [1]}} for s in sentences()]
+        from examples.texts import stdlib_sentences  # noqa: PLC0415
+
+        data = [{name: {"content": [s], "shape": [1]}} for s in stdlib_sentences(48)]
     else:
         import numpy as np  # noqa: PLC0415
         from sklearn.datasets import load_digits  # noqa: PLC0415
@@ -545,30 +524,18 @@ def perf_analyzer(url: str, model: str, concurrency: int, data: Path, *, window_
                   stability_pct: float) -> Stat:
     """One perf_analyzer run; a window that never settles within ``stability_pct`` is measured
     again with no stability bound (the machine is noisy, not the point broken)."""
-    from tritonguard.launcher import resolve_perf_analyzer  # noqa: PLC0415
+    from tritonguard.launcher import perf_analyzer_run  # noqa: PLC0415
 
-    binary, _, env = resolve_perf_analyzer([])
     out = ""
     for stability in (stability_pct, 1000):
-        fd, name = tempfile.mkstemp(suffix=".csv")
-        os.close(fd)
-        csv_path = Path(name)
-        cmd = [binary, "-m", model, "-u", url, "-i", "http", "--input-data", str(data),
-               "--concurrency-range", str(concurrency), "-p", str(window_ms), "--max-trials", str(trials),
-               "-s", str(stability), "-f", str(csv_path)]
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
-                                  timeout=60 + window_ms * trials * 3 / 1000)
-            rows = list(csv.DictReader(open(csv_path))) if csv_path.stat().st_size else []
+            row, out = perf_analyzer_run(url, model, concurrency, data, window_ms=window_ms, trials=trials,
+                                         stability_pct=stability, timeout=60 + window_ms * trials * 3 / 1000)
         except subprocess.TimeoutExpired:
             raise TuneError(f"perf_analyzer timed out on {model} c={concurrency}") from None
-        finally:
-            csv_path.unlink(missing_ok=True)
-        if proc.returncode == 0 and rows:
-            row = rows[0]
+        if row is not None:
             return Stat(float(row["Inferences/Second"]), float(row["p50 latency"]) / 1000,
                         float(row["p99 latency"]) / 1000)
-        out = (proc.stdout + proc.stderr).strip()
         if "stable" not in out.lower():
             break
     lines = [ln.strip() for ln in out.splitlines() if ln.strip()]

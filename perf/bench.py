@@ -10,11 +10,9 @@ drift on a shared 2-core machine: read the ratios.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from tritonguard import repository
-from tritonguard.launcher import resolve_perf_analyzer
+from tritonguard.launcher import perf_analyzer_run
 from tritonguard.server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,21 +58,13 @@ def input_data(model: str, path: Path) -> Path:
 def perf_analyzer(server: Server, model: str, concurrency: int, data: Path, window_ms: int, trials: int) -> Measurement:
     """One perf_analyzer measurement; on a noisy machine that never settles within 25 %, retry
     with a longer window and a looser stability bound rather than report nothing."""
-    binary, _, env = resolve_perf_analyzer([])
     attempts = [(window_ms, 25), (window_ms * 2, 60), (window_ms * 2, 1000)]
     out = ""
     for window, stability in attempts:
-        with tempfile.NamedTemporaryFile(suffix=".csv", delete=False) as fh:
-            csv_path = Path(fh.name)
-        cmd = [binary, "-m", model, "-u", server.http_url, "-i", "http", "--input-data", str(data),
-               "--concurrency-range", str(concurrency), "-p", str(window), "--max-trials", str(trials),
-               "-s", str(stability), "-f", str(csv_path)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-        out = proc.stdout[-1500:] + proc.stderr[-1500:]
-        rows = list(csv.DictReader(open(csv_path))) if csv_path.stat().st_size else []
-        csv_path.unlink()
-        if proc.returncode == 0 and rows:
-            row = rows[0]
+        row, out = perf_analyzer_run(server.http_url, model, concurrency, data, window_ms=window, trials=trials,
+                                     stability_pct=stability, timeout=600)
+        out = out[-3000:]
+        if row is not None:
             variant = "raw" if model.endswith("_raw") else "guarded"
             return Measurement(model.removesuffix("_raw"), variant, concurrency, float(row["Inferences/Second"]),
                                float(row["p50 latency"]) / 1000, float(row["p99 latency"]) / 1000)

@@ -17,7 +17,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import pydoc
 import sys
 import tempfile
 import threading
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from examples.texts import stdlib_sentences
 from tritonguard.repository import mirror
 from tritonguard.server import Server
 from tritonguard.supervisor import scan_stubs
@@ -38,27 +38,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def private_copy(src: Path, dest: Path) -> Path:
     """Guards copied (they write state beside their config), everything else linked."""
     return mirror(src, dest)
-
-
-def sentences(n: int = 2000, seed: int = 0) -> list[str]:
-    """Real, varied text that ships offline: first lines of stdlib docstrings."""
-    import inspect  # noqa: PLC0415
-
-    out: list[str] = []
-    for mod in ("os", "json", "re", "collections", "itertools", "functools", "pathlib", "threading",
-                "subprocess", "statistics", "textwrap", "string", "shutil", "random", "datetime"):
-        try:
-            module = pydoc.locate(mod)
-        except pydoc.ErrorDuringImport:
-            continue
-        for _, obj in inspect.getmembers(module):
-            doc = inspect.getdoc(obj) or ""
-            line = doc.strip().split("\n")[0].strip()
-            if 12 < len(line) < 300:
-                out.append(line)
-    rng = np.random.default_rng(seed)
-    rng.shuffle(out)
-    return (out * (n // max(len(out), 1) + 1))[:n]
 
 
 class Window:
@@ -182,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     from sklearn.datasets import load_digits  # noqa: PLC0415
 
     images = load_digits().images.astype(np.float32)
-    texts = sentences()
+    texts = stdlib_sentences(2000)
     with tempfile.TemporaryDirectory(prefix="tritonguard-soak-") as tmp:
         repo = private_copy(args.repository.resolve(), Path(tmp) / "repo")
         log = Path(tmp) / "tritonserver.log"

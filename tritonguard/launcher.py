@@ -220,6 +220,31 @@ def resolve_perf_analyzer(args: Sequence[str]) -> tuple[str, list[str], dict[str
     return binary, [binary, *args], env
 
 
+def perf_analyzer_run(url: str, model: str, concurrency: int, data: Path, *, window_ms: int, trials: int,
+                      stability_pct: float, timeout: float) -> tuple[dict[str, str] | None, str]:
+    """One perf_analyzer measurement over HTTP at one concurrency: (its CSV row, or None when it
+    failed, and its output). Callers choose what to retry (``bench`` and ``exporter tune``)."""
+    import csv  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    binary, _, env = resolve_perf_analyzer([])
+    fd, name = tempfile.mkstemp(suffix=".csv")
+    os.close(fd)
+    csv_path = Path(name)
+    cmd = [binary, "-m", model, "-u", url, "-i", "http", "--input-data", str(data),
+           "--concurrency-range", str(concurrency), "-p", str(window_ms), "--max-trials", str(trials),
+           "-s", str(stability_pct), "-f", str(csv_path)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=timeout)
+        with open(csv_path) as fh:
+            rows = list(csv.DictReader(fh))
+    finally:
+        csv_path.unlink(missing_ok=True)
+    output = (proc.stdout + proc.stderr).strip()
+    return (rows[0] if proc.returncode == 0 and rows else None), output
+
+
 def _exec(resolver, argv: Sequence[str]) -> int:
     try:
         binary, full, env = resolver(argv)
