@@ -511,11 +511,8 @@ def _defer_to_lower_layers(guard: dict, repository: Path) -> None:
     ([tool.tritonguard] or TRITONGUARD_*): config.pbtxt would otherwise override them."""
     from tritonguard.config import layered_parameters  # noqa: PLC0415
 
-    lower = layered_parameters({}, repository)
-    params = guard.get("parameters") or {}
-    for key in ("validation.max_payload_bytes",):
-        if key in lower:
-            params.pop(key, None)
+    if "validation.max_payload_bytes" in layered_parameters({}, repository):
+        (guard.get("parameters") or {}).pop("validation.max_payload_bytes", None)
 
 
 def upgrade_plan(repository: Path) -> tuple[list[tuple[str, dict]], list[str]]:

@@ -33,6 +33,8 @@ from typing import Any
 
 from tritonguard import repository
 
+from . import layout
+
 # -- knobs -----------------------------------------------------------------------------------
 GUARD_INSTANCES = "guard.instances"
 GUARD_DELAY = "guard.delay_us"
@@ -145,7 +147,7 @@ def discover(repo: Path, model: str) -> tuple[Pipeline, dict[str, dict[str, Any]
     for s in front:
         read(s)
     outer = [model] if model != guard else []
-    text = any(t.get("data_type") == "TYPE_STRING" for t in guard_cfg.get("input") or [])
+    text = layout.needs_intake(guard_cfg)  # a BYTES input: drive it with sentences
     pipe = Pipeline(public=model, guard=guard, target=runtime[0], placement=placement,
                     load_order=(*leaves, *front, guard, *ensembles, *outer), ensembles=(*ensembles, *outer), text=text)
     return pipe, configs
