@@ -39,14 +39,15 @@ help: ## list targets
 
 setup: system-deps venv models ## install everything and export the example models
 
-system-deps: ## Debian packages: libb64-0d (perf_analyzer), redis-server, g++ (torch_compile variant)
+system-deps: ## Debian packages: libb64-0d (perf_analyzer), redis-server, g++ (torch_compile variant), prometheus (promtool)
 	@missing=""; \
 	dpkg -s libb64-0d >/dev/null 2>&1 || missing="$$missing libb64-0d"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
 
 venv: $(STAMP) ## the virtual environment with pinned dependencies

@@ -175,15 +175,21 @@ def status(
                       "live breaker states, drift and answers per version from its metrics port (+2).")] = None,
     metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of a replica (repeat).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="A live view of every guard (routing, rollout gates, "
+                     "breakers, traffic rates), redrawn every 2 s from the --server metrics; Ctrl-C stops.")] = False,
 ) -> None:
     """Models with versions, hashes and goldens; per guard: routing, rollout step and gates,
     registry stages, and (with --server) live breaker states and drift. A --server or
-    --metrics-url that cannot be reached is an error (exit 2), named on stderr."""
+    --metrics-url that cannot be reached is an error (exit 2), named on stderr; under --watch
+    only at the start (a replica lost later is shown in the view)."""
     from rich.markup import escape  # noqa: PLC0415
 
     from .serving import ServingError, metrics_urls  # noqa: PLC0415
     from .status import collect, live, print_live, table, unreachable  # noqa: PLC0415
 
+    if watch and as_json:
+        err.print("[bold red]✗ status failed:[/] --watch draws a live view; use --json without it")
+        raise typer.Exit(EXIT_BAD_INPUT)
     try:
         urls = metrics_urls(list(server or []), metrics_url or [])
     except ServingError as exc:
@@ -193,6 +199,11 @@ def status(
         for problem in problems:
             err.print(f"[bold red]✗ status failed:[/] {escape(problem)}", soft_wrap=True)
         raise typer.Exit(EXIT_UNREACHABLE)
+    if watch:
+        from .watch import watch as watch_view  # noqa: PLC0415
+
+        watch_view(out, repository, list(server or []), urls)
+        return
     models = collect(repository)
     guards = live(repository, urls)
     if as_json:

@@ -179,10 +179,12 @@ def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
 
 
 def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
-    """Breaker states, input drift and answers per version, summed/maxed over replicas."""
+    """Breaker states, input drift and answers per version, summed/maxed over replicas; requests,
+    rejects and fallbacks (by reason) for the rates of ``status --watch``."""
     from .gates import parse  # noqa: PLC0415
 
-    out: dict[str, Any] = {"replicas": 0, "breaker": {}, "drift": {}, "served": {}, "errors": {}, "unreachable": []}
+    out: dict[str, Any] = {"replicas": 0, "breaker": {}, "drift": {}, "served": {}, "errors": {}, "unreachable": [],
+                           "requests": 0.0, "rejects": {}, "fallbacks": {}}
     import urllib.request  # noqa: PLC0415
 
     for url in urls:
@@ -208,6 +210,11 @@ def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
                 out["served"][who] = out["served"].get(who, 0) + value
             elif name == "tritonguard_target_errors_total" and tv:
                 out["errors"][tv] = out["errors"].get(tv, 0) + value
+            elif name == "tritonguard_requests_total":
+                out["requests"] += value
+            elif name in ("tritonguard_rejects_total", "tritonguard_fallbacks_total"):
+                why, key = labels.get("reason", "?"), "rejects" if name == "tritonguard_rejects_total" else "fallbacks"
+                out[key][why] = out[key].get(why, 0) + value
         out["replicas"] += seen
     return out
 
