@@ -170,10 +170,11 @@ class Metrics:
                               "Damaged cache files moved aside (the tier then starts empty), by tier"),
         "redactions": ("tritonguard_redactions_total", "PII spans redacted, by type, direction (input/output) and tenant"),
         "quota_rejects": ("tritonguard_quota_rejects_total", "Requests refused by a tenant quota (UNAVAILABLE), by tenant and reason"),
-        "audit_drops": ("tritonguard_audit_drops_total", "Audit records dropped because the writer's queue was full"),
+        "audit_drops": ("tritonguard_audit_drops_total", "Audit records lost: the writer's queue was full or a write failed"),
         "state_errors": ("tritonguard_state_errors_total",
                          "Rollout state reads that failed (file missing or corrupt, Redis unreachable); the last good state stays"),
     }
+    ZERO_AT_LOAD = ("requests", "target_calls", "drops", "compare_drops", "audit_drops", "state_errors")
     GAUGES = {
         "breaker_state": ("tritonguard_breaker_state", "Breaker per target version: 0 closed, 1 half-open, 2 open"),
         "drift": ("tritonguard_input_drift_fraction", "Share of input features drifting (KS/PSI) on the primary"),
@@ -216,6 +217,13 @@ class Metrics:
             log.exception("custom metrics unavailable; serving without them")
             self.enabled = False
             return
+        try:
+            # counters without labels of their own start at 0, so a scrape (and an alert on
+            # their increase) sees them before their first event
+            for key in self.ZERO_AT_LOAD:
+                self._child(key, ())
+        except Exception:  # noqa: BLE001
+            log.exception("custom metrics: zero series not created")
         self._thread = threading.Thread(target=self._run, name=f"metrics-{model}", daemon=True)
         self._thread.start()
 
