@@ -3,7 +3,7 @@
 Keys are SHA-256 digests of a canonical, unambiguous encoding of (tenant, model, artifact,
 inputs, requested outputs, parameters), followed by the model name so that every tier can purge
 one model. :func:`row_keys` gives one key per batch row, so a row hits whichever request it
-arrived in. Values are ``dict[str, np.ndarray]`` in a small header+raw format (never pickle).
+arrived in. Values are ``dict[str, np.ndarray]``, stored as msgpack of the raw array bytes (never pickle).
 
 Privacy (``cache.privacy``):
 - ``ephemeral``: L1 only; response values never leave the process.
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgpack
 import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -232,76 +233,60 @@ def split_rows(value: Mapping[str, np.ndarray], n: int) -> list[Value]:
     return [{k: v[i:i + 1] for k, v in value.items()} for i in range(n)]
 
 
-# -- values: header + raw bytes, no pickle ----------------------------------------------------
-# "TGV1" u16:count, then per array: u16:name_len u8:kind(0 numeric, 1 BYTES) u8:dtype_len u8:ndim,
-# name, dtype.str, u64 dims, then the raw little-endian data, or u32:length+bytes per BYTES element.
-_MAGIC, _HEAD, _ARR, _LEN = b"TGV1", struct.Struct("<4sH"), struct.Struct("<HBBB"), struct.Struct("<I")
-_DTYPES: dict[bytes, np.dtype] = {}  # parsing a dtype string costs more than the rest of a row
+# -- values: msgpack of raw array bytes, no pickle ----------------------------------------------
+# A version byte, then msgpack {name: [dtype.str | "BYTES", shape, raw little-endian bytes | [bytes, ...]]}.
+# Encode + decode of a float32 [1,10] / [1,384] / [32,384] row, 5 alternating rounds: msgpack
+# 9.3 / 6.9 / 14.4 µs, as fast as the hand-written format it replaced (11.7 / 7.3 / 13.2 µs);
+# safetensors 13.6 / 12.4 / 28.0 µs and has no BYTES; np.save (allow_pickle=False, no BYTES either)
+# 86 / 93 / 118 µs. Format 1 was that hand-written "TGV1" layout: its entries (still in L2/L3
+# until they expire) read as misses.
+_FORMAT = b"\x02"
+_DTYPES: dict[str, np.dtype] = {}  # parsing a dtype string costs more than the rest of a row
 
 
 def encode_value(value: Mapping[str, np.ndarray]) -> bytes:
-    parts = [_HEAD.pack(_MAGIC, len(value))]
+    arrays = {}
     for name, arr in value.items():
         arr = np.asarray(arr)
         if _is_bytes(arr):
-            kind, dt = 1, b""
+            arrays[name] = ("BYTES", arr.shape, [_as_bytes(x) for x in arr.reshape(-1)])
         elif arr.dtype.kind in "biufc" and arr.dtype.fields is None:
-            kind, arr = 0, _numeric(arr)
-            dt = arr.dtype.str.encode()
+            arr = _numeric(arr)
+            arrays[name] = (arr.dtype.str, arr.shape, arr.tobytes())
         else:
             raise TypeError(f"cannot cache output '{name}' of dtype {arr.dtype}")
-        nb = name.encode("utf-8")
-        parts += (_ARR.pack(len(nb), kind, len(dt), arr.ndim), nb, dt, struct.pack(f"<{arr.ndim}Q", *arr.shape))
-        if kind:
-            for x in arr.reshape(-1):
-                b = _as_bytes(x)
-                parts += (_LEN.pack(len(b)), b)
-        else:
-            parts.append(arr.tobytes())
-    return b"".join(parts)
+    return _FORMAT + msgpack.packb(arrays)
 
 
 def decode_value(blob: bytes) -> Value:
     """Inverse of :func:`encode_value`; ValueError on anything malformed. Arrays are read-only."""
+    if blob[:1] != _FORMAT:
+        raise ValueError("not a cache value of this format")
     try:
-        return _decode(blob)
-    except (struct.error, TypeError) as exc:
+        return _decode(msgpack.unpackb(memoryview(blob)[1:]))
+    except (msgpack.UnpackException, TypeError, AttributeError) as exc:  # ValueError passes as it is
         raise ValueError(f"bad cache value: {exc}") from None
 
 
-def _decode(blob: bytes) -> Value:
-    magic, count = _HEAD.unpack_from(blob, 0)
-    if magic != _MAGIC:
-        raise ValueError("not a cache value")
-    pos, end, out = _HEAD.size, len(blob), {}
-    for _ in range(count):
-        nlen, kind, dlen, ndim = _ARR.unpack_from(blob, pos)
-        pos += _ARR.size
-        name, dt = blob[pos:pos + nlen].decode("utf-8"), blob[pos + nlen:pos + nlen + dlen]
-        shape = struct.unpack_from(f"<{ndim}Q", blob, pos + nlen + dlen)
-        pos += nlen + dlen + 8 * ndim
+def _decode(arrays: dict) -> Value:
+    out = {}
+    for name, (dt, shape, data) in arrays.items():
         size = math.prod(shape)
-        if kind:
-            if size * _LEN.size > end - pos:  # guards the allocation below
-                raise ValueError("truncated cache value")
+        if dt == "BYTES":
+            if len(data) != size or not all(type(x) is bytes for x in data):
+                raise ValueError("bad cache value")
             arr = np.empty(size, dtype=object)
-            for i in range(size):
-                (n,) = _LEN.unpack_from(blob, pos)
-                arr[i] = blob[pos + 4:pos + 4 + n]
-                pos += 4 + n
+            arr[:] = data
         else:
             dtype = _DTYPES.get(dt)
             if dtype is None:  # (a dtype is falsy: len() counts its fields)
-                dtype = _DTYPES.setdefault(dt, np.dtype(dt.decode("ascii")))
-            if dtype.kind not in "biufc" or pos + size * dtype.itemsize > end:
+                dtype = _DTYPES.setdefault(dt, np.dtype(dt))
+            if dtype.kind not in "biufc" or dtype.fields is not None or len(data) != size * dtype.itemsize:
                 raise ValueError("bad cache value")
-            arr = np.frombuffer(blob, dtype=dtype, count=size, offset=pos)
-            pos += size * dtype.itemsize
+            arr = np.frombuffer(data, dtype=dtype)
         arr = arr.reshape(shape)
         arr.flags.writeable = False
         out[name] = arr
-    if pos != end:
-        raise ValueError("truncated cache value")
     return out
 
 

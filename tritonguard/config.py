@@ -3,6 +3,8 @@
 Each component owns one kw-only dataclass and a key prefix (``validation.max_payload_bytes``);
 :func:`split_parameters` hands every component its keys and rejects any key that no component
 claims, naming it, so a misspelt parameter fails the model load instead of being ignored.
+:func:`from_params` types the strings with a pydantic model of the dataclass's fields
+(``extra="forbid"``); the dataclass's ``__post_init__`` then checks what types cannot say.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Json, ValidationError, create_model
 
 from .errors import ConfigError
 
@@ -62,61 +66,79 @@ def split_parameters(params: Mapping[str, str], prefixes: Iterable[str], *, mode
     return groups
 
 
-def _coerce(raw: str, typ: Any, key: str) -> Any:
+def _strip(raw: Any) -> Any:
+    return raw.strip() if isinstance(raw, str) else raw
+
+
+def _none(raw: Any) -> Any:
+    return None if isinstance(raw, str) and raw.strip().lower() in ("", "none", "null") else raw
+
+
+def _split(raw: Any) -> Any:
+    return tuple(s.strip() for s in raw.split(",") if s.strip()) if isinstance(raw, str) else raw
+
+
+def _wire(typ: Any, dynamic: bool) -> Any:
+    """The type of a field as parameters spell it: "a,b" for tuples, JSON for objects, "none"."""
+    if dynamic:  # ``range.IMAGE = "0,16"``: raw strings, parsed by the dataclass itself
+        return dict[str, str]
     origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
     if origin is typing.Union or origin is types.UnionType:
-        inner = [a for a in args if a is not type(None)]
-        if raw.strip().lower() in ("", "none", "null"):
-            return None
-        return _coerce(raw, inner[0], key)
-    try:
-        if typ is bool:
-            low = raw.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"expected true/false, got {raw!r}")
-        if typ is int:
-            return int(raw)
-        if typ is float:
-            return float(raw)
-        if typ is str:
-            return raw
-        if origin in (dict, Mapping) or typ is dict:
-            val = json.loads(raw)
-            if not isinstance(val, dict):
-                raise ValueError("expected a JSON object")
-            return val
-        if origin in (tuple, list) or typ in (tuple, list):
-            return tuple(s.strip() for s in raw.split(",") if s.strip())
-    except (ValueError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"parameter '{key}': {exc}") from None
-    raise ConfigError(f"parameter '{key}': unsupported type {typ}")
+        inner = [a for a in typing.get_args(typ) if a is not type(None)]
+        return Annotated[_wire(inner[0], False) | None, BeforeValidator(_none)]
+    if origin in (tuple, list) or typ in (tuple, list):
+        return Annotated[typ, BeforeValidator(_split)]
+    if origin in (dict, Mapping) or typ is dict:
+        return Json[typ]
+    return Annotated[typ, BeforeValidator(_strip)] if typ in (bool, int, float) else typ
+
+
+_MODELS: dict[type, type[BaseModel]] = {}
+
+
+def _model(cls: type) -> type[BaseModel]:
+    """A pydantic model of the fields of the dataclass ``cls`` as strings set them; unknown keys
+    are forbidden. Built once per class and process (a few ms); defaults stay the dataclass's own."""
+    model = _MODELS.get(cls)
+    if model is None:
+        hints, dyn = typing.get_type_hints(cls), getattr(cls, "DYNAMIC_PREFIXES", ())
+        fields: dict[str, Any] = {f.name: (_wire(hints[f.name], f.name in dyn), None) for f in dataclasses.fields(cls)}
+        model = create_model(f"{cls.__name__}Parameters", __config__=ConfigDict(extra="forbid"), **fields)
+        _MODELS[cls] = model
+    return model
+
+
+_RULES = {"bool_parsing": "expected true/false", "dict_type": "expected a JSON object"}
+
+
+def _problem(err: Any, section: str, known: Iterable[str], dynamic: Iterable[str], model: str) -> str:
+    """One pydantic error as this module words it: the full key in quotes, then the rule."""
+    key = ".".join(str(p) for p in err["loc"])
+    full = f"{section}.{key}" if section else key
+    if err["type"] == "extra_forbidden":
+        return f"model '{model}': unknown parameter '{full}' (known: {', '.join(sorted(known))})"
+    rule = f"expected keys like '{full}.<NAME>'" if key in dynamic else _RULES.get(err["type"], err["msg"])
+    return f"model '{model}': parameter '{full}': {rule}, got {err['input']!r}"
 
 
 def from_params(cls: type, params: Mapping[str, str], *, section: str = "", model: str = "?"):
     """Build the kw-only dataclass ``cls`` from string parameters; unknown keys fail."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
+    dyn = getattr(cls, "DYNAMIC_PREFIXES", ())
     for key, raw in params.items():
-        full = f"{section}.{key}" if section else key
-        name = key
-        dyn = getattr(cls, "DYNAMIC_PREFIXES", ())
-        base = key.split(".", 1)[0]
-        if base in dyn and "." in key:
-            kwargs.setdefault(base, {})[key.split(".", 1)[1]] = raw
-            continue
-        if name not in fields or name in dyn:
-            raise ConfigError(
-                f"model '{model}': unknown parameter '{full}' "
-                f"(known: {', '.join(sorted((f'{section}.' if section else '') + k for k in fields))})"
-            )
-        kwargs[name] = _coerce(raw, hints[name], full)
+        base, dot, rest = key.partition(".")
+        if dot and base in dyn:
+            kwargs.setdefault(base, {})[rest] = raw
+        else:
+            kwargs[key] = raw
+    schema = _model(cls)
     try:
-        return cls(**kwargs)
+        parsed = schema.model_validate(kwargs)
+    except ValidationError as exc:
+        known = ((f"{section}." if section else "") + k for k in schema.model_fields)
+        raise ConfigError(_problem(exc.errors()[0], section, known, dyn, model)) from None
+    try:
+        return cls(**{k: getattr(parsed, k) for k in parsed.model_fields_set})
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model '{model}': {exc}") from None
 

@@ -26,10 +26,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from filelock import FileLock
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import TritonGuardError
 from .outage import Backoff
@@ -151,44 +152,20 @@ class RolloutState:
     @classmethod
     def from_dict(cls, d: Any) -> RolloutState:
         """Strict: a missing, unknown or mistyped field raises :class:`StateError` naming it."""
-        _check_keys(d, "state", required=("format_version", "model", "primary"), optional=_OPTIONAL)
-        if _int(d["format_version"], "format_version") != FORMAT_VERSION:
-            raise StateError(f"state field 'format_version': {d['format_version']} is not supported "
-                             f"(this build reads {FORMAT_VERSION})")
-        model = d["model"]
-        if not isinstance(model, str) or not model:
-            raise StateError("state field 'model': expected a non-empty string")
-        _check_keys(d["primary"], "primary", required=("version",))
-        primary = _version(d["primary"]["version"], "primary.version", latest_ok=True)
-        cand = d.get("candidate")
-        candidate = None
-        if cand is not None:
-            _check_keys(cand, "candidate", required=("version", "share"))
-            candidate = Candidate(_version(cand["version"], "candidate.version"),
-                                  _share(cand["share"], "candidate.share"))
-        fallback = d.get("fallback", list(CHAIN_STEPS))
-        if (not isinstance(fallback, list) or not all(s in CHAIN_STEPS for s in fallback)
-                or len(set(fallback)) != len(fallback) or "primary" not in fallback):
-            raise StateError(f"state field 'fallback': expected unique steps from {', '.join(CHAIN_STEPS)}, "
-                             f"including 'primary'; got {fallback!r}")
-        prev = d.get("previous_primary")
-        default = d.get("default_response")
-        if default is not None and default != "abstain":
-            if not isinstance(default, dict) or not all(
-                    isinstance(k, str) and isinstance(v, list) for k, v in default.items()):
-                raise StateError("state field 'default_response': expected null, \"abstain\" or "
-                                 "{\"OUTPUT\": [...]}")
-        arms = _arms(d.get("arms", []), primary, candidate)
+        try:
+            doc = _Document.model_validate(d)
+        except ValidationError as exc:
+            raise StateError(_problem(exc.errors()[0])) from None
+        cand = doc.candidate
+        candidate = None if cand is None else Candidate(cand.version, cand.share)
         return cls(
-            model=model, revision=_int(d.get("revision", 0), "revision", minimum=0), primary=primary, arms=arms,
-            candidate=candidate, shadow_share=_share(d.get("shadow_share", 0.0), "shadow_share"),
-            fallback=list(fallback), default_response=copy.deepcopy(default),
-            previous_primary=None if prev is None else _version(prev, "previous_primary"),
-            goldens=_goldens(d.get("goldens", {})), breakers=_breakers(d.get("breakers", {})),
-            updated_at=_number(d.get("updated_at", 0.0), "updated_at"),
-            updated_by=_str(d.get("updated_by", ""), "updated_by"),
-            cache_epoch=_int(d.get("cache_epoch", 0), "cache_epoch", minimum=0),
-            judges=_judges(d.get("judges", {})))
+            model=doc.model, revision=doc.revision, primary=doc.primary.version, candidate=candidate,
+            shadow_share=doc.shadow_share, fallback=list(doc.fallback), previous_primary=doc.previous_primary,
+            default_response=copy.deepcopy(doc.default_response),
+            goldens={k: {**g.model_dump(), "metrics": copy.deepcopy(g.metrics)} for k, g in doc.goldens.items()},
+            breakers=copy.deepcopy(doc.breakers), updated_at=doc.updated_at, updated_by=doc.updated_by,
+            cache_epoch=doc.cache_epoch, arms=_arms(doc.arms, doc.primary.version, candidate),
+            judges={k: j.model_dump(exclude_none=True) for k, j in doc.judges.items()})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RolloutState:
@@ -199,125 +176,142 @@ class RolloutState:
         return cls.from_dict(raw)
 
 
-_OPTIONAL = ("revision", "candidate", "shadow_share", "fallback", "previous_primary", "default_response",
-             "goldens", "breakers", "updated_at", "updated_by", "cache_epoch", "arms", "judges")
 JUDGES = ("task", "equivalence")
 
 
-def _arms(d: Any, primary: int, candidate: Candidate | None) -> list[Arm]:
-    if not isinstance(d, list):
-        raise StateError(f"state field 'arms': expected a list, got {type(d).__name__}")
-    arms: list[Arm] = []
-    for k, a in enumerate(d):
-        _check_keys(a, f"arms[{k}]", required=("version", "weight"))
-        arm = Arm(_version(a["version"], f"arms[{k}].version"), _share(a["weight"], f"arms[{k}].weight"))
-        if arm.weight <= 0:
-            raise StateError(f"state field 'arms[{k}].weight': must be > 0, got {arm.weight}")
-        if arm.version == primary:
-            raise StateError(f"state field 'arms[{k}].version': v{arm.version} is the primary, which "
+# -- the document's schema: pydantic in strict mode (no "3" for 3, no true for 1) with unknown
+# fields forbidden; :func:`_problem` words its first error as "state field '<path>': <rule>".
+def _supported(v: int) -> int:
+    if v != FORMAT_VERSION:
+        raise ValueError(f"{v} is not supported (this build reads {FORMAT_VERSION})")
+    return v
+
+
+def _in_unit(v: float) -> float:
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"{v} is not in [0, 1]")
+    return v
+
+
+def _primary(v: int) -> int:
+    if v < 1 and v != -1:
+        raise ValueError(f"version must be >= 1 or -1 (latest), got {v}")
+    return v
+
+
+def _fallback(v: list[str]) -> list[str]:
+    if not all(s in CHAIN_STEPS for s in v) or len(set(v)) != len(v) or "primary" not in v:
+        raise ValueError(f"expected unique steps from {', '.join(CHAIN_STEPS)}, including 'primary'; got {v!r}")
+    return v
+
+
+def _default(v: Any) -> Any:
+    if v is not None and v != "abstain" and not (
+            isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, list) for k, x in v.items())):
+        raise ValueError('expected null, "abstain" or {"OUTPUT": [...]}')
+    return v
+
+
+Number = Annotated[float, Field(allow_inf_nan=False)]
+Share = Annotated[Number, AfterValidator(_in_unit)]
+Version = Annotated[int, Field(ge=1)]
+Count = Annotated[int, Field(ge=0)]
+VersionKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # "2": documents key versions by their number
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _Primary(_Strict):
+    version: Annotated[int, AfterValidator(_primary)]
+
+
+class _Candidate(_Strict):
+    version: Version
+    share: Share
+
+
+class _Arm(_Strict):
+    version: Version
+    weight: Share
+
+
+class _Golden(_Strict):
+    verdict: Literal[VERDICTS]
+    metrics: dict[str, Any] = {}
+    checked_at: Number = 0.0
+
+
+class _Judge(_Strict):
+    judge: Literal[JUDGES]
+    cosine: Number | None = None
+
+
+class _Document(_Strict):
+    format_version: Annotated[int, AfterValidator(_supported)]
+    model: Annotated[str, Field(min_length=1)]
+    primary: _Primary
+    revision: Count = 0
+    candidate: _Candidate | None = None
+    shadow_share: Share = 0.0
+    fallback: Annotated[list[str], AfterValidator(_fallback)] = list(CHAIN_STEPS)
+    previous_primary: Version | None = None
+    default_response: Annotated[Any, AfterValidator(_default)] = None
+    goldens: dict[VersionKey, _Golden] = {}
+    breakers: dict[VersionKey, dict[str, Any]] = {}
+    updated_at: Number = 0.0
+    updated_by: str = ""
+    cache_epoch: Count = 0
+    arms: list[_Arm] = []
+    judges: dict[VersionKey, _Judge] = {}
+
+
+_RULES = {"extra_forbidden": "unknown field", "missing": "required field is missing",
+          "int_type": "expected an integer", "float_type": "expected a finite number",
+          "finite_number": "expected a finite number", "string_type": "expected a string",
+          "string_too_short": "expected a non-empty string", "dict_type": "expected an object",
+          "model_type": "expected an object", "list_type": "expected a list",
+          "string_pattern_mismatch": "keys must be version numbers"}
+
+
+def _problem(err: Any) -> str:
+    """``state field 'arms[0].weight': <rule>`` from one pydantic error."""
+    where = ""
+    for part in err["loc"]:
+        if part == "[key]" or str(part).startswith(("function-", "nullable[")):
+            continue  # pydantic's own steps: a dict key's check, a validator, an optional
+        where += f"[{part}]" if isinstance(part, int) else f".{part}" if where else part
+    kind = err["type"]
+    if kind == "value_error":
+        rule = str(err["ctx"]["error"])
+    elif kind in ("extra_forbidden", "missing", "string_pattern_mismatch"):
+        rule = _RULES[kind]
+    else:
+        rule = f"{_RULES.get(kind, err['msg'])}, got {err['input']!r:.60}"
+    return f"state field '{where or 'state'}': {rule}"
+
+
+def _arms(arms: list[_Arm], primary: int, candidate: Candidate | None) -> list[Arm]:
+    """What the schema cannot check one arm at a time: versions against each other, the primary
+    and a candidate, and the sum of the weights."""
+    out: list[Arm] = []
+    for k, a in enumerate(arms):
+        if a.weight <= 0:
+            raise StateError(f"state field 'arms[{k}].weight': must be > 0, got {a.weight}")
+        if a.version == primary:
+            raise StateError(f"state field 'arms[{k}].version': v{a.version} is the primary, which "
                              f"answers the traffic the arms leave")
-        if any(x.version == arm.version for x in arms):
-            raise StateError(f"state field 'arms[{k}].version': v{arm.version} is listed twice")
-        arms.append(arm)
-    total = sum(a.weight for a in arms)
+        if any(x.version == a.version for x in out):
+            raise StateError(f"state field 'arms[{k}].version': v{a.version} is listed twice")
+        out.append(Arm(a.version, a.weight))
+    total = sum(a.weight for a in out)
     if total > 1.0 + 1e-9:
         raise StateError(f"state field 'arms': weights sum to {total:g} > 1 (the primary answers 1 - sum)")
-    if arms and candidate is not None:
+    if out and candidate is not None:
         raise StateError("state field 'arms': an A/B/n split and a candidate rollout cannot run at once "
                          f"(candidate v{candidate.version}); end one first")
-    return arms
-
-
-def _check_keys(d: Any, where: str, *, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
-    if not isinstance(d, dict):
-        raise StateError(f"state field '{where}': expected an object, got {type(d).__name__}")
-    for key in d:
-        if key not in required and key not in optional:
-            name = key if where == "state" else f"{where}.{key}"
-            raise StateError(f"state field '{name}': unknown field")
-    for key in required:
-        if key not in d:
-            name = key if where == "state" else f"{where}.{key}"
-            raise StateError(f"state field '{name}': required field is missing")
-
-
-def _int(v: Any, name: str, minimum: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise StateError(f"state field '{name}': expected an integer, got {type(v).__name__}")
-    if minimum is not None and v < minimum:
-        raise StateError(f"state field '{name}': {v} < {minimum}")
-    return v
-
-
-def _version(v: Any, name: str, latest_ok: bool = False) -> int:
-    v = _int(v, name)
-    if v < 1 and not (latest_ok and v == -1):
-        raise StateError(f"state field '{name}': version must be >= 1{' or -1 (latest)' if latest_ok else ''}, got {v}")
-    return v
-
-
-def _number(v: Any, name: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-        raise StateError(f"state field '{name}': expected a finite number, got {v!r}")
-    return float(v)
-
-
-def _share(v: Any, name: str) -> float:
-    v = _number(v, name)
-    if not 0.0 <= v <= 1.0:
-        raise StateError(f"state field '{name}': {v} is not in [0, 1]")
-    return v
-
-
-def _str(v: Any, name: str) -> str:
-    if not isinstance(v, str):
-        raise StateError(f"state field '{name}': expected a string, got {type(v).__name__}")
-    return v
-
-
-def _version_keyed(d: Any, name: str) -> dict:
-    if not isinstance(d, dict):
-        raise StateError(f"state field '{name}': expected an object keyed by version")
-    for key in d:
-        if not (isinstance(key, str) and key.isdigit()):
-            raise StateError(f"state field '{name}.{key}': keys must be version numbers")
-    return d
-
-
-def _goldens(d: Any) -> dict[str, dict[str, Any]]:
-    out = {}
-    for key, g in _version_keyed(d, "goldens").items():
-        where = f"goldens.{key}"
-        _check_keys(g, where, required=("verdict",), optional=("metrics", "checked_at"))
-        if g["verdict"] not in VERDICTS:
-            raise StateError(f"state field '{where}.verdict': {g['verdict']!r} is not one of {', '.join(VERDICTS)}")
-        metrics = g.get("metrics", {})
-        if not isinstance(metrics, dict):
-            raise StateError(f"state field '{where}.metrics': expected an object")
-        out[key] = {"verdict": g["verdict"], "metrics": copy.deepcopy(metrics),
-                    "checked_at": _number(g.get("checked_at", 0.0), f"{where}.checked_at")}
     return out
-
-
-def _judges(d: Any) -> dict[str, dict[str, Any]]:
-    out = {}
-    for key, j in _version_keyed(d, "judges").items():
-        where = f"judges.{key}"
-        _check_keys(j, where, required=("judge",), optional=("cosine",))
-        if j["judge"] not in JUDGES:
-            raise StateError(f"state field '{where}.judge': {j['judge']!r} is not one of {', '.join(JUDGES)}")
-        out[key] = {"judge": j["judge"]}
-        if j.get("cosine") is not None:
-            out[key]["cosine"] = _number(j["cosine"], f"{where}.cosine")
-    return out
-
-
-def _breakers(d: Any) -> dict[str, dict[str, Any]]:
-    # Breaker documents are parsed by Breaker.from_dict; here only their shape is checked.
-    for key, b in _version_keyed(d, "breakers").items():
-        if not isinstance(b, dict):
-            raise StateError(f"state field 'breakers.{key}': expected an object")
-    return copy.deepcopy(d)
 
 
 Updater = Callable[[RolloutState], "RolloutState | None"]

@@ -215,6 +215,22 @@ def test_tampered_ciphertext_is_a_miss(tmp_path):
     assert sum(v is None for v in got) == 1 and c.stats["corrupt"] == 1
 
 
+# {"Y": float32 [[1, 2]]} as format 1 (the hand-written "TGV1" layout) wrote it
+FORMAT_1 = (b"TGV1\x01\x00\x01\x00\x00\x03\x02Y<f4\x01\x00\x00\x00\x00\x00\x00\x00\x02\x00\x00\x00"
+            b"\x00\x00\x00\x00\x00\x00\x80?\x00\x00\x00@")
+
+
+def test_entry_of_an_older_format_is_a_miss(tmp_path):
+    """Rows written before the msgpack format (still in L2/L3 until they expire) are misses,
+    counted as corrupt, and the fresh answer replaces them."""
+    c = persisted(tmp_path, l1_entries=0)
+    sid, nonce = c._sid(key(1)), os.urandom(12)
+    c._l2.put_many([(sid, "m", nonce, c._aead.encrypt(nonce, FORMAT_1, sid), time.time() + 60)], time.time())
+    assert c.get_many([key(1)]) == [None] and c.stats["corrupt"] == 1
+    c.put_many([(key(1), val(1))])
+    assert same(c.get_many([key(1)])[0], val(1))
+
+
 def _l2_worker(path, start, n):
     c = make(privacy="persisted_encrypted", l2_path=path, l1_entries=0)
     for b in range(start, start + n, 10):

@@ -34,7 +34,7 @@ def test_missing_target_and_bad_values():
         GuardConfig.from_parameters({}, "m")
     with pytest.raises(ConfigError, match="placement must be"):
         GuardConfig.from_parameters({"target": "t", "placement": "elsewhere"}, "m")
-    with pytest.raises(ConfigError, match="validation.max_payload_bytes.*invalid literal"):
+    with pytest.raises(ConfigError, match="validation.max_payload_bytes.*valid integer.*'lots'"):
         GuardConfig.from_parameters({"target": "t", "validation.max_payload_bytes": "lots"}, "m")
     with pytest.raises(ConfigError, match="validation.allow_non_finite.*true/false"):
         GuardConfig.from_parameters({"target": "t", "validation.allow_non_finite": "maybe"}, "m")

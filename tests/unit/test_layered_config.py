@@ -112,3 +112,13 @@ def test_bad_toml_is_a_config_error(layout):
     (root / "pyproject.toml").write_text("[tool.tritonguard\n")
     with pytest.raises(ConfigError, match="cannot read"):
         layered_parameters({}, repo, {})
+
+
+def test_mistyped_value_from_env_is_named_with_its_source(layout):
+    _, repo = layout
+    params = layered_parameters({"target": "t"}, repo, {"TRITONGUARD_CACHE__L1_ENTRIES": "many"})
+    with pytest.raises(ConfigError) as err:
+        GuardConfig.from_parameters(params, "m")
+    msg = _with_source(str(err.value), params)
+    assert "'cache.l1_entries'" in msg and "valid integer" in msg and "'many'" in msg
+    assert msg.endswith("(set in environment (TRITONGUARD_*))")

@@ -117,3 +117,43 @@ def test_bytes_array_keeps_shape_and_untouched_objects():
 def test_checksums():
     assert luhn_ok("4111111111111111") and not luhn_ok("4111111111111112")
     assert iban_ok("GB82WEST12345698765432") and not iban_ok("GB82WEST12345698765433")
+
+
+def test_checksums_agree_with_stdnum():
+    """The hand-written checks (kept for speed, see redaction.py) against python-stdnum."""
+    from stdnum import iban, luhn
+
+    rng = np.random.default_rng(16)
+    for _ in range(2000):
+        digits = "".join(map(str, rng.integers(0, 10, rng.integers(13, 20))))
+        assert luhn_ok(digits) == luhn.is_valid(digits), digits
+        valid = digits[:-1] + luhn.calc_check_digit(digits[:-1])
+        assert luhn_ok(valid) and luhn.is_valid(valid)
+    for example in ("GB82WEST12345698765432", "BE68539007547034", "DE89370400440532013000", "FR1420041010050500013M02606"):
+        for _ in range(200):
+            bban = "".join(c if not c.isdigit() else str(rng.integers(0, 10)) for c in example[4:])
+            good = example[:2] + iban.calc_check_digits(example[:2] + "00" + bban) + bban
+            assert iban_ok(good) and iban.is_valid(good, check_country=False), good
+            k = int(rng.integers(4, len(good)))
+            if good[k].isdigit():  # mod 97 catches every single-character error
+                bad = good[:k] + str((int(good[k]) + 1) % 10) + good[k + 1:]
+                assert not iban_ok(bad) and not iban.is_valid(bad, check_country=False), bad
+
+
+def test_phonenumbers_examples_are_redacted():
+    """Every region's example mobile and fixed-line number of 8+ digits, as phonenumbers writes it
+    internationally, is redacted (the hand-written check is looser than is_valid_number, not stricter)."""
+    import phonenumbers as pn
+
+    seen = 0
+    for region in sorted(pn.SUPPORTED_REGIONS):
+        for kind in (pn.PhoneNumberType.MOBILE, pn.PhoneNumberType.FIXED_LINE):
+            number = pn.example_number_for_type(region, kind)
+            if number is None:
+                continue
+            text = pn.format_number(number, pn.PhoneNumberFormat.INTERNATIONAL)
+            if sum(c.isdigit() for c in text) < 8:  # a few territories' 7-digit numbers: not covered
+                continue
+            seen += 1
+            assert red(f"call {text} now") == ("call [PHONE] now", {"PHONE": 1}), (region, text)
+    assert seen > 400
