@@ -22,8 +22,9 @@ from .sources import ExportSpec, TensorDef
 RAW_QUEUE_DELAY_US = 500
 # A text guard waits on a BLS call to the ensemble for milliseconds; requests queue meanwhile,
 # so batches form without a delay window. Two instances keep two calls in flight, so the
-# tokenizer and encoder stay pipelined as they are without a guard. Measured at c=16 on one
-# server: 1 instance + 2 ms delay 0.93x raw; 2 instances + no delay 1.11x raw.
+# tokenizer and encoder stay pipelined as they are without a guard. Measured at c=16 behind the
+# intake (one server, 3 alternating rounds, medians of guarded/raw; a loaded 2-core machine):
+# 2 instances + no delay 0.967; 1 + 2 ms 0.69; 1 + 4 ms 0.73; 2 + 4 ms 0.74 (issue 13).
 TEXT_GUARD_QUEUE_DELAY_US = 0
 TEXT_GUARD_INSTANCES = 2
 # 256 tokens are a few KB of text; 16 KiB bounds the tokenizer's work per element with margin

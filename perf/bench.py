@@ -28,9 +28,16 @@ from tritonguard.server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "perf" / "results"
-TARGETS = {"digits": 0.80, "minilm": 0.95}  # guarded/raw throughput at c=16
-P99_BUDGET_MS = 1.0
-SENTENCE = "Canary releases send a small share of traffic to a new model version first."
+# guarded/raw throughput at c=16: the median of the rounds for minilm; every round for digits,
+# whose ratio swung from run to run before its defaults were chosen (issue 13)
+TARGETS = {"digits": 0.85, "minilm": 0.97}
+EVERY_ROUND = {"digits"}
+# guarded / in-process onnxruntime at batch 16 with the target's thread count: the most a c=16
+# server can batch (digits' ceiling is far above any server: Triton's per-request cost rules it)
+CEILING_TARGETS = {"minilm": 0.90}
+P99_BUDGET_MS = 2.0  # guarded p99 may exceed raw p99 by this much at c=16
+TUNE_P99_MS = {"minilm": 500.0, "digits": 50.0}  # the p99 budget `make bench` gives `exporter tune`
+SENTENCES = 64  # varied stdlib sentences for minilm (one repeated sentence would batch unrealistically)
 
 
 @dataclass
@@ -50,9 +57,15 @@ def input_data(model: str, path: Path) -> Path:
         images = load_digits().images[:16].astype(np.float32)
         data = [{"IMAGE": {"content": img.ravel().tolist(), "shape": [8, 8]}} for img in images]
     else:
-        data = [{"TEXT": {"content": [SENTENCE], "shape": [1]}}]
+        data = [{"TEXT": {"content": [text], "shape": [1]}} for text in sentences(SENTENCES)]
     path.write_text(json.dumps({"data": data}))
     return path
+
+
+def sentences(n: int) -> list[str]:
+    from examples.texts import stdlib_sentences
+
+    return stdlib_sentences(n)
 
 
 def perf_analyzer(server: Server, model: str, concurrency: int, data: Path, window_ms: int, trials: int) -> Measurement:
@@ -94,27 +107,35 @@ def ceiling(repo: Path, model: str, batch: int, seconds: float = 3.0) -> Measure
     if model == "digits":
         from sklearn.datasets import load_digits
 
-        feed = {"IMAGE": np.repeat(load_digits().images[:1].astype(np.float32), batch, axis=0)}
+        images = load_digits().images.astype(np.float32)
+        feeds = [{"IMAGE": images[k * batch:(k + 1) * batch]} for k in range(4)]
     else:
         from transformers import AutoTokenizer
 
         tok_v = repository.latest_version(repo / "minilm_tokenizer")
         tok = AutoTokenizer.from_pretrained(str(repo / "minilm_tokenizer" / str(tok_v) / "tokenizer"))
-        enc = tok([SENTENCE] * batch, padding="longest", return_tensors="np")
-        feed = {"input_ids": enc["input_ids"].astype(np.int64), "attention_mask": enc["attention_mask"].astype(np.int64)}
-    sess.run(None, feed)
+        texts = sentences(SENTENCES)
+        # the batches a server forms: ``batch`` of the benchmark's sentences, padded to the longest
+        feeds = []
+        for k in range(max(1, len(texts) // batch)):
+            enc = tok([texts[(k * batch + i) % len(texts)] for i in range(batch)], padding="longest", return_tensors="np")
+            feeds.append({"input_ids": enc["input_ids"].astype(np.int64), "attention_mask": enc["attention_mask"].astype(np.int64)})
+    for feed in feeds:
+        sess.run(None, feed)
     lat = []
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end or len(lat) < 5:
         t0 = time.perf_counter()
-        sess.run(None, feed)
+        sess.run(None, feeds[len(lat) % len(feeds)])
         lat.append(time.perf_counter() - t0)
     lat_ms = np.array(lat) * 1000
     return Measurement(model, "ceiling", batch, batch * len(lat) / sum(lat), float(np.percentile(lat_ms, 50)),
                        float(np.percentile(lat_ms, 99)))
 
 
-def ratio_table(results: list[Measurement], concurrencies: list[int]) -> list[dict]:
+def ratio_table(results: list[Measurement], concurrencies: list[int],
+                rounds: dict[tuple[str, int], list[float]] | None = None) -> list[dict]:
+    """One row per model and concurrency; ``rounds`` holds guarded/raw of each alternation."""
     rows = []
     by = {(m.model, m.variant, m.concurrency): m for m in results}
     for model in TARGETS:
@@ -122,16 +143,24 @@ def ratio_table(results: list[Measurement], concurrencies: list[int]) -> list[di
             g, r, ceil = by.get((model, "guarded", c)), by.get((model, "raw", c)), by.get((model, "ceiling", c))
             if not (g and r):
                 continue
+            per_round = (rounds or {}).get((model, c)) or [g.throughput / r.throughput]
+            judged = min(per_round) if model in EVERY_ROUND else g.throughput / r.throughput
+            ceiling_target = CEILING_TARGETS.get(model) if c == 16 else None
             rows.append({
                 "model": model, "concurrency": c,
                 "guarded_ips": round(g.throughput, 1), "raw_ips": round(r.throughput, 1),
                 "guarded_over_raw": round(g.throughput / r.throughput, 3),
+                "guarded_over_raw_rounds": [round(x, 3) for x in per_round],
                 "raw_over_ceiling": round(r.throughput / ceil.throughput, 3) if ceil else None,
+                "guarded_over_ceiling": round(g.throughput / ceil.throughput, 3) if ceil else None,
                 "p99_guarded_ms": round(g.p99_ms, 2), "p99_raw_ms": round(r.p99_ms, 2),
                 "p99_added_ms": round(g.p99_ms - r.p99_ms, 2),
                 "p99_budget_ms": P99_BUDGET_MS, "meets_p99": g.p99_ms - r.p99_ms <= P99_BUDGET_MS,
                 "target": TARGETS[model] if c == 16 else None,
-                "meets_target": (g.throughput / r.throughput >= TARGETS[model]) if c == 16 else None,
+                "target_rule": ("every round" if model in EVERY_ROUND else "median") if c == 16 else None,
+                "meets_target": (judged >= TARGETS[model]) if c == 16 else None,
+                "ceiling_target": ceiling_target,
+                "meets_ceiling_target": (g.throughput / ceil.throughput >= ceiling_target) if ceiling_target and ceil else None,
             })
     return rows
 
@@ -164,19 +193,25 @@ def plot(results: list[Measurement], path: Path) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from exporter.consoles import console
+
     table = Table(title="guarded vs raw (one run, same server; ratios are what to read)")
-    for col in ("model", "c", "guarded inf/s", "raw inf/s", "guarded/raw", "raw/ceiling", "p99 g/r ms", f"p99 added (≤{P99_BUDGET_MS:g} ms)", "target"):
+    for col in ("model", "c", "guarded inf/s", "raw inf/s", "guarded/raw", "per round", "target",
+                "guarded/ceiling", "raw/ceiling", "p99 g/r ms", f"p99 added (≤{P99_BUDGET_MS:g} ms)"):
         table.add_column(col, justify="right")
     for r in rows:
-        verdict = "" if r["target"] is None else (f"≥{r['target']} " + ("ok" if r["meets_target"] else "SHORT"))
+        verdict = "" if r["target"] is None else (f"≥{r['target']} {r['target_rule']} " + ("ok" if r["meets_target"] else "SHORT"))
+        ceil = "" if r["guarded_over_ceiling"] is None else f"{r['guarded_over_ceiling']:.3f}"
+        if r["ceiling_target"] is not None:
+            ceil += f" (≥{r['ceiling_target']} " + ("ok)" if r["meets_ceiling_target"] else "SHORT)")
         p99 = f"{r['p99_added_ms']:+.2f} " + ("ok" if r["meets_p99"] else "SHORT")
         table.add_row(r["model"], str(r["concurrency"]), f"{r['guarded_ips']:.0f}", f"{r['raw_ips']:.0f}",
-                      f"{r['guarded_over_raw']:.3f}", "" if r["raw_over_ceiling"] is None else f"{r['raw_over_ceiling']:.3f}",
-                      f"{r['p99_guarded_ms']:.2f}/{r['p99_raw_ms']:.2f}", p99, verdict)
-    Console().print(table)
+                      f"{r['guarded_over_raw']:.3f}", " ".join(f"{x:.2f}" for x in r["guarded_over_raw_rounds"]), verdict,
+                      ceil, "" if r["raw_over_ceiling"] is None else f"{r['raw_over_ceiling']:.3f}",
+                      f"{r['p99_guarded_ms']:.2f}/{r['p99_raw_ms']:.2f}", p99)
+    console().print(table)
 
 
 def print_canary(rows: list[dict]) -> None:
@@ -213,12 +248,47 @@ def run_rollout(args: argparse.Namespace, workdir: Path) -> dict:
     return result
 
 
+TUNE_LIMIT_S = 600  # `exporter tune minilm` must finish within 10 minutes on 2 cores
+
+
+def run_tune(args: argparse.Namespace, workdir: Path, model: str = "minilm") -> dict:
+    """`exporter tune MODEL` as a user runs it (read only, no --apply), timed: its chosen point
+    against the shipped defaults (its baseline), both measured in its own run (a moved point is
+    measured again back to back with the defaults: tune's confirmation)."""
+    import subprocess
+
+    folder = workdir / f"tune-{model}"
+    cmd = [sys.executable, "-m", "exporter", "tune", model, "--repository", str(args.repository.resolve()),
+           "--concurrency", "16", "--p99-ms", str(TUNE_P99_MS[model]), "--out", str(folder)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TUNE_LIMIT_S * 2)
+    wall = time.monotonic() - t0
+    report_path = folder / "tune_report.json"
+    if not report_path.exists():
+        return {"model": model, "ok": False, "wall_s": round(wall, 1), "error": (proc.stderr or proc.stdout)[-2000:]}
+    rep = json.loads(report_path.read_text())
+    base, chosen, confirm = rep["baseline"], rep["chosen"] or rep["baseline"], rep["confirm"] or {}
+    # the same-run comparison: the confirmation pair when tune moved, else chosen is the baseline
+    b = (confirm.get("baseline") or base)["mean_throughput"]
+    c = (confirm.get("chosen") or chosen)["mean_throughput"]
+    result = {"model": model, "wall_s": round(wall, 1), "limit_s": TUNE_LIMIT_S, "p99_ms": TUNE_P99_MS[model],
+              "baseline_ips": b, "chosen_ips": c, "chosen": chosen["changed"], "confirmed": rep["confirmed"],
+              "points": len(rep["points"]), "report": str(report_path)}
+    # confirmed None: tune kept the defaults; False: its choice lost to them when measured again
+    result["ok"] = proc.returncode == 0 and wall <= TUNE_LIMIT_S and rep["confirmed"] is not False
+    sys.stderr.write(f"tune {model}: {wall:.0f} s (≤{TUNE_LIMIT_S}), chosen {chosen['changed']} {c} vs defaults {b} inf/s "
+                     f"-> {'ok' if result['ok'] else 'SHORT'}\n")
+    return result
+
+
 def run_only(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="tritonguard-bench-"))
     if args.only == "rollout":
         result: Any = run_rollout(args, workdir)
+    elif args.only == "tune":
+        result = run_tune(args, workdir)
     elif args.only == "privacy":
         result = run_privacy(args, workdir)
     else:
@@ -241,14 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     ap.add_argument("--window-ms", type=int, default=4000)
     ap.add_argument("--trials", type=int, default=6)
-    ap.add_argument("--rounds", type=int, default=2, help="raw/guarded alternations per point (median)")
+    ap.add_argument("--rounds", type=int, default=3, help="raw/guarded alternations per point (median; digits: each)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--no-canary", action="store_true", help="skip the canary 10 %% + shadow 10 %% scenario")
     ap.add_argument("--privacy", action=argparse.BooleanOptionalAction, default=True,
                     help="cache-hit latency per tier, redaction and shared-quota on/off throughput (~3 min)")
     ap.add_argument("--rollout", action=argparse.BooleanOptionalAction, default=True,
                     help="one gated rollout of digits v2 under perf_analyzer load (~4 min)")
-    ap.add_argument("--only", choices=["canary", "privacy", "rollout"],
+    ap.add_argument("--tune", action=argparse.BooleanOptionalAction, default=True,
+                    help="`exporter tune minilm` timed, its choice vs the shipped defaults (≤10 min)")
+    ap.add_argument("--only", choices=["canary", "privacy", "rollout", "tune"],
                     help="run just this scenario (skips the guarded/raw sweep)")
     args = ap.parse_args(argv)
     if args.only:
@@ -257,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[Measurement] = []
+    rounds: dict[tuple[str, int], list[float]] = {}
     workdir = Path(tempfile.mkdtemp(prefix="tritonguard-bench-"))
     wait = [m for model in args.models for m in (model, f"{model}_raw")]
     with Server(repository=args.repository.resolve(), log_path=workdir / "tritonserver.log") as server:
@@ -266,16 +339,18 @@ def main(argv: list[str] | None = None) -> int:
             for c in args.concurrency:
                 # raw and guarded alternate, so both see the same machine load; median per point
                 runs: dict[str, list[Measurement]] = {f"{model}_raw": [], model: []}
-                for _ in range(args.rounds):
-                    for name in runs:
+                for rnd in range(args.rounds):
+                    # which goes first alternates too, so neither always follows the other's load
+                    for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
                         m = perf_analyzer(server, name, c, data, args.window_ms, args.trials)
                         runs[name].append(m)
                         sys.stderr.write(f"{name:12s} c={c:<3d} {m.throughput:9.1f} inf/s  p50 {m.p50_ms:7.2f} ms  p99 {m.p99_ms:7.2f} ms\n")
+                rounds[(model, c)] = [g.throughput / r.throughput for g, r in zip(runs[model], runs[f"{model}_raw"], strict=True)]
                 results.extend(median_of(v) for v in runs.values())
     for model in args.models:
         for c in args.concurrency:
             results.append(ceiling(args.repository, model, c))
-    rows = ratio_table(results, args.concurrency)
+    rows = ratio_table(results, args.concurrency, rounds)
     canary_rows = []
     if not args.no_canary:
         from perf import canary
@@ -285,12 +360,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                     workdir / "canary.json"), args.window_ms, args.trials))
     privacy = run_privacy(args, workdir) if args.privacy else None
     rollout = run_rollout(args, workdir) if args.rollout and "digits" in args.models else None
+    tuned = run_tune(args, workdir) if args.tune and "minilm" in args.models else None
     report = {
-        "privacy": privacy, "rollout": rollout,
+        "privacy": privacy, "rollout": rollout, "tune": tuned,
         "timestamp": stamp, "machine": {"cpus": os.cpu_count()},
         "settings": {"window_ms": args.window_ms, "trials": args.trials, "rounds": args.rounds, "protocol": "http"},
         "measurements": [asdict(m) for m in results], "ratios": rows, "canary": canary_rows,
-        "targets": {"guarded_over_raw_at_c16": TARGETS, "p99_added_ms": P99_BUDGET_MS},
+        "targets": {"guarded_over_raw_at_c16": TARGETS, "every_round": sorted(EVERY_ROUND),
+                    "guarded_over_ceiling_at_c16": CEILING_TARGETS, "p99_added_ms": P99_BUDGET_MS},
     }
     json_path = args.out / f"{stamp}.json"
     json_path.write_text(json.dumps(report, indent=2))
@@ -299,7 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     if canary_rows:
         print_canary(canary_rows)
     sys.stderr.write(f"results: {json_path} and {json_path.with_suffix('.png')}\n")
-    return 0
+    missed = [f"{r['model']} c={r['concurrency']}: {what}" for r in rows
+              for what, ok in (("guarded/raw", r["meets_target"]), ("guarded/ceiling", r["meets_ceiling_target"]),
+                               ("p99 added", r["meets_p99"] if r["concurrency"] == 16 else None)) if ok is False]
+    if tuned is not None and not tuned["ok"]:
+        missed.append(f"tune {tuned['model']}: {tuned.get('error') or 'slower than the defaults or over time'}")
+    if missed:
+        sys.stderr.write("targets missed: " + "; ".join(missed) + "\n")
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
