@@ -201,7 +201,7 @@ def test_unsafe_configs_refuse_to_load_with_a_clear_message(env):
     assert index["nolimit"]["state"] == "UNAVAILABLE"
     assert "validation.max_bytes_length" in index["nolimit"]["reason"]
     assert index["minilm_priv"]["state"] == "READY"
-    # over gRPC Triton wants the key under its prefixed metadata name (as the README shows); the
+    # over gRPC Triton wants the key under its prefixed metadata name (as docs/privacy.md shows); the
     # bare header name is refused even with the right key
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException

@@ -46,7 +46,7 @@ def _params(**kv):
 
 
 def write_keys(path: Path, table: dict[str, list[str]]) -> None:
-    """Replace the keys file atomically (as the README asks) with digests of these keys."""
+    """Replace the keys file atomically (as docs/privacy.md asks) with digests of these keys."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({t: [hash_api_key(k) for k in keys] for t, keys in table.items()}, indent=1))
     os.replace(tmp, path)

@@ -1,5 +1,5 @@
 """A second export keeps what the user (or the first export) set in config.pbtxt: every guard
-parameter the README documents, instance groups and batching of the guard and its targets;
+parameter the documentation (README.md, docs/*.md) names, instance groups and batching of the guard and its targets;
 only the interface and what the export must own are rewritten."""
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from tritonguard.guard import GuardConfig
 from tritonguard.tensors import ModelSignature
 from tritonguard.validation import BatchValidator
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+GUARD_DOC = ROOT / "docs" / "guard.md"  # holds the guard parameter table
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SECTIONS = [s for s in GuardConfig.SECTIONS if s]
 
-# a non-default, valid value for every guard parameter the README documents; placeholders
+# a non-default, valid value for every guard parameter the documentation names; placeholders
 # (<INPUT>, <NAME>) are filled in by README_PLACEHOLDERS
 VALUES = {
     "target": "tiny_raw",
@@ -105,12 +107,15 @@ README_PLACEHOLDERS = {"validation.range.<INPUT>": "validation.range.X",
 
 
 def readme_keys() -> set[str]:
-    """Guard parameter keys named in README.md: the guard table's first column and every
-    ``section.key`` in backticks (``section.*`` wildcards are covered by :func:`config_keys`)."""
-    text = README.read_text()
-    table = text[text.index("### Guard parameters"):]
+    """Guard parameter keys the documentation names: the first column of the guard table in
+    docs/guard.md and every ``section.key`` in backticks in README.md and docs/*.md
+    (``section.*`` wildcards are covered by :func:`config_keys`)."""
+    guard = GUARD_DOC.read_text()
+    table = guard[guard.index("## Guard parameters"):]
     table = table[:table.index("\n\n", table.index("| key"))]
     keys = set(re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.M))
+    assert {"target", "placement", "target_per_version"} <= keys, "the guard table moved or changed form"
+    text = "\n".join(doc.read_text() for doc in DOCS)
     sections = "|".join(SECTIONS)
     keys |= set(re.findall(rf"`((?:{sections})\.[A-Za-z0-9_.<>]+)`", text))
     return {README_PLACEHOLDERS.get(k, k) for k in keys}
@@ -129,7 +134,7 @@ def _default(field: dataclasses.Field) -> str:
 
 def config_keys() -> dict[str, str]:
     """Every key the guard's config classes accept, with its default as a string: keys the
-    README covers only by ``routing.*`` and the like round-trip too."""
+    documentation covers only by ``routing.*`` and the like round-trip too."""
     out = {}
     for section in ["", *SECTIONS]:
         cls = typing.get_type_hints(GuardConfig)[section or "target"]
@@ -167,7 +172,7 @@ def test_readme_documents_only_keys_this_test_sets():
     """A newly documented key must get a value here (and so a round trip)."""
     keys = readme_keys()
     assert {"validation.range.X", "tenancy.quotas", "cache.l3_url", "routing.alert_webhook", "target"} <= keys
-    assert keys - set(VALUES) == set(), "README documents keys without a test value"
+    assert keys - set(VALUES) == set(), "the documentation names keys without a test value"
 
 
 def test_second_export_keeps_every_documented_key_and_the_batching(tmp_path):
