@@ -672,6 +672,11 @@ class Router:
         """canary: ``served_out`` came from the candidate, ``other`` is the primary (the
         reference); shadow: ``served_out`` came from the primary, ``other`` is the candidate."""
         cand = served_v if kind == "canary" else other
+        if cand not in self._experiments():
+            # queued while ``cand`` was under test, and the rollout has moved on since (promoted,
+            # rolled back): its judge is gone, and judged by the default validator a promoted
+            # retrain would trip its own breaker as primary
+            return
         now = self.clock()
         t0 = time.perf_counter()
         try:

@@ -161,6 +161,27 @@ def test_a_retrain_is_judged_on_its_answers_not_its_numbers(repo, judge):
     router.close()
 
 
+def test_comparisons_queued_before_a_promotion_are_dropped(repo):
+    """A retrain's canary comparisons still queued when the rollout promotes it (and drops its
+    task judge) must not be judged as a copy: that tripped the new primary's breaker."""
+    router, metrics = make(repo, {1: Linear(W1), 2: Linear(W2)}, candidate=2, share=1.0, judge="task")
+
+    def promote(s):
+        s.primary, s.candidate = 2, None
+        s.judges.pop("2", None)
+        return s
+
+    router.store.update(promote, by="test")
+    router.refresh(router.clock(), wait=True)
+    x = rows(64, seed=5)
+    for k in range(0, 64, 8):  # what the worker finds in its queue after the promotion
+        sub = {"X": x[k:k + 8]}
+        router._compare("canary", 1, 2, sub, Linear(W2).infer(sub))
+    assert metrics.total("compared") == 0
+    assert router.breaker(2).state == "closed"
+    router.close()
+
+
 def test_labels_are_scored_per_serving_version(repo):
     router, metrics = make(repo, {1: Linear(W1)})
     x = rows(4, seed=5)
