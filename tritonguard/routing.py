@@ -49,6 +49,10 @@ from .validators import (
 log = logging.getLogger(__name__)
 
 SKIPPED = "SKIPPED"
+# a golden check that could not reach its target (not loaded yet, loading, unloaded) is no
+# verdict: the version is not routable meanwhile, nothing is stored, and it is tried again after
+UNREADY_RETRY_S = 2.0
+UNREADY_CODES = ("UNAVAILABLE", "NOT_FOUND")
 TASK_TO_WORKLOAD = {"classifier": "classifier", "embedding": "embedding", "regression": "regression"}
 
 
@@ -126,6 +130,7 @@ class Router:
         self._lock = threading.Lock()  # breakers are fed by execute() and by the worker
         self._refresh_lock = threading.Lock()  # execute() and the reconciler re-read the state
         self._golden_lock = threading.Lock()  # one golden check at a time, never two of a version
+        self._unready: dict[int, float] = {}  # version -> when its target last could not be reached
         self._target_lock = threading.Lock()
         # whether goldens of version N may run ahead of traffic (a BLS guard: once it has served)
         self.ready = ready or (lambda _v: True)
@@ -249,10 +254,17 @@ class Router:
             known = self.state.goldens.get(str(version))
             if known is not None:
                 return known.get("verdict", FAIL)
+            last = self._unready.get(version)
+            if last is not None and self.clock() - last < UNREADY_RETRY_S:
+                return FAIL  # its target was unreachable a moment ago: not routable yet
             return self._check_and_record(version)
 
     def _check_and_record(self, version: int) -> str:
         result = self.check_goldens(version)
+        if result.get("unready"):
+            self._unready[version] = self.clock()
+            return FAIL
+        self._unready.pop(version, None)
         self.state.goldens[str(version)] = result
 
         def record(current: RolloutState) -> RolloutState:
@@ -292,6 +304,16 @@ class Router:
         for label, rows in runs:
             try:
                 got = self.target_for(version).infer({k: v[rows] for k, v in inputs.items()})
+            except TargetError as exc:
+                if exc.code in UNREADY_CODES or "not ready" in str(exc):
+                    # the model is not there to judge (loading, or a version step not loaded yet):
+                    # a stored FAIL would refuse it for good, even once it loads
+                    log.warning("guard %s: goldens of %s v%d not run, target unavailable (again in %gs): %s",
+                                self.guard, self.target, version, UNREADY_RETRY_S, exc)
+                    return {"verdict": FAIL, "unready": True, "metrics": {"error": str(exc)}, "checked_at": now}
+                figures["error"] = f"{label}: {type(exc).__name__}: {exc}"
+                worst = FAIL
+                break
             except Exception as exc:  # noqa: BLE001 - a broken version fails its goldens, nothing more
                 figures["error"] = f"{label}: {type(exc).__name__}: {exc}"
                 worst = FAIL

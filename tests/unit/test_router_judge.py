@@ -182,6 +182,36 @@ def test_comparisons_queued_before_a_promotion_are_dropped(repo):
     router.close()
 
 
+class Loading(Linear):
+    """A target Triton has not loaded yet: UNAVAILABLE until ``ready`` is set."""
+
+    ready = True  # while the test writes the goldens
+
+    def infer(self, inputs):
+        if not self.ready:
+            raise TargetError("target 't_v1' failed: Model 't_v1' is not ready", "UNAVAILABLE")
+        return super().infer(inputs)
+
+
+def test_goldens_of_a_target_not_loaded_yet_are_not_a_stored_fail(repo):
+    """A version whose target is still loading is not routable, but no FAIL is stored (that
+    refused it for good, across restarts): the check runs again once the target answers."""
+    target = Loading(W1)
+    router, metrics = make(repo, {1: target}, goldens=rows(8, seed=9))
+    target.ready = False
+    now = [1000.0]
+    router.clock = lambda: now[0]
+    assert router.golden_verdict(1) == "FAIL"
+    assert "1" not in router.state.goldens and "1" not in router.store.load().goldens
+    assert metrics.total("goldens") == 0  # no FAIL counted (an alert would page on it)
+    target.ready = True
+    assert router.golden_verdict(1) == "FAIL"  # within the retry interval: not asked again
+    now[0] += 3.0
+    assert router.golden_verdict(1) == "PASS"
+    assert router.store.load().goldens["1"]["verdict"] == "PASS"
+    router.close()
+
+
 def test_labels_are_scored_per_serving_version(repo):
     router, metrics = make(repo, {1: Linear(W1)})
     x = rows(4, seed=5)
