@@ -319,7 +319,9 @@ class GuardModel:
                 responses[i] = triton.response(outs)
             if batch.route:
                 labels = [_label(params[i]) for i in batch.route]
-                routed = self.router.infer(batch.fused, batch.sizes, labels if any(x is not None for x in labels) else None)
+                pins = [_pin(params[i]) for i in batch.route]
+                routed = self.router.infer(batch.fused, batch.sizes, labels if any(x is not None for x in labels) else None,
+                                           pins if any(x is not None for x in pins) else None)
                 self.privacy.redact_outputs(batch, routed)
                 self._respond(batch, routed, responses, served_by)
         finally:
@@ -377,6 +379,20 @@ def _label(params: dict[str, Any]) -> Any:
         return [int(raw)] if isinstance(raw, int) else [int(x) for x in str(raw).split(",")]
     except ValueError:
         return None
+
+
+def _pin(params: dict[str, Any]) -> int | None:
+    """The version a request must be answered by (request parameter ``version``), or None; a
+    value that is not a whole number is 0, which the router refuses with INVALID_ARGUMENT."""
+    raw = params.get("version")
+    if raw is None:
+        return None
+    if isinstance(raw, bool):
+        return 0
+    try:
+        return int(raw) if isinstance(raw, int) or str(raw).strip().isdigit() else 0
+    except ValueError:
+        return 0
 
 
 def _with_source(message: str, params: Any) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 from . import repository
 from .breaker import CLOSED, Breaker, BreakerConfig
 from .drift import REFERENCE_FILE, DriftMonitor, Ewma, ReferenceSummary, featurize
-from .errors import TargetError, TritonGuardError
+from .errors import InvalidInput, TargetError, TritonGuardError
 from .latency import paired_key
 from .state import RolloutState, StateError, StateStore
 from .tensors import concat, offsets, rows_any, split
@@ -345,9 +345,12 @@ class Router:
 
     # -- serving ---------------------------------------------------------------------------
     def infer(self, fused: dict[str, np.ndarray], sizes: list[int],
-              labels: list[Any] | None = None) -> Routed:
+              labels: list[Any] | None = None, pins: list[int | None] | None = None) -> Routed:
         """Route one batch. ``labels``: per request, the ground truth a client sent with it (the
-        ``label`` request parameter) or None; scored against the version that served it."""
+        ``label`` request parameter) or None; scored against the version that served it.
+        ``pins``: per request, the version it must be answered by (the ``version`` request
+        parameter, e.g. reproducible batch scoring) or None: one the state names and that is
+        routable, with no fallback to another version (UNAVAILABLE instead)."""
         now = self.clock()
         self.refresh(now)
         n = len(sizes)
@@ -373,9 +376,17 @@ class Router:
         # an open primary breaker sends its share down the chain (e.g. to the previous primary)
         home = primary if self.routable(primary, now) else self._next_in_chain(chain, set(), now)
         first = {i: (cand if to_cand[i] else int(arm_of[i]) or home) for i in range(n)}
+        pinned = self._pin(pins, first, errors, pending, now) if pins is not None else set()
         tried: dict[int, set[int]] = {i: set() for i in range(n)}
         reasons: dict[int, str] = {}
         for hop in range(len(chain) + 1):
+            if hop and pinned & pending:  # a pinned request is answered by its version or not at all
+                for i in pinned & pending:
+                    last = self._last_error.get(i)
+                    errors[i] = TargetError(f"version {first[i]} of '{self.target}' (pinned by the request) "
+                                            f"failed: {last}" if last else f"version {first[i]} of "
+                                            f"'{self.target}' could not answer", last.code if last else "UNAVAILABLE")
+                pending -= pinned
             groups: dict[int | None, list[int]] = {}
             for i in sorted(pending):
                 version = first[i] if hop == 0 else self._next_in_chain(chain, tried[i], now)
@@ -406,6 +417,30 @@ class Router:
         if labels is not None and any(lab is not None for lab in labels):
             self._score_labels(labels, out_rows, served)
         return Routed(outputs, served, errors)
+
+    def _pin(self, pins: list[int | None], first: dict[int, int | None], errors: list[Any], pending: set[int],
+             now: float) -> set[int]:
+        """Requests pinned to a version: their first hop; a version not served here (or not a
+        positive integer) fails the request alone."""
+        named = set(self.named_versions())
+        pinned = set()
+        for i, pin in enumerate(pins):
+            if pin is None:
+                continue
+            if pin <= 0:
+                errors[i] = InvalidInput("version", "version", "request parameter 'version' must be a positive integer")
+            elif pin not in named:
+                errors[i] = TargetError(f"version {pin} of '{self.target}' is not routed here (served: "
+                                        f"{', '.join(f'v{v}' for v in sorted(named))})", "UNAVAILABLE")
+            elif not self.routable(pin, now):
+                errors[i] = TargetError(f"version {pin} of '{self.target}' is not routable now (breaker open or "
+                                        "goldens failed); retry later", "UNAVAILABLE")
+            else:
+                first[i] = pin
+                pinned.add(i)
+                continue
+            pending.discard(i)
+        return pinned
 
     def _score_labels(self, labels: list[Any], out_rows: dict[int, dict[str, np.ndarray]], served: list[str]) -> None:
         """Top-1 right or wrong per labelled row, by the version that served it (classifiers)."""

@@ -228,6 +228,21 @@ def test_malformed_bytes_request_fails_alone(server, http):
     assert "Traceback" not in body and ".py" not in body
 
 
+@pytest.mark.parametrize("model", ["digits", "digits_bls"])
+def test_version_request_parameter_pins_or_fails_alone(http, grpc, digits_data, model):
+    """The ``version`` request parameter: answered by that version, else a clear error for
+    that request (over HTTP and gRPC), never another version's answer."""
+    x = digits_data[0][:2]
+    r = http.infer(model, [http_input("IMAGE", x)], parameters={"version": 1})
+    assert {s.decode() for s in r.as_numpy("SERVED_BY").reshape(-1)} == {"digits_raw:1"}
+    with pytest.raises(InferenceServerException) as exc:
+        http.infer(model, [http_input("IMAGE", x)], parameters={"version": 9})
+    assert exc.value.status() == "503" and "version 9 of 'digits_raw' is not routed here" in exc.value.message()
+    with pytest.raises(InferenceServerException) as exc:
+        grpc.infer(model, [grpc_input("IMAGE", x)], parameters={"version": "latest"})
+    assert exc.value.status() == "StatusCode.INVALID_ARGUMENT" and "'version'" in exc.value.message()
+
+
 def test_target_error_reaches_client_clearly(http, grpc):
     x = np.ones((1, 8, 8), np.float32)
     with pytest.raises(InferenceServerException) as err:

@@ -212,6 +212,23 @@ def test_goldens_of_a_target_not_loaded_yet_are_not_a_stored_fail(repo):
     router.close()
 
 
+def test_a_request_pinned_to_a_version_is_answered_by_it_or_fails(repo):
+    """The ``version`` request parameter (reproducible batch scoring): the pinned version
+    answers whatever the split says; a version not routed here, or a bad value, fails that
+    request alone; a pinned version that fails does not fall back to another one."""
+    x = rows(6, seed=11)
+    router, metrics = make(repo, {1: Linear(W1), 2: Linear(W2, poison=x[5])}, candidate=2, share=0.0)
+    got = router.infer({"X": x}, [1] * 6, pins=[2, None, 1, 7, 0, 2])
+    assert got.served_by[:3] == ["t:2", "t:1", "t:1"]
+    assert got.errors[3].code == "UNAVAILABLE" and "version 7 of 't' is not routed here" in str(got.errors[3])
+    assert got.errors[4].code == "INVALID_ARG" and "positive integer" in str(got.errors[4])
+    # v2 fails on this row: the client pinned v2, so it gets v2's error, not v1's answer
+    assert got.errors[5] is not None and "pinned" in str(got.errors[5]) and got.served_by[5] == ""
+    assert np.allclose(got.outputs["P"][0], softmax(x[:1].astype(np.float64) @ W2)[0], atol=1e-6)
+    assert metrics.total("fallbacks") == 0
+    router.close()
+
+
 def test_labels_are_scored_per_serving_version(repo):
     router, metrics = make(repo, {1: Linear(W1)})
     x = rows(4, seed=5)
