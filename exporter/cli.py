@@ -56,16 +56,9 @@ def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug 
 
 
 def _where(repository: Path, registry: bool = False) -> None:
-    """Where a writing command writes, on stderr (stdout stays clean for --json): the repository
-    as an absolute path and, when the command registers versions, the registry's URI."""
-    from rich.markup import escape  # noqa: PLC0415
+    from .consoles import where  # noqa: PLC0415
 
-    line = f"repository {Path(repository).resolve()}"
-    if registry:
-        from .registry import default_uri  # noqa: PLC0415 - no mlflow import
-
-        line += f"\nregistry   {default_uri(repository)}"
-    err.print(f"[dim]{escape(line)}[/]", soft_wrap=True)
+    where(err, repository, registry)
 
 
 @contextmanager

@@ -52,3 +52,18 @@ def log_handler(console: WideConsole) -> logging.Handler:
     handler = logging.StreamHandler(console.file)
     handler.setFormatter(logging.Formatter("%(levelname)-8s %(message)s"))
     return handler
+
+
+def where(console: Console, repository: Any, registry: bool = False) -> None:
+    """Where a writing command writes, on ``console`` (stderr: stdout stays clean for --json):
+    the repository as an absolute path and, when the command touches the registry, its URI."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from rich.markup import escape  # noqa: PLC0415
+
+    line = f"repository {Path(repository).resolve()}"
+    if registry:
+        from .registry import default_uri  # noqa: PLC0415 - no mlflow import
+
+        line += f"\nregistry   {default_uri(repository)}"
+    console.print(f"[dim]{escape(line)}[/]", soft_wrap=True)

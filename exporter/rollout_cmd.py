@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from .consoles import WideConsole
+from .consoles import WideConsole, where
 
 # no wraps at 80 columns when piped (tables included): a CI log keeps whole lines
 out = WideConsole(soft_wrap=True)
@@ -162,6 +162,7 @@ def promote(
 
     to = to.lower()
     servers = list(server or [])
+    where(err, repository, registry=True)
     try:
         if to not in ("staging", "production"):
             raise ValueError(f"--to must be staging or production, got {to!r}")
@@ -311,6 +312,7 @@ def rollback(
     from .route import RouteChange, RouteError, apply  # noqa: PLC0415
     from .serving import ServingError, ensure_loaded  # noqa: PLC0415
 
+    where(err, repository, registry=True)
     try:
         ctl, reg, _ = _controller(model, repository, [], approver=approver)
         progress = ctl.status()

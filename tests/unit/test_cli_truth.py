@@ -108,6 +108,10 @@ def test_writing_commands_name_the_repository_and_registry_on_stderr(tmp_path, m
     assert res.stdout.lstrip().startswith("{")  # --json stays clean
     res = CliRunner().invoke(app, ["route", "tiny", "--repository", "repo", "--json"])  # only shows
     assert res.exit_code == 0 and "repository " not in res.stderr, res.output
+    # promote and rollback write the rollout state and the registry: both named, even when the
+    # arguments are then refused
+    res = CliRunner().invoke(app, ["promote", "tiny", "--repository", "repo", "--version", "2", "--to", "nowhere"])
+    assert res.exit_code == 2 and f"repository {repo.resolve()}" in res.stderr and "registry   " in res.stderr, res.output
 
 
 def test_where_names_the_registry_when_one_is_used(tmp_path, monkeypatch):
