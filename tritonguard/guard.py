@@ -336,6 +336,7 @@ class GuardModel:
     def _respond(self, batch: Any, routed: Any, responses: list[Any], served_by: list[bool]) -> None:
         good_sizes = [batch.sizes[k] for k in range(len(batch.route)) if routed.errors[k] is None]
         parts = {n: split(routed.outputs[n], offsets(good_sizes)) for n in self.output_names}
+        labels: dict[tuple[int, str], np.ndarray] = {}  # one SERVED_BY array per size and version
         j = 0
         for k, i in enumerate(batch.route):
             err = routed.errors[k]
@@ -344,7 +345,11 @@ class GuardModel:
                 continue
             outs = {n: parts[n][j] for n in self.output_names}
             if served_by[i]:
-                outs[SERVED_BY] = np.full((batch.sizes[k], 1), routed.served_by[k].encode(), dtype=object)
+                key = (batch.sizes[k], routed.served_by[k])
+                label = labels.get(key)
+                if label is None:
+                    label = labels[key] = np.full((key[0], 1), key[1].encode(), dtype=object)
+                outs[SERVED_BY] = label
             responses[i] = triton.response(outs)
             j += 1
 
