@@ -131,6 +131,8 @@ class Router:
         self._refresh_lock = threading.Lock()  # execute() and the reconciler re-read the state
         self._golden_lock = threading.Lock()  # one golden check at a time, never two of a version
         self._unready: dict[int, float] = {}  # version -> when its target last could not be reached
+        self._published_revision = -1  # the state revision whose shares the gauges show
+        self._published_shares: set[tuple[int, str]] = set()
         self._target_lock = threading.Lock()
         # whether goldens of version N may run ahead of traffic (a BLS guard: once it has served)
         self.ready = ready or (lambda _v: True)
@@ -862,10 +864,19 @@ class Router:
             log.warning("guard %s: breaker state of v%d not stored: %s", self.guard, version, exc)
 
     def publish(self) -> None:
-        """Breaker states as gauges (cheap: local counters, pushed by the metrics thread)."""
+        """Breaker states and the routed shares as gauges (cheap: local values, pushed by the
+        metrics thread; the shares only when the state's revision changed)."""
         code = {"closed": 0, "half_open": 1, "open": 2}
         for version, b in list(self._breakers.items()):
             self.metrics.set("breaker_state", code.get(b.state, 2), target_version=str(version))
+        if self.state.revision != self._published_revision:
+            self._published_revision = self.state.revision
+            shares = route_shares(self.state, self.primary())
+            for key in self._published_shares - shares.keys():
+                shares[key] = 0.0  # a role a version no longer has: 0, so a rule sees it end
+            for (version, role), share in shares.items():
+                self.metrics.set("route_share", share, target_version=str(version), role=role)
+            self._published_shares = {k for k, v in shares.items() if v > 0}
 
     def close(self) -> None:
         self._stop.set()
@@ -877,4 +888,22 @@ class Router:
         self.alerts.flush(timeout=1)
 
 
-__all__ = ["Router", "RoutingConfig", "Routed"]
+def route_shares(state: RolloutState, primary: int) -> dict[tuple[int, str], float]:
+    """(version, role) -> share of live traffic the state routes there: ``primary``,
+    ``candidate`` (its share), ``arm`` (A/B/n weights), ``shadow`` (mirrored, on top)."""
+    out: dict[tuple[int, str], float] = {}
+    rest = 1.0
+    if state.candidate is not None and state.candidate.version > 0:
+        out[(state.candidate.version, "candidate")] = state.candidate.share
+        rest -= state.candidate.share
+        if state.shadow_share > 0:
+            out[(state.candidate.version, "shadow")] = state.shadow_share
+    for arm in state.arms:
+        out[(arm.version, "arm")] = arm.weight
+        rest -= arm.weight
+    if primary > 0:
+        out[(primary, "primary")] = max(0.0, rest)
+    return out
+
+
+__all__ = ["Router", "RoutingConfig", "Routed", "route_shares"]

@@ -177,6 +177,9 @@ class Metrics:
     ZERO_AT_LOAD = ("requests", "target_calls", "drops", "compare_drops", "audit_drops", "state_errors")
     GAUGES = {
         "breaker_state": ("tritonguard_breaker_state", "Breaker per target version: 0 closed, 1 half-open, 2 open"),
+        "route_share": ("tritonguard_route_share",
+                        "Share of live traffic the rollout state routes to a target version, by role "
+                        "(primary, candidate, arm; shadow: mirrored on top); 0 once the version lost the role"),
         "drift": ("tritonguard_input_drift_fraction", "Share of input features drifting (KS/PSI) on the primary"),
         "cache_degraded": ("tritonguard_cache_degraded", "1 while a cache tier is skipped after a failure (backoff), by tier"),
         "validator_score": ("tritonguard_validator_score",

@@ -229,6 +229,27 @@ def test_a_request_pinned_to_a_version_is_answered_by_it_or_fails(repo):
     router.close()
 
 
+def test_routed_shares_are_gauges_that_drop_to_zero_when_a_role_ends(repo):
+    router, metrics = make(repo, {1: Linear(W1), 2: Linear(W2)}, candidate=2, share=0.1)
+
+    def share(version, role):
+        return metrics.gauges.get(("route_share", ("role", role), ("target_version", str(version))))
+
+    router.publish()
+    assert share(1, "primary") == pytest.approx(0.9) and share(2, "candidate") == pytest.approx(0.1)
+
+    def rollback(s):
+        s.candidate = None
+        return s
+
+    router.store.update(rollback, by="test")
+    router.refresh(router.clock(), wait=True)
+    router.publish()
+    # the candidate's series ends at 0 (a rollback alert needs to see it go), the primary has all
+    assert share(2, "candidate") == 0.0 and share(1, "primary") == 1.0
+    router.close()
+
+
 def test_labels_are_scored_per_serving_version(repo):
     router, metrics = make(repo, {1: Linear(W1)})
     x = rows(4, seed=5)
