@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import math
-import urllib.request
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -55,6 +54,7 @@ from typing import Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from tritonguard import triton_http
 from tritonguard.state import JUDGES
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,7 @@ def _samples(text: str) -> Series:
 
 def scrape(url: str, timeout: float = 5.0) -> Series:
     """GET a Triton metrics endpoint (e.g. ``http://host:8002/metrics``) and :func:`parse` it."""
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - operator-given URL
-        return parse(resp.read().decode("utf-8", "replace"))
+    return parse(triton_http.get_text(url, timeout=timeout))
 
 
 # -- readings -----------------------------------------------------------------------------

@@ -22,13 +22,11 @@ import json
 import logging
 import os
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tritonguard import repository
+from tritonguard import repository, triton_http
 from tritonguard.errors import TritonGuardError
 
 log = logging.getLogger(__name__)
@@ -74,18 +72,13 @@ def models_to_load(repo: Path, model: str, version: int) -> list[tuple[str, int]
 
 
 def _request(url: str, method: str = "GET", body: bytes | None = None, timeout: float = 10.0) -> tuple[int, str]:
-    headers = {"Content-Type": "application/json"} if body is not None else {}
     key = os.environ.get("TRITONGUARD_ADMIN_KEY", "")
-    if key:
-        headers[ADMIN_HEADER] = key
-    req = urllib.request.Request(url, data=body, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - operator-given URL
-            return resp.status, resp.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError) as exc:
-        raise ServingError(f"server {url.split('/v2')[0]} unreachable: {exc}") from None
+        status, raw = triton_http.request(url, method, body, headers={ADMIN_HEADER: key} if key else None,
+                                          timeout=timeout)
+    except triton_http.Unreachable as exc:
+        raise ServingError(f"server {url.split('/v2')[0]} unreachable: {exc.reason}") from None
+    return status, raw.decode("utf-8", "replace")
 
 
 def _base(server: str) -> str:

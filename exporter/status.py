@@ -100,36 +100,15 @@ def table(models: list[dict[str, Any]], repository: Path) -> Table:
 PROBE_TIMEOUT_S = 5.0
 
 
-def _reason(exc: BaseException) -> str:
-    """A connection failure in a few words ("connection refused"), not urllib's repr."""
-    import socket  # noqa: PLC0415
-    import urllib.error  # noqa: PLC0415
-
-    if isinstance(exc, urllib.error.HTTPError):
-        return f"HTTP {exc.code} {exc.reason}"
-    if isinstance(exc, urllib.error.URLError):
-        if not isinstance(exc.reason, BaseException):
-            return str(exc.reason)
-        exc = exc.reason
-    if isinstance(exc, (TimeoutError, socket.timeout)):
-        return f"no answer within {PROBE_TIMEOUT_S:g} s"
-    if isinstance(exc, socket.gaierror):
-        return f"unknown host ({exc.strerror or exc})"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower()
-    return str(exc) or type(exc).__name__
-
-
 def _get(url: str) -> str | None:
     """None when ``url`` answers 200, else why not."""
-    import urllib.request  # noqa: PLC0415
+    from tritonguard import triton_http  # noqa: PLC0415
 
     try:
-        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as resp:  # noqa: S310 - operator-given URL
-            resp.read(1)
-            return None
-    except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts; ValueError: a malformed URL
-        return _reason(exc)
+        status, _ = triton_http.request(url, timeout=PROBE_TIMEOUT_S)
+    except triton_http.Unreachable as exc:
+        return exc.reason
+    return None if status == 200 else f"HTTP {status}"
 
 
 def unreachable(servers: list[str], metrics_urls: list[str], *, explicit_metrics: bool = False) -> list[str]:
@@ -181,18 +160,17 @@ def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
 def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
     """Breaker states, input drift and answers per version, summed/maxed over replicas; requests,
     rejects and fallbacks (by reason) for the rates of ``status --watch``."""
-    from .gates import parse  # noqa: PLC0415
+    from tritonguard import triton_http  # noqa: PLC0415
+
+    from .gates import scrape  # noqa: PLC0415
 
     out: dict[str, Any] = {"replicas": 0, "breaker": {}, "drift": {}, "served": {}, "errors": {}, "unreachable": [],
                            "requests": 0.0, "rejects": {}, "fallbacks": {}}
-    import urllib.request  # noqa: PLC0415
-
     for url in urls:
         try:
-            with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - operator-given URL
-                series = parse(resp.read().decode())
-        except OSError as exc:
-            out["unreachable"].append(f"{url}: {_reason(exc)}")
+            series = scrape(url, timeout=PROBE_TIMEOUT_S)
+        except triton_http.Unreachable as exc:
+            out["unreachable"].append(f"{url}: {exc.reason}")
             continue
         seen = False
         for (name, labelset), value in series.items():

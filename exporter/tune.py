@@ -24,14 +24,12 @@ import re
 import shutil
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tritonguard import repository
+from tritonguard import repository, triton_http
 
 from . import layout
 
@@ -614,20 +612,17 @@ class Session:
 
     def _post_load(self, name: str, config: dict[str, Any] | None, timeout: float = 180.0) -> None:
         body = {"parameters": {"config": json.dumps(config)}} if config is not None else {}
-        req = urllib.request.Request(f"http://{self.url}/v2/repository/models/{name}/load",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                r.read()
-        except urllib.error.HTTPError as exc:
+            status, raw = triton_http.request(f"http://{self.url}/v2/repository/models/{name}/load", "POST",
+                                              json.dumps(body).encode(), timeout=timeout)
+        except triton_http.Unreachable as exc:
+            raise TuneError(f"load of {name} failed: {exc.reason}") from None
+        if status != 200:
             try:
-                msg = json.loads(exc.read()).get("error", str(exc))
+                msg = json.loads(raw).get("error", "") or f"HTTP {status}"
             except ValueError:
-                msg = str(exc)
-            raise TuneError(f"load of {name} failed: {msg.splitlines()[0] if msg else exc}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise TuneError(f"load of {name} failed: {exc}") from None
+                msg = f"HTTP {status}"
+            raise TuneError(f"load of {name} failed: {msg.splitlines()[0]}")
 
     def load(self, new: dict[str, dict[str, Any]], *, force: bool = False) -> list[str]:
         """Write the changed managed configs into the copy and reload them (target first, then

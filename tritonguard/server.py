@@ -12,11 +12,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from . import triton_http
 
 
 def free_port() -> int:
@@ -89,20 +89,18 @@ class Server:
 
     def _ok(self, path: str) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
+            return triton_http.request(f"http://{self.http_url}{path}", timeout=2)[0] == 200
+        except triton_http.Unreachable:
             return False
 
     def _failed(self, models: Sequence[str]) -> dict[str, str]:
         """Models of ``models`` that Triton reports UNAVAILABLE with a reason (a failed load)."""
         import json  # noqa: PLC0415
 
-        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=2) as r:
-                index = json.loads(r.read())
-        except (urllib.error.URLError, OSError, ValueError):
+            status, body = triton_http.request(f"http://{self.http_url}/v2/repository/index", "POST", b"{}", timeout=2)
+            index = json.loads(body) if status == 200 else []
+        except (triton_http.Unreachable, ValueError):
             return {}
         return {m["name"]: m.get("reason", "") for m in index
                 if m["name"] in models and m.get("state") == "UNAVAILABLE" and m.get("reason")}

@@ -35,11 +35,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tritonguard import triton_http
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -177,14 +177,10 @@ class Control:
 
     def _call(self, path: str, body: dict | None = None, timeout: float | None = None) -> tuple[int, bytes]:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, headers=self.headers,
-                                     method="GET" if body is None else "POST")
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
-        except (urllib.error.URLError, OSError):
+            return triton_http.request(self.base + path, "GET" if body is None else "POST", data,
+                                       headers=self.headers, timeout=timeout or self.timeout)
+        except triton_http.Unreachable:
             return 0, b""
 
     def live(self) -> bool:
