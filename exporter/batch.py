@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from tritonguard import repository
+
 log = logging.getLogger(__name__)
 
 SERVED_BY = "SERVED_BY"
@@ -43,8 +45,14 @@ REJECTED = {"StatusCode.INVALID_ARGUMENT", "StatusCode.OUT_OF_RANGE", "StatusCod
 INTERNAL_ATTEMPTS = 3  # an INTERNAL answer is retried this often before the rows are bisected
 _RETRY_AFTER = re.compile(r"retry after (\d+) ms")
 _RULE = re.compile(r"violates (\w+)")
-NP_TYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32,
-            "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
+
+
+def np_dtype(datatype: str) -> Any:
+    """The numpy type of a KServe datatype (tritonclient's table), or None for one batch scoring
+    cannot send: BF16 has no numpy type (tritonclient maps it to float32)."""
+    from tritonclient.utils import triton_to_np_dtype  # noqa: PLC0415
+
+    return None if datatype == "BF16" else triton_to_np_dtype(datatype)
 
 
 class BatchError(Exception):
@@ -228,7 +236,7 @@ def open_output(out: Path, dead: Path, stamp: dict[str, Any], restart: bool) -> 
     for folder in (out, dead):
         for tmp in folder.glob(".part-*.tmp"):
             tmp.unlink(missing_ok=True)
-    _atomic_write(manifest, json.dumps(stamp, indent=2).encode())
+    repository.atomic_write(manifest, json.dumps(stamp, indent=2))
 
 
 def part_name(block: int) -> str:
@@ -344,7 +352,7 @@ def _encode_records(records: list[Any], specs: tuple[InputSpec, ...]) -> Encoded
             arr = np.empty(len(rows), dtype=object)
             arr[:] = values[s.name]
         else:
-            arr = np.asarray(values[s.name], dtype=NP_TYPES[s.datatype])
+            arr = np.asarray(values[s.name], dtype=np_dtype(s.datatype))
         tensors[s.name] = arr.reshape(len(rows), *s.dims)
     return Encoded(np.asarray(rows, dtype=np.int64), tensors, bad)
 
@@ -411,7 +419,7 @@ def _arrow_column(col: Any, s: InputSpec, n: int) -> tuple[np.ndarray, np.ndarra
         if s.count != 1:
             raise BatchError(f"column '{s.column}' ({t}) holds one number a row; input '{s.name}' takes "
                              f"{_dims(s)} = {s.count}: map a list column")
-        data = col.filter(pa.array(valid)).to_numpy(zero_copy_only=False).astype(NP_TYPES[s.datatype])
+        data = col.filter(pa.array(valid)).to_numpy(zero_copy_only=False).astype(np_dtype(s.datatype))
         return valid, data.reshape(len(data), *s.dims), lambda _i: missing
     if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
         raise BatchError(f"column '{s.column}' ({t}) cannot feed input '{s.name}' ({s.datatype}): "
@@ -425,7 +433,7 @@ def _arrow_column(col: Any, s: InputSpec, n: int) -> tuple[np.ndarray, np.ndarra
         raise BatchError(f"column '{s.column}' ({t}) cannot feed input '{s.name}': its values are not numbers")
     counts = np.bincount(row_of, minlength=n)
     good = valid & (counts == s.count)
-    leaves = values.to_numpy(zero_copy_only=False).astype(NP_TYPES[s.datatype])  # a null leaf: NaN
+    leaves = values.to_numpy(zero_copy_only=False).astype(np_dtype(s.datatype))  # a null leaf: NaN
     data = leaves[good[row_of]].reshape(int(good.sum()), *s.dims)
 
     def why(i: int) -> tuple[str, str]:
@@ -486,7 +494,7 @@ class Scorer:
                 for o in self.job.outputs:
                     outs[o.name].append(result[o.name])
                 served.append(result[SERVED_BY])
-        empty = {o.name: np.empty((0, *o.dims), dtype=NP_TYPES.get(o.datatype, object)) for o in self.job.outputs}
+        empty = {o.name: np.empty((0, *o.dims), dtype=np_dtype(o.datatype) or object) for o in self.job.outputs}
         by = np.concatenate(served) if served else np.empty(0, dtype=object)
         return {o: np.concatenate(v) if v else empty[o] for o, v in outs.items()}, by, bad
 
@@ -632,12 +640,6 @@ def _write_parquet(table: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 class BlockWorker:
     """The Ray Data actor: one Scorer (gRPC clients, thread pool) for every block it is given."""
 
@@ -677,7 +679,7 @@ def model_specs(server: str, model: str,
             raise BatchError(f"input '{s.name}' has a variable shape {list(s.dims)}; batch scoring needs fixed dims")
         if s.datatype == "BYTES" and s.count != 1:
             raise BatchError(f"input '{s.name}' takes {_dims(s)} strings a row; batch scoring sends one")
-        if s.datatype != "BYTES" and s.datatype not in NP_TYPES:
+        if s.datatype != "BYTES" and np_dtype(s.datatype) is None:
             raise BatchError(f"input '{s.name}' has datatype {s.datatype}, which batch scoring does not send")
     outputs = tuple(OutputSpec(o["name"], o["datatype"], tuple(int(d) for d in o["shape"][1:]))
                     for o in meta["outputs"] if o["name"] != SERVED_BY)

@@ -392,12 +392,10 @@ def _pin(params: dict[str, Any]) -> int | None:
     raw = params.get("version")
     if raw is None:
         return None
-    if isinstance(raw, bool):
-        return 0
-    try:
-        return int(raw) if isinstance(raw, int) or str(raw).strip().isdigit() else 0
-    except ValueError:
-        return 0
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    text = str(raw).strip()
+    return int(text) if text.isascii() and text.isdigit() else 0
 
 
 def _with_source(message: str, params: Any) -> str:

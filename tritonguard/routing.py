@@ -306,17 +306,13 @@ class Router:
         for label, rows in runs:
             try:
                 got = self.target_for(version).infer({k: v[rows] for k, v in inputs.items()})
-            except TargetError as exc:
-                if exc.code in UNREADY_CODES or "not ready" in str(exc):
+            except Exception as exc:  # noqa: BLE001 - a broken version fails its goldens, nothing more
+                if isinstance(exc, TargetError) and (exc.code in UNREADY_CODES or "not ready" in str(exc)):
                     # the model is not there to judge (loading, or a version step not loaded yet):
                     # a stored FAIL would refuse it for good, even once it loads
                     log.warning("guard %s: goldens of %s v%d not run, target unavailable (again in %gs): %s",
                                 self.guard, self.target, version, UNREADY_RETRY_S, exc)
                     return {"verdict": FAIL, "unready": True, "metrics": {"error": str(exc)}, "checked_at": now}
-                figures["error"] = f"{label}: {type(exc).__name__}: {exc}"
-                worst = FAIL
-                break
-            except Exception as exc:  # noqa: BLE001 - a broken version fails its goldens, nothing more
                 figures["error"] = f"{label}: {type(exc).__name__}: {exc}"
                 worst = FAIL
                 break
@@ -385,9 +381,9 @@ class Router:
             if hop and pinned & pending:  # a pinned request is answered by its version or not at all
                 for i in pinned & pending:
                     last = self._last_error.get(i)
-                    errors[i] = TargetError(f"version {first[i]} of '{self.target}' (pinned by the request) "
-                                            f"failed: {last}" if last else f"version {first[i]} of "
-                                            f"'{self.target}' could not answer", last.code if last else "UNAVAILABLE")
+                    what = f"version {first[i]} of '{self.target}' (pinned by the request)"
+                    errors[i] = (TargetError(f"{what} failed: {last}", last.code) if last
+                                 else TargetError(f"{what} could not answer", "UNAVAILABLE"))
                 pending -= pinned
             groups: dict[int | None, list[int]] = {}
             for i in sorted(pending):
