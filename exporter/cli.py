@@ -198,7 +198,7 @@ def status(
         watch_view(out, repository, list(server or []), urls)
         return
     models = collect(repository)
-    guards = live(repository, urls)
+    guards = live(repository, urls, servers=list(server or []))
     if as_json:
         typer.echo(json.dumps({"repository": str(repository), "models": models, "guards": guards}, indent=2))
         return

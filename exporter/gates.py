@@ -29,6 +29,18 @@ repeated looks:
   ``-max_regression``. Labelled traffic may be thin, so this gate can stop a candidate but never
   holds one (SKIPPED when it cannot decide).
 - **breaker**: the candidate's breaker must be closed and must not have tripped in the window.
+- **cost** (only with ``max_cost_increase``): the candidate's cost per answered request over the
+  primary's, from the guards' cost meter (``tritonguard_cost_total`` by part over
+  ``tritonguard_cost_requests_total``; compute seconds where no prices are set), FAIL when the
+  ratio exceeds 1 + ``max_cost_increase``. Each version's own part is its target calls; the guard's
+  part is the same code whichever version answers, so both sides get the window's pooled guard
+  cost per request (charged per batch, it follows the batch's mix: canary copies of candidate
+  requests made an identical candidate's guard part read 5-10 % higher). A point estimate on at
+  least ``min_requests`` requests a side, no confidence bound: the counters hold sums, not the
+  spread of per-request costs.
+  Judged only at steps giving the candidate at least ``cost_min_share`` (50 %) and below 100 %:
+  a version with a smaller share gets smaller sub-batches, whose fixed per-call cost weighs more
+  per request, and at 100 % the primary serves nothing to compare with.
 - **latency**: Mann-Whitney U (rank test; latency is heavy-tailed) of the candidate against the
   primary, on samples rebuilt from histogram bucket deltas (bucket midpoints; the open last
   bucket counts as twice its lower edge), computed on the bucket counts directly
@@ -72,6 +84,9 @@ FUSED = "tritonguard_fused_failures_total"
 LABELED = "tritonguard_labeled_total"
 SKIPPED = "SKIPPED"  # a gate that cannot decide and does not hold the rollout (live labels)
 LATENCY = "tritonguard_target_latency_seconds_bucket"
+COST = "tritonguard_cost_total"
+COMPUTE = "tritonguard_compute_seconds_total"
+CHARGED = "tritonguard_cost_requests_total"
 
 
 # -- Prometheus text exposition ---------------------------------------------------------
@@ -122,6 +137,9 @@ class GuardReadings:
     breaker_state: int | None = None  # candidate's, worst replica: 0 closed, 1 half-open, 2 open
     trips: float = 0.0  # candidate's breaker trips
     latency: dict[int, Buckets] = field(default_factory=dict)  # version -> cumulative buckets
+    cost: dict[int, dict[str, float]] = field(default_factory=dict)  # version -> part -> priced compute
+    compute: dict[int, dict[str, float]] = field(default_factory=dict)  # version -> part -> seconds
+    charged: dict[int, float] = field(default_factory=dict)  # requests the cost meter charged, by version
     replicas: int = 0
     problems: list[str] = field(default_factory=list)  # data present but not attributable
     taken_at: float = 0.0  # wall-clock time of the scrape (latency samples are windowed by it)
@@ -167,6 +185,12 @@ class GuardReadings:
                     r.breaker_state = max(int(value), r.breaker_state or 0)
                 elif name == TRIPS and tv == candidate:
                     r.trips += value
+                elif name in (COST, COMPUTE) and tv in versions:
+                    parts = (r.cost if name == COST else r.compute).setdefault(tv, {})
+                    part = labels.get("part", "?")
+                    parts[part] = parts.get(part, 0.0) + value
+                elif name == CHARGED and tv in versions:
+                    r.charged[tv] = r.charged.get(tv, 0.0) + value
                 elif name == LATENCY:
                     if "target_version" not in labels:
                         unlabelled_latency = True
@@ -191,6 +215,9 @@ class GuardReadings:
         d["errors"] = {str(k): v for k, v in self.errors.items()}
         d["fused"] = {str(k): v for k, v in self.fused.items()}
         d["labeled"] = {str(k): dict(v) for k, v in self.labeled.items()}
+        d["charged"] = {str(k): v for k, v in self.charged.items()}
+        for key in ("cost", "compute"):
+            d[key] = {str(k): dict(v) for k, v in getattr(self, key).items()}
         return d
 
     @classmethod
@@ -200,6 +227,10 @@ class GuardReadings:
         d["errors"] = {int(k): float(v) for k, v in d.get("errors", {}).items()}
         d["fused"] = {int(k): float(v) for k, v in d.get("fused", {}).items()}
         d["labeled"] = {int(k): {c: float(x) for c, x in v.items()} for k, v in d.get("labeled", {}).items()}
+        # absent from readings stored before the cost gate
+        d["charged"] = {int(k): float(v) for k, v in d.get("charged", {}).items()}
+        for key in ("cost", "compute"):
+            d[key] = {int(k): {p: float(x) for p, x in v.items()} for k, v in d.get(key, {}).items()}
         d["latency"] = {int(v): {float(k): float(c) for k, c in b.items()}
                         for v, b in d.get("latency", {}).items()}
         return cls(**d)
@@ -244,6 +275,10 @@ class GateConfig:
     # version called rarely runs cache-cold (an identical architecture measured 1.15x slower at
     # 5 % on 2 cores), which would blame the version for its share; below, the gate is SKIPPED
     latency_min_share: float = 0.25
+    # cost: the candidate may cost this fraction more per request than the primary (0.1 = 10 %);
+    # None: no cost gate. Judged at steps giving the candidate at least cost_min_share
+    max_cost_increase: float | None = None
+    cost_min_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.ok_error_rate is None:
@@ -270,6 +305,12 @@ class GateConfig:
             raise ValueError(f"gates.max_regression must be in [0, 1), got {self.max_regression}")
         if self.expected_disagreement is not None and not 0 <= self.expected_disagreement <= 1:
             raise ValueError(f"gates.expected_disagreement must be in [0, 1], got {self.expected_disagreement}")
+        if self.max_cost_increase is not None and not (math.isfinite(self.max_cost_increase)
+                                                       and self.max_cost_increase >= 0):
+            raise ValueError(f"gates.max_cost_increase must be a number >= 0 (0.1 = 10 %) or None, "
+                             f"got {self.max_cost_increase}")
+        if not 0 <= self.cost_min_share <= 1:
+            raise ValueError(f"gates.cost_min_share must be in [0, 1], got {self.cost_min_share}")
         if self.latency_direction not in ("increase", "both"):
             raise ValueError(f"gates.latency_direction must be 'increase' or 'both', "
                              f"got {self.latency_direction!r}")
@@ -452,6 +493,64 @@ def _breaker_gate(after: GuardReadings, trips: float) -> GateResult:
     return GateResult(name="breaker", verdict=PASS, figures=figures)
 
 
+def parse_increase(text: str, flag: str = "--max-cost-increase") -> float:
+    """``10%`` / ``0.1`` -> 0.1: how much more the candidate may cost. Negative, not a number,
+    or empty is a ValueError naming the flag."""
+    t = str(text).strip()
+    try:
+        value = float(t[:-1].strip()) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise ValueError(f"{flag} must look like 10% or 0.1, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{flag} must be >= 0 (10% or 0.1), got {text!r}")
+    return value
+
+
+def _cost_gate(w: GuardReadings, share: float | None, cfg: GateConfig) -> GateResult:
+    cand, prim = w.candidate, w.primary
+    nc, np_ = w.charged.get(cand, 0.0), w.charged.get(prim, 0.0)
+    priced = all(sum(w.cost.get(v, {}).values()) > 0 for v in (cand, prim))
+    sums, unit = (w.cost, "cost") if priced else (w.compute, "compute seconds")
+    guard = sum(sums.get(v, {}).get("guard", 0.0) for v in (cand, prim))
+    tc, tp = sums.get(cand, {}).get("target", 0.0), sums.get(prim, {}).get("target", 0.0)
+    # per request: the pooled guard part (the same code for both) plus the version's own calls
+    g = guard / (nc + np_) if nc + np_ else 0.0
+    pc, pp = (g + tc / nc if nc else 0.0), (g + tp / np_ if np_ else 0.0)
+    limit = cfg.max_cost_increase or 0.0
+    figures: dict[str, Any] = {"basis": unit, "candidate_requests": nc, "primary_requests": np_,
+                               "guard_per_request": g if nc + np_ else None,
+                               "candidate_target_per_request": tc / nc if nc else None,
+                               "primary_target_per_request": tp / np_ if np_ else None,
+                               "candidate_per_request": pc if nc else None,
+                               "primary_per_request": pp if np_ else None,
+                               "max_increase": limit, "share": share}
+    if share is not None and share < cfg.cost_min_share:
+        return GateResult(name="cost", verdict=SKIPPED, figures=figures, samples=int(nc),
+                          reason=f"judged from {cfg.cost_min_share:.0%} of traffic (now {share:.0%}): a smaller "
+                                 "share gets smaller sub-batches, whose fixed per-call cost weighs more per request")
+    if share is not None and share >= 1.0:
+        return GateResult(name="cost", verdict=SKIPPED, figures=figures, samples=int(nc),
+                          reason="at 100 % the primary serves no requests to compare with")
+    if nc < cfg.min_requests or np_ < cfg.min_requests:
+        why = "" if nc or np_ else f" (no {CHARGED}: is the guard's cost meter on, cost.enabled?)"
+        return GateResult(name="cost", verdict=INCONCLUSIVE, figures=figures, samples=int(nc),
+                          reason=f"{nc:.0f} candidate / {np_:.0f} primary requests charged, need >= "
+                                 f"{cfg.min_requests} each{why}")
+    if tc <= 0 or tp <= 0:
+        return GateResult(name="cost", verdict=INCONCLUSIVE, figures=figures, samples=int(nc),
+                          reason=f"no target {unit} measured for v{cand if tc <= 0 else prim}")
+    ratio = pc / pp
+    figures["ratio"] = ratio
+    per_1k = (f"{1000 * pc:.3g} vs {1000 * pp:.3g} per 1k requests, of which guard {1000 * g:.3g}"
+              + ("" if priced else " (compute s)"))
+    if ratio - 1 > limit:
+        return GateResult(name="cost", verdict=FAIL, figures=figures, samples=int(nc),
+                          reason=f"costs {ratio:.2f}x the primary per request ({per_1k}): +{ratio - 1:.0%} > "
+                                 f"limit +{limit:.0%}")
+    return GateResult(name="cost", verdict=PASS, figures=figures, samples=int(nc),
+                      reason=f"{ratio:.2f}x the primary per request ({per_1k})")
+
+
 def bucket_samples(deltas: Buckets) -> tuple[np.ndarray, np.ndarray]:
     """(midpoints, counts) of per-bucket deltas from cumulative ``deltas`` (le -> count)."""
     les = sorted(deltas)
@@ -572,6 +671,9 @@ def window(before: GuardReadings | None, after: GuardReadings) -> GuardReadings:
                    labeled={v: sub(d, before.labeled.get(v, {})) for v, d in after.labeled.items()},
                    compared={k: sub(v, before.compared.get(k, {})) for k, v in after.compared.items()},
                    trips=after.trips - before.trips,
+                   cost={v: sub(d, before.cost.get(v, {})) for v, d in after.cost.items()},
+                   compute={v: sub(d, before.compute.get(v, {})) for v, d in after.compute.items()},
+                   charged=sub(after.charged, before.charged),
                    latency={v: sub(b, before.latency.get(v, {})) for v, b in after.latency.items()})
 
 
@@ -595,6 +697,7 @@ def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateCon
         raise ValueError(f"mode must be 'split' or 'shadow', got {mode!r}")
     w = window(before, after)
     values = [*w.served.values(), *w.errors.values(), *w.fused.values(), w.trips,
+              *w.charged.values(), *(x for d in (*w.cost.values(), *w.compute.values()) for x in d.values()),
               *(x for d in w.labeled.values() for x in d.values()),
               *(x for d in (*w.compared.values(), *w.latency.values()) for x in d.values())]
     if any(x < 0 for x in values):
@@ -650,6 +753,8 @@ def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateCon
             gate.reason = "; ".join([gate.reason, *(p for p in after.problems if "latency" in p)])
         gates.append(gate)
         used_primary = {_le(k): v for k, v in prim_lat.items()}
+    if mode == "split" and cfg.max_cost_increase is not None:
+        gates.append(_cost_gate(w, share, cfg))
     verdicts = {g.verdict for g in gates} - {SKIPPED}
     verdict = FAIL if FAIL in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASS
     return GateReport(verdict=verdict, gates=gates, look=look, primary_latency=used_primary)

@@ -142,6 +142,9 @@ def promote(
                      "the version's manifest says.")] = None,
     max_regression: Annotated[str, typer.Option("--max-regression", help="Task judge: accuracy the candidate "
                               "may lose against the primary, e.g. 0.5pp.")] = "0.5pp",
+    max_cost_increase: Annotated[str | None, typer.Option("--max-cost-increase", help="Cost gate: roll back a "
+                                 "candidate that costs more than this per request than the primary (guards' cost "
+                                 "meter), e.g. 10% or 0.1; judged from the 50 % step. Default: no cost gate.")] = None,
     approver: Annotated[str | None, typer.Option(help="Who approves (recorded in the history).")] = None,
     approve_cmd: Annotated[list[str] | None, typer.Option(help="Shell command that must exit 0 before PRODUCTION (repeat).")] = None,
     detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
@@ -154,7 +157,7 @@ def promote(
     )
 
     from .controller import ControllerError, RolloutConfig  # noqa: PLC0415
-    from .gates import GateConfig  # noqa: PLC0415
+    from .gates import GateConfig, parse_increase  # noqa: PLC0415
     from .judge import parse_margin  # noqa: PLC0415
     from .registry import RegistryError  # noqa: PLC0415
     from .route import RouteChange, RouteError, apply  # noqa: PLC0415
@@ -180,6 +183,7 @@ def promote(
         if judge is not None and judge not in JUDGES:
             raise ValueError(f"--judge must be one of {', '.join(JUDGES)}, got {judge!r}")
         margin = parse_margin(max_regression)
+        cost_limit = None if max_cost_increase is None else parse_increase(max_cost_increase)
         if to == "production" and rollout:
             config = RolloutConfig(steps=tuple(float(s) for s in steps.split(",")), mode=mode, arms=arm_weights,
                                    dwell_s=dwell_s,
@@ -188,7 +192,7 @@ def promote(
                                                     min_compared=min_compared, min_agreement=min_agreement,
                                                     min_latency_samples=min_latency_samples,
                                                     latency_tolerance=latency_tolerance,
-                                                    max_regression=margin))
+                                                    max_regression=margin, max_cost_increase=cost_limit))
             urls = metrics_urls(servers, metrics_url or [])
             if not urls:
                 raise ValueError("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL)")

@@ -41,6 +41,10 @@ def collect(repository: Path) -> list[dict[str, Any]]:
             entry["target"] = params["target"]
         if params.get("serves_as"):  # the guard step of the public ensemble of that name
             entry["serves_as"] = params["serves_as"]
+        if kind == "guard":  # where the target runs: the cost summary cross-checks BLS targets with Triton
+            entry["placement"] = params.get("placement", "bls")
+            if params.get("target_per_version"):
+                entry["target_per_version"] = params["target_per_version"]
         for v in repo_mod.versions(model_dir):
             man = repo_mod.read_manifest(model_dir / str(v)) or {}
             golden = man.get("golden") or {}
@@ -165,7 +169,7 @@ def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
     from .gates import scrape  # noqa: PLC0415
 
     out: dict[str, Any] = {"replicas": 0, "breaker": {}, "drift": {}, "served": {}, "errors": {}, "unreachable": [],
-                           "requests": 0.0, "rejects": {}, "fallbacks": {}}
+                           "requests": 0.0, "rejects": {}, "fallbacks": {}, "cost": {}}
     for url in urls:
         try:
             series = scrape(url, timeout=PROBE_TIMEOUT_S)
@@ -193,13 +197,69 @@ def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
             elif name in ("tritonguard_rejects_total", "tritonguard_fallbacks_total"):
                 why, key = labels.get("reason", "?"), "rejects" if name == "tritonguard_rejects_total" else "fallbacks"
                 out[key][why] = out[key].get(why, 0) + value
+            elif name in _COST_SERIES:
+                # per target version and tenant: summed over replicas; the gauge is kept per replica
+                c = out["cost"].setdefault(tv, {}).setdefault(labels.get("tenant", ""), {
+                    "cost": 0.0, "guard_s": 0.0, "target_s": 0.0, "requests": 0.0, "recent": []})
+                field = _COST_SERIES[name]
+                if field == "recent":
+                    c["recent"].append(value)
+                elif field == "compute":
+                    c["guard_s" if labels.get("part") == "guard" else "target_s"] += value
+                else:
+                    c[field] += value
         out["replicas"] += seen
     return out
 
 
-def live(repository: Path, metrics_urls: list[str]) -> list[dict[str, Any]]:
+_COST_SERIES = {"tritonguard_cost_total": "cost", "tritonguard_compute_seconds_total": "compute",
+                "tritonguard_cost_requests_total": "requests", "tritonguard_cost_per_1k_requests": "recent"}
+
+
+def triton_compute(servers: list[str], model: str, version: int | None) -> dict[str, Any]:
+    """Triton's own statistics of one model version, summed over ``servers``
+    (``GET /v2/models/<model>[/versions/<v>]/stats``): compute seconds of its executions (input,
+    infer and output, from ``batch_stats``: once per execution, however many requests it fused;
+    an ensemble has none, then per request), queue seconds, executions and rows. Per server that
+    cannot say: ``problems``."""
+    import json  # noqa: PLC0415
+
+    from tritonguard import triton_http  # noqa: PLC0415
+
+    from .serving import _base  # noqa: PLC0415
+
+    out: dict[str, Any] = {"model": model, "version": version, "compute_s": 0.0, "queue_s": 0.0,
+                           "executions": 0, "rows": 0, "servers": 0, "problems": []}
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + "/stats"
+    for server in servers:
+        url = _base(server).rstrip("/") + path
+        try:
+            status, body = triton_http.request(url, timeout=PROBE_TIMEOUT_S)
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            stats = json.loads(body)["model_stats"]
+        except (triton_http.Unreachable, ValueError, KeyError) as exc:
+            out["problems"].append(f"{url}: {getattr(exc, 'reason', exc)}")
+            continue
+        for st in stats:
+            inf = st.get("inference_stats") or {}
+            parts = ("compute_input", "compute_infer", "compute_output")
+            batches = st.get("batch_stats") or []
+            ns = (sum(int((b.get(k) or {}).get("ns", 0)) for b in batches for k in parts) if batches
+                  else sum(int((inf.get(k) or {}).get("ns", 0)) for k in parts))
+            out["compute_s"] += ns / 1e9
+            out["queue_s"] += int((inf.get("queue") or {}).get("ns", 0)) / 1e9
+            out["executions"] += int(st.get("execution_count", 0))
+            out["rows"] += int(st.get("inference_count", 0))
+        out["servers"] += 1
+    return out
+
+
+def live(repository: Path, metrics_urls: list[str], servers: list[str] | None = None) -> list[dict[str, Any]]:
     """Per guard model: routing state, rollout progress and last gate readings, registry stages,
-    and (with metrics URLs) breaker states, drift and answers per version from the replicas."""
+    and (with metrics URLs) breaker states, drift, answers and cost per version from the
+    replicas; with ``servers`` (their HTTP URLs) also Triton's own compute statistics of a BLS
+    guard's target versions, beside the guards' measure of them."""
     from tritonguard.state import StateError, open_store  # noqa: PLC0415
 
     from .controller import ControllerError, RolloutController  # noqa: PLC0415
@@ -233,6 +293,14 @@ def live(repository: Path, metrics_urls: list[str]) -> list[dict[str, Any]]:
         entry["stages"] = _registry_stages(repository, name)
         if metrics_urls:
             entry["metrics"] = _scrape_guard(metrics_urls, name)
+            if servers and m.get("placement") == "bls" and m.get("target"):
+                entry["triton_stats"] = {}
+                for tv in sorted(entry["metrics"]["cost"]):
+                    if not tv.isdigit():
+                        continue
+                    per = m.get("target_per_version")
+                    entry["triton_stats"][tv] = (triton_compute(servers, per.format(version=tv), None) if per
+                                                 else triton_compute(servers, m["target"], int(tv)))
         guards.append(entry)
     return guards
 
@@ -289,5 +357,48 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
                 console.print(f"    target errors v{v}: {count:.0f}")
             for v, frac in sorted(met["drift"].items()):
                 console.print(f"    input drift v{v}: {frac:.0%} of features")
+            print_cost(console, met.get("cost") or {}, g.get("triton_stats") or {})
             for u in met["unreachable"]:
                 console.print(f"    [red]unreachable[/] {u}")
+
+
+def _version_key(v: str) -> tuple[int, str]:
+    return (int(v), "") if v.isdigit() else (1 << 30, v)
+
+
+def print_cost(console: Any, cost: dict[str, dict[str, dict[str, Any]]], triton: dict[str, dict[str, Any]]) -> None:
+    """Cost per version (and per tenant where there are several) from the guards' cost meter,
+    since each replica loaded; "recent" is the guards' decaying gauge (cost.window_s). Beside a
+    BLS target's versions: Triton's compute seconds for that model version."""
+    if not cost:
+        return
+    console.print("  cost (guards' meter, since each replica loaded; currency and prices of cost.*):")
+    for v in sorted(cost, key=_version_key):
+        tenants = cost[v]
+        tot = {k: sum(t[k] for t in tenants.values()) for k in ("cost", "guard_s", "target_s", "requests")}
+        recent = [x for t in tenants.values() for x in t["recent"]]
+        n = tot["requests"]
+        name = f"v{v}" if v.isdigit() else v
+        if n:
+            per = f"{1000 * tot['cost'] / n:.4g} per 1k requests" if tot["cost"] else "unpriced"
+            line = (f"    {name:<8} {per} ({n:,.0f} requests; compute {tot['guard_s'] + tot['target_s']:.3f} s: "
+                    f"guard {tot['guard_s']:.3f} s, target {tot['target_s']:.3f} s)")
+        else:
+            line = f"    {name:<8} no requests answered; target calls {tot['target_s']:.3f} s"
+        if recent and n:
+            line += f"; recent {sum(recent) / len(recent):.4g}"
+        console.print(line)
+        if len(tenants) > 1:
+            console.print("      " + ", ".join(
+                f"{t or '(none)'} {1000 * c['cost'] / c['requests']:.4g}" + f" ({c['requests']:,.0f})"
+                for t, c in sorted(tenants.items()) if c["requests"] and c["cost"]))
+        st = triton.get(v)
+        if st is not None and st["servers"]:
+            rows = st["rows"]
+            console.print(f"      Triton {st['model']}" + (f" v{st['version']}" if st["version"] is not None else "")
+                          + f": compute {st['compute_s']:.3f} s in {st['executions']:,} executions of {rows:,} rows"
+                          + (f" ({1e6 * st['compute_s'] / rows:.1f} µs a row)" if rows else "")
+                          + f", queue {st['queue_s']:.3f} s; guards' target calls {tot['target_s']:.3f} s "
+                          "(theirs include queue and transfer; Triton's include every caller)")
+        elif st is not None:
+            console.print(f"      Triton {st['model']}: [yellow]no statistics[/] ({'; '.join(st['problems'])})")

@@ -173,6 +173,13 @@ class Metrics:
         "audit_drops": ("tritonguard_audit_drops_total", "Audit records lost: the writer's queue was full or a write failed"),
         "state_errors": ("tritonguard_state_errors_total",
                          "Rollout state reads that failed (file missing or corrupt, Redis unreachable); the last good state stays"),
+        "compute_seconds": ("tritonguard_compute_seconds_total",
+                            "Compute charged to answered requests, by target version (cache: cache hits), tenant and "
+                            "part (guard: the guard's CPU seconds; target: wall seconds of the target calls)"),
+        "cost": ("tritonguard_cost_total",
+                 "Cost of answered requests (compute times the cost.* prices, in their currency), by target version, tenant and part"),
+        "cost_requests": ("tritonguard_cost_requests_total",
+                          "Requests the cost meter charged, by the target version that answered (cache: cache hits) and tenant"),
     }
     ZERO_AT_LOAD = ("requests", "target_calls", "drops", "compare_drops", "audit_drops", "state_errors")
     GAUGES = {
@@ -188,6 +195,8 @@ class Metrics:
                          "EWMA of the validator FAIL share on compared rows, per target version (trips at routing.output_drift_threshold)"),
         "drift_psi": ("tritonguard_input_drift_psi", "PSI of one monitored input feature, live window vs the version's reference"),
         "drift_ks": ("tritonguard_input_drift_ks", "KS statistic of one monitored input feature, live window vs the version's reference"),
+        "cost_per_1k": ("tritonguard_cost_per_1k_requests",
+                        "Cost of 1000 answered requests, by target version and tenant: a decaying average over cost.window_s"),
     }
 
     def __init__(self, model: str, version: str, interval: float = 1.0, max_pending: int = 8192):

@@ -101,6 +101,11 @@ VALUES = {
     "audit.flush_interval_ms": "50",
     "audit.anchor_records": "250",
     "audit.anchor_interval_ms": "500",
+    "cost.enabled": "false",
+    "cost.cpu_core_hour": "0.12",
+    "cost.gpu_hour": "4.5",
+    "cost.target_cores": "2",
+    "cost.window_s": "120",
 }
 README_PLACEHOLDERS = {"validation.range.<INPUT>": "validation.range.X",
                        "redaction.pattern.<NAME>": "redaction.pattern.EMPLOYEE"}
