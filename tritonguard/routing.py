@@ -143,6 +143,10 @@ class Router:
         self.pin = pin
         self._output_drift: dict[int, Ewma] = {}
         self._output_rows: dict[int, int] = {}
+        # the target calls of the last infer(): (version, request indices, start ns, end ns, ok), in
+        # call order (time.perf_counter_ns): what tracing's target spans and the cost meter read
+        self.calls: list[tuple[int, list[int], int, int, bool]] = []
+        self.tracer: Any = None  # a tritonguard.tracing.Tracer when the guard traces (compare spans)
         self._input_drift: tuple[int, DriftMonitor | None] | None = None
         self._last_drift_score = 0.0
         self._drift_flagged: dict[int, bool] = {}  # per version: flagged at the last scoring
@@ -343,12 +347,14 @@ class Router:
 
     # -- serving ---------------------------------------------------------------------------
     def infer(self, fused: dict[str, np.ndarray], sizes: list[int],
-              labels: list[Any] | None = None, pins: list[int | None] | None = None) -> Routed:
+              labels: list[Any] | None = None, pins: list[int | None] | None = None,
+              traced: dict[int, Any] | None = None) -> Routed:
         """Route one batch. ``labels``: per request, the ground truth a client sent with it (the
         ``label`` request parameter) or None; scored against the version that served it.
         ``pins``: per request, the version it must be answered by (the ``version`` request
         parameter, e.g. reproducible batch scoring) or None: one the state names and that is
-        routable, with no fallback to another version (UNAVAILABLE instead)."""
+        routable, with no fallback to another version (UNAVAILABLE instead). ``traced``: request
+        -> its guard span, for the requests being traced (their comparisons get spans too)."""
         now = self.clock()
         self.refresh(now)
         n = len(sizes)
@@ -366,6 +372,7 @@ class Router:
                 arm_of[arm_of == a.version] = 0
 
         served: list[str] = [""] * n
+        self.calls = []
         self._last_error: dict[int, TargetError] = {}  # request -> the last target error it met
         errors: list[TritonGuardError | None] = [None] * n
         out_rows: dict[int, dict[str, np.ndarray]] = {}
@@ -405,7 +412,7 @@ class Router:
         fallbacks = [i for i in range(n) if served[i] and first[i] is not None and served[i] != f"{self.target}:{first[i]}"]
         for i in fallbacks:
             self.metrics.inc("fallbacks", 1, reason=reasons.get(i, "unknown"))
-        self._enqueue_comparisons(fused, starts, out_rows, served, first, cand, primary, draws, to_cand)
+        self._enqueue_comparisons(fused, starts, out_rows, served, first, cand, primary, draws, to_cand, traced)
         self.observe_inputs(fused, primary)
         good = [i for i in range(n) if errors[i] is None]
         outputs = {name: concat([out_rows[i][name] for i in good]) if good else np.empty((0,))
@@ -482,10 +489,12 @@ class Router:
         """Run ``version`` on the requests ``idx``; returns those it answered well."""
         sub = {k: concat([v[starts[i]:starts[i + 1]] for i in idx]) for k, v in fused.items()}
         sub_sizes = [int(starts[i + 1] - starts[i]) for i in idx]
-        t0 = time.perf_counter()
+        t0_ns = time.perf_counter_ns()
+        t0 = t0_ns / 1e9
         try:
             out = self.target_for(version).infer(sub)
         except TargetError as exc:
+            self.calls.append((version, idx, t0_ns, time.perf_counter_ns(), False))
             if len(idx) > 1:  # isolate: one poisonous request must not fail its neighbours
                 ok: list[int] = []
                 for i in idx:
@@ -506,7 +515,9 @@ class Router:
             self._last_error[idx[0]] = exc
             log.warning("guard %s: %s v%d failed a request: %s", self.guard, self.target, version, exc)
             return []
-        latency = (time.perf_counter() - t0) * 1000
+        t1_ns = time.perf_counter_ns()
+        self.calls.append((version, idx, t0_ns, t1_ns, True))
+        latency = (t1_ns - t0_ns) / 1e6
         self.metrics.inc("target_calls", 1)
         self.metrics.observe("latency", latency / 1000, target_version=str(version))
         if self.latency is not None:
@@ -685,7 +696,8 @@ class Router:
             return {st.candidate.version: st.shadow_share}
         return {a.version: 0.0 for a in st.arms}
 
-    def _enqueue_comparisons(self, fused, starts, out_rows, served, first, cand, primary, draws, to_cand) -> None:
+    def _enqueue_comparisons(self, fused, starts, out_rows, served, first, cand, primary, draws, to_cand,
+                             traced=None) -> None:
         now = self.clock()
         for version, shadow in self._experiments().items():
             canary = ([i for i in out_rows if served[i] == f"{self.target}:{version}"]
@@ -704,7 +716,8 @@ class Router:
                     continue
                 sub = {k: concat([v[starts[i]:starts[i + 1]] for i in idx]) for k, v in fused.items()}
                 got = {name: concat([out_rows[i][name] for i in idx]) for name in self.output_names}
-                self._submit((kind, other, served_v, sub, got))
+                spans = [traced[i] for i in idx if i in traced] if traced else None
+                self._submit((kind, other, served_v, sub, got, spans) if spans else (kind, other, served_v, sub, got))
 
     def _work(self) -> None:
         while not self._stop.is_set():
@@ -717,13 +730,19 @@ class Router:
                     self._store_breaker(job[1], job[2])
                 elif job[0] == "drift":
                     self._score_drift(job[1])
+                elif len(job) > 5:  # traced requests among the compared: a span each
+                    t0 = time.time_ns()
+                    verdict = self._compare(*job[:5])
+                    if self.tracer is not None:
+                        cand = job[2] if job[0] == "canary" else job[1]
+                        self.tracer.compared(job[5], job[0], cand, t0, time.time_ns(), verdict)
                 else:
                     self._compare(*job)
             except Exception:  # noqa: BLE001 - comparisons must never take serving down
                 log.exception("guard %s: comparison job failed", self.guard)
 
     def _compare(self, kind: str, other: int, served_v: int, inputs: dict[str, np.ndarray],
-                 served_out: dict[str, np.ndarray]) -> None:
+                 served_out: dict[str, np.ndarray]) -> str | None:
         """canary: ``served_out`` came from the candidate, ``other`` is the primary (the
         reference); shadow: ``served_out`` came from the primary, ``other`` is the candidate."""
         cand = served_v if kind == "canary" else other
@@ -731,7 +750,7 @@ class Router:
             # queued while ``cand`` was under test, and the rollout has moved on since (promoted,
             # rolled back): its judge is gone, and judged by the default validator a promoted
             # retrain would trip its own breaker as primary
-            return
+            return None
         now = self.clock()
         t0 = time.perf_counter()
         try:
@@ -743,14 +762,14 @@ class Router:
             if kind == "shadow":  # the candidate failed on mirrored traffic: count it
                 self._record(cand, len(next(iter(inputs.values()))), errors=len(next(iter(inputs.values()))),
                              latency_ms=(time.perf_counter() - t0) * 1000)
-            return
+            return "ERROR"
         cand_out, ref_out = (served_out, other_out) if kind == "canary" else (other_out, served_out)
         cfg = self._validator_for(self.repo / self.target / str(cand))
         name = cfg.output or self.output_names[0]
         judge = self.state.judge_of(cand)
         if judge["judge"] == "task":
             self._compare_task(kind, cand, cand_out[name], ref_out[name], cfg, judge, now)
-            return
+            return "task"
         verdict = self.registry.validate(cand_out[name], ref_out[name], cfg)
         rows = len(verdict.per_row)
         self.metrics.inc("compared", rows, kind=kind, verdict=verdict.status, target_version=str(cand))
@@ -787,6 +806,7 @@ class Router:
                     self._output_rows.pop(cand, None)
                     shared, changed = b.to_dict(), True
         self._after_comparison(cand, trip, shared, changed)
+        return verdict.status
 
     def _paired_run(self, cand: int, primary: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The primary's outputs for a canary comparison, and a paired timing on the way: the

@@ -171,6 +171,9 @@ class Metrics:
         "redactions": ("tritonguard_redactions_total", "PII spans redacted, by type, direction (input/output) and tenant"),
         "quota_rejects": ("tritonguard_quota_rejects_total", "Requests refused by a tenant quota (UNAVAILABLE), by tenant and reason"),
         "audit_drops": ("tritonguard_audit_drops_total", "Audit records lost: the writer's queue was full or a write failed"),
+        "trace_spans": ("tritonguard_trace_spans_total",
+                        "Guard trace spans, by outcome: exported, failed (the collector did not take them), "
+                        "dropped (export queue full)"),
         "state_errors": ("tritonguard_state_errors_total",
                          "Rollout state reads that failed (file missing or corrupt, Redis unreachable); the last good state stays"),
         "compute_seconds": ("tritonguard_compute_seconds_total",
