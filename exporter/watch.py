@@ -1,7 +1,7 @@
 """``exporter status --watch``: one live terminal view of every guard, redrawn every few seconds
 from the rollout state and the metrics port of every ``--server``: routing, rollout step and gates,
-breakers (worst replica), traffic as rates between two readings, input drift. Cost is not in it:
-the guard exports no cost figures yet."""
+breakers (worst replica), traffic as rates between two readings, input drift, and cost per 1000
+requests per version over the last interval (the guards' cost meter, ``tritonguard/cost.py``)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,31 @@ def rates(before: dict[str, Any] | None, after: dict[str, Any], seconds: float) 
         return {k: per_s(old.get(k, 0.0) if before else None, v) for k, v in after.get(key, {}).items()}
 
     return {"requests": per_s(before["requests"] if before else None, after.get("requests", 0.0)),
-            "rejects": each("rejects"), "fallbacks": each("fallbacks"), "served": each("served")}
+            "rejects": each("rejects"), "fallbacks": each("fallbacks"), "served": each("served"),
+            "cost": cost_per_1k(before, after)}
+
+
+def cost_per_1k(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, float | None]:
+    """Per target version: priced cost of 1000 requests answered between the two readings (all
+    tenants and replicas); None until two readings, or when no request was charged meanwhile or a
+    replica restarted (a counter went down)."""
+
+    def totals(reading: dict[str, Any] | None) -> dict[str, tuple[float, float]]:
+        out = {}
+        for v, tenants in ((reading or {}).get("cost") or {}).items():
+            out[v] = (sum(t["cost"] for t in tenants.values()), sum(t["requests"] for t in tenants.values()))
+        return out
+
+    old, new = totals(before), totals(after)
+    result: dict[str, float | None] = {}
+    for v, (cost, n) in new.items():
+        if before is None:
+            result[v] = None
+            continue
+        c0, n0 = old.get(v, (0.0, 0.0))
+        dc, dn = cost - c0, n - n0
+        result[v] = 1000 * dc / dn if dn > 0 and dc >= 0 else None
+    return result
 
 
 def _rate(x: float | None) -> str:
@@ -79,6 +103,13 @@ def _rollout(g: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _costs(costs: dict[str, float | None]) -> str:
+    def label(v: str) -> str:
+        return v if v in ("cache", "default") else f"v{v}"
+
+    return "\n".join(f"{escape(label(v))} {'…' if c is None else f'{c:.3g}'}" for v, c in sorted(costs.items()))
+
+
 def _breakers(g: dict[str, Any]) -> str:
     met = g.get("metrics") or {}
     if met.get("breaker"):
@@ -99,7 +130,7 @@ def view(guards: list[dict[str, Any]], guard_rates: dict[str, dict[str, Any]], *
          interval: float, taken: str) -> Group:
     """The whole screen for one reading: two tables, each readable in 80 columns."""
     state = _table("model", "routing", "rollout, gates (n)", "breakers")
-    traffic = _table("model", "req/s", "rejects/s", "fallbacks/s", "served by /s", "drift")
+    traffic = _table("model", "req/s", "rejects/s", "fallbacks/s", "served by /s", "drift", "cost/1k")
     unreachable: list[str] = []
     for g in guards:
         met, r = g.get("metrics") or {}, guard_rates.get(g["model"], {})
@@ -109,7 +140,8 @@ def view(guards: list[dict[str, Any]], guard_rates: dict[str, dict[str, Any]], *
         if "metrics" in g:
             traffic.add_row(name, _rate(r.get("requests")), _by(r.get("rejects", {})), _by(r.get("fallbacks", {})),
                             "\n".join(f"{escape(k)} {_rate(v)}" for k, v in sorted(r.get("served", {}).items())),
-                            "\n".join(f"v{v} {f:.0%}" for v, f in sorted(met.get("drift", {}).items())))
+                            "\n".join(f"v{v} {f:.0%}" for v, f in sorted(met.get("drift", {}).items())),
+                            _costs(r.get("cost", {})))
     head = (f"[bold]tritonguard[/] {taken} UTC, every {interval:g} s, "
             f"{len(servers)} server{'s' if len(servers) != 1 else ''}: {escape(', '.join(servers)) or 'none'}")
     parts: list[Any] = [head]
@@ -121,7 +153,8 @@ def view(guards: list[dict[str, Any]], guard_rates: dict[str, dict[str, Any]], *
                      "[yellow]no --server or --metrics-url: traffic, breakers and drift come from the replicas' metrics[/]")
     parts += [f"[red]unreachable[/] {escape(u)}" for u in dict.fromkeys(unreachable)]
     parts.append("[dim]rates over the last interval (… until two readings); breakers: worst replica; "
-                 "cost: not exported by the guard yet. Ctrl-C to stop.[/]")
+                 "cost/1k: priced cost of 1000 requests answered in the interval, per version (cache: "
+                 "cache hits; cost.* prices). Ctrl-C to stop.[/]")
     return Group(*parts)
 
 

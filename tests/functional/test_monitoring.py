@@ -92,7 +92,7 @@ def test_watch_shows_routing_breakers_and_live_rates(server, test_repo, exported
         stop.set()
         sender.join(timeout=30)
     text = console.export_text()
-    assert text.count("cost: not exported") == 2, text  # not a terminal: each reading printed
+    assert text.count("cost/1k: priced cost") == 2, text  # not a terminal: each reading printed
     text = text[text.rindex("tritonguard "):]  # the second reading
     rows = [line.strip() for line in text.splitlines() if line.strip().startswith("digits ")]
     assert len(rows) == 2, text  # its routing row, its traffic row
@@ -100,3 +100,6 @@ def test_watch_shows_routing_breakers_and_live_rates(server, test_repo, exported
     # a rate, not "…" (one reading) nor 0 (no traffic between the readings)
     m = re.match(r"digits\s+(\d+\.\d)\s", rows[1])
     assert m and float(m.group(1)) > 0, text
+    # the last column: v1's cost of 1000 requests over the interval, a positive figure (default prices)
+    c = re.search(r"\bv1 ([0-9.]+(?:e-\d+)?)$", rows[1])
+    assert c and float(c.group(1)) > 0, text
