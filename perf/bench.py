@@ -239,6 +239,16 @@ def run_privacy(args: argparse.Namespace, workdir: Path) -> dict:
     return result
 
 
+def run_tracing(args: argparse.Namespace, workdir: Path) -> dict:
+    from perf import tracing_bench
+
+    result = tracing_bench.run(args.repository.resolve(), workdir,
+                               lambda srv, name, c, data: perf_analyzer(srv, name, c, data, args.window_ms, args.trials),
+                               input_data("digits", workdir / "tracing-digits.json"), rounds=args.rounds)
+    tracing_bench.print_tracing(result)
+    return result
+
+
 def run_rollout(args: argparse.Namespace, workdir: Path) -> dict:
     """Time to full promotion, user-visible errors and throughput during vs before (perf/rollout_bench.py)."""
     from perf import rollout_bench
@@ -291,6 +301,8 @@ def run_only(args: argparse.Namespace) -> int:
         result = run_tune(args, workdir)
     elif args.only == "privacy":
         result = run_privacy(args, workdir)
+    elif args.only == "tracing":
+        result = run_tracing(args, workdir)
     else:
         from perf import canary
 
@@ -320,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="one gated rollout of digits v2 under perf_analyzer load (~4 min)")
     ap.add_argument("--tune", action=argparse.BooleanOptionalAction, default=True,
                     help="`exporter tune minilm` timed, its choice vs the shipped defaults (≤10 min)")
-    ap.add_argument("--only", choices=["canary", "privacy", "rollout", "tune"],
+    ap.add_argument("--tracing", action=argparse.BooleanOptionalAction, default=True,
+                    help="digits guard with tracing off / 1 %% sampled / ratio 0, alternating (~3 min)")
+    ap.add_argument("--only", choices=["canary", "privacy", "rollout", "tracing", "tune"],
                     help="run just this scenario (skips the guarded/raw sweep)")
     args = ap.parse_args(argv)
     if args.only:
@@ -359,10 +373,11 @@ def main(argv: list[str] | None = None) -> int:
                                  lambda srv, name, c: perf_analyzer(srv, name, c, input_data(name.removesuffix("_raw"),
                                                                     workdir / "canary.json"), args.window_ms, args.trials))
     privacy = run_privacy(args, workdir) if args.privacy else None
+    tracing = run_tracing(args, workdir) if args.tracing and "digits" in args.models else None
     rollout = run_rollout(args, workdir) if args.rollout and "digits" in args.models else None
     tuned = run_tune(args, workdir) if args.tune and "minilm" in args.models else None
     report = {
-        "privacy": privacy, "rollout": rollout, "tune": tuned,
+        "privacy": privacy, "tracing": tracing, "rollout": rollout, "tune": tuned,
         "timestamp": stamp, "machine": {"cpus": os.cpu_count()},
         "settings": {"window_ms": args.window_ms, "trials": args.trials, "rounds": args.rounds, "protocol": "http"},
         "measurements": [asdict(m) for m in results], "ratios": rows, "canary": canary_rows,
@@ -379,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     missed = [f"{r['model']} c={r['concurrency']}: {what}" for r in rows
               for what, ok in (("guarded/raw", r["meets_target"]), ("guarded/ceiling", r["meets_ceiling_target"]),
                                ("p99 added", r["meets_p99"] if r["concurrency"] == 16 else None)) if ok is False]
+    if tracing is not None and not tracing["meets_target"]:
+        missed.append(f"tracing at 1 %: {tracing['on_1pct_over_off']:.3f} of tracing off")
     if tuned is not None and not tuned["ok"]:
         missed.append(f"tune {tuned['model']}: {tuned.get('error') or 'slower than the defaults or over time'}")
     if missed:
