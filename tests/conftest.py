@@ -1,7 +1,9 @@
-"""Shared fixtures: a real, throw-away redis-server on a free loopback port."""
+"""Shared fixtures: a real, throw-away redis-server on a free loopback port; the root logger's
+handlers put back after each test."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -9,6 +11,19 @@ import time
 from pathlib import Path
 
 import pytest
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers():
+    """`exporter`'s CLI (run in process by CliRunner) points the root logger at CliRunner's
+    stderr, which is closed once the invoke returns: a later test that logs through the root
+    (matplotlib's first-run "generated new fontManager" in test_tune) then printed a logging
+    traceback. Each test gets the root handlers it started with."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
 
 REDIS_SERVER = "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else shutil.which("redis-server")
 
