@@ -108,6 +108,17 @@ class _Ring:
         self.pos = (self.pos + k) % size
         self.count = min(size, self.count + k)
 
+    def push_flags(self, n: int, ones: int) -> None:
+        """Push ``n`` flags, the first ``ones`` of them set. The usual batch (no error, an all-
+        zero window) only moves the position: the buffer is zeros wherever ``nonzero`` is 0."""
+        if not ones and not self.nonzero:
+            size = len(self.buf)
+            k = min(n, size)
+            self.pos = (self.pos + k) % size
+            self.count = min(size, self.count + k)
+            return
+        self.push(np.arange(n) < ones)
+
     def values(self) -> np.ndarray:
         return self.buf if self.count == len(self.buf) else self.buf[:self.count]
 
@@ -217,9 +228,9 @@ class Breaker:
             raise ValueError(f"errors ({errors}), non_finite ({non_finite}) and fused ({fused}) "
                              f"must be in 0..n ({n})")
         if n:
-            self._errors.push(np.arange(n) < errors)
-            self._non_finite.push(np.arange(n) < non_finite)
-            self._fused.push(np.arange(n) < fused)
+            self._errors.push_flags(n, errors)
+            self._non_finite.push_flags(n, non_finite)
+            self._fused.push_flags(n, fused)
             if latency_ms is not None:
                 lat = np.asarray(latency_ms, dtype=np.float32)
                 self._latency.push(np.full(n, lat, np.float32) if lat.ndim == 0 else lat.ravel())
@@ -227,7 +238,7 @@ class Breaker:
         if compared:
             fails = (verdicts.count(FAIL) if isinstance(verdicts, list)
                      else int(np.count_nonzero(np.asarray(verdicts) == FAIL)))
-            self._fails.push(np.arange(compared) < fails)
+            self._fails.push_flags(compared, fails)
         return self._judge(now)
 
     def latency_p95(self, min_count: int = 1) -> float | None:

@@ -146,6 +146,7 @@ class Router:
         # the target calls of the last infer(): (version, request indices, start ns, end ns, ok), in
         # call order (time.perf_counter_ns): what tracing's target spans and the cost meter read
         self.calls: list[tuple[int, list[int], int, int, bool]] = []
+        self._whole: dict[str, np.ndarray] | None = None
         self.tracer: Any = None  # a tritonguard.tracing.Tracer when the guard traces (compare spans)
         self._input_drift: tuple[int, DriftMonitor | None] | None = None
         self._last_drift_score = 0.0
@@ -373,6 +374,7 @@ class Router:
 
         served: list[str] = [""] * n
         self.calls = []
+        self._whole = None  # the outputs of one call that answered the whole batch, if one did
         self._last_error: dict[int, TargetError] = {}  # request -> the last target error it met
         errors: list[TritonGuardError | None] = [None] * n
         out_rows: dict[int, dict[str, np.ndarray]] = {}
@@ -415,10 +417,18 @@ class Router:
         self._enqueue_comparisons(fused, starts, out_rows, served, first, cand, primary, draws, to_cand, traced)
         self.observe_inputs(fused, primary)
         good = [i for i in range(n) if errors[i] is None]
-        outputs = {name: concat([out_rows[i][name] for i in good]) if good else np.empty((0,))
-                   for name in self.output_names}
+        if self._whole is not None and len(good) == n:
+            # the usual batch: one version answered all of it in one call; its outputs are the
+            # batch's as they came (no split and re-concatenation per request)
+            outputs = {name: self._whole[name] for name in self.output_names}
+        else:
+            outputs = {name: concat([out_rows[i][name] for i in good]) if good else np.empty((0,))
+                       for name in self.output_names}
+        by_label: dict[str, int] = {}
         for i in good:
-            self.metrics.inc("served", 1, served_by=served[i])
+            by_label[served[i]] = by_label.get(served[i], 0) + 1
+        for label, k in by_label.items():
+            self.metrics.inc("served", k, served_by=label)
         if labels is not None and any(lab is not None for lab in labels):
             self._score_labels(labels, out_rows, served)
         return Routed(outputs, served, errors)
@@ -487,8 +497,12 @@ class Router:
     def _call(self, version: int, idx: list[int], fused: dict[str, np.ndarray], starts: np.ndarray,
               out_rows: dict[int, dict[str, np.ndarray]], served: list[str], reasons: dict[int, str]) -> list[int]:
         """Run ``version`` on the requests ``idx``; returns those it answered well."""
-        sub = {k: concat([v[starts[i]:starts[i + 1]] for i in idx]) for k, v in fused.items()}
-        sub_sizes = [int(starts[i + 1] - starts[i]) for i in idx]
+        whole = len(idx) == len(starts) - 1  # idx is sorted: every request of the batch, in order
+        if whole:
+            sub, sub_sizes = fused, np.diff(starts).tolist()
+        else:
+            sub = {k: concat([v[starts[i]:starts[i + 1]] for i in idx]) for k, v in fused.items()}
+            sub_sizes = [int(starts[i + 1] - starts[i]) for i in idx]
         t0_ns = time.perf_counter_ns()
         t0 = t0_ns / 1e9
         try:
@@ -544,6 +558,8 @@ class Router:
             ok.append(i)
         self._record(version, len(idx), non_finite=bad, latency_ms=latency)
         self.metrics.inc("target_errors", bad, code="NON_FINITE", target_version=str(version))
+        if whole and not bad:
+            self._whole = out
         return ok
 
     def _default(self, idx, reasons, served, errors, out_rows, sizes) -> None:

@@ -199,3 +199,23 @@ def test_ring_counts_match_a_rescan():
         if rng.random() < 0.05:
             ring.clear()
             assert ring.nonzero == 0 and ring.count == 0
+
+
+def test_push_flags_keeps_the_ring_as_push_does():
+    """The all-zero fast path of ``push_flags`` (no array, the position only) leaves the same
+    window and counts as pushing the flags as an array, through wrap-arounds and batches larger
+    than the ring."""
+    import numpy as np
+
+    from tritonguard.breaker import _Ring
+
+    rng = np.random.default_rng(5)
+    fast, slow = _Ring(50, bool), _Ring(50, bool)
+    for _ in range(400):
+        n = int(rng.integers(0, 80))
+        ones = int(rng.integers(0, n + 1)) if rng.random() < 0.2 else 0
+        fast.push_flags(n, ones)
+        slow.push(np.arange(n) < ones)
+        assert (fast.pos, fast.count, fast.nonzero) == (slow.pos, slow.count, slow.nonzero)
+        assert (fast.buf == slow.buf).all()
+        assert fast.nonzero == int(np.count_nonzero(fast.buf))
