@@ -504,7 +504,6 @@ class Router:
             sub = {k: concat([v[starts[i]:starts[i + 1]] for i in idx]) for k, v in fused.items()}
             sub_sizes = [int(starts[i + 1] - starts[i]) for i in idx]
         t0_ns = time.perf_counter_ns()
-        t0 = t0_ns / 1e9
         try:
             out = self.target_for(version).infer(sub)
         except TargetError as exc:
@@ -521,7 +520,7 @@ class Router:
                     log.warning("guard %s: %s v%d failed a fused call of %d requests that each succeeded "
                                 "alone: %s", self.guard, self.target, version, len(idx), exc)
                 return ok
-            latency = (time.perf_counter() - t0) * 1000
+            latency = (time.perf_counter_ns() - t0_ns) / 1e6
             self._record(version, 1, errors=1, latency_ms=latency)
             # one count per request this version failed (the rollout gates divide by requests)
             self.metrics.inc("target_errors", 1, code=exc.code, target_version=str(version))

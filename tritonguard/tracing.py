@@ -130,6 +130,7 @@ class _Export:
         self._cond = threading.Condition()
         self._stop = False
         self.counts = {"exported": 0, "failed": 0, "dropped": 0}
+        self._counts_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"tracing-{name}", daemon=True)
         self._thread.start()
 
@@ -151,7 +152,8 @@ class _Export:
                     self._cond.notify()
 
     def _count(self, outcome: str, n: int) -> None:
-        self.counts[outcome] += n
+        with self._counts_lock:  # drops come from the serving thread and the compare worker, the rest from ours
+            self.counts[outcome] += n
         if self._metrics is not None:
             self._metrics.inc("trace_spans", n, outcome=outcome)
 
