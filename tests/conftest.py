@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+
 @pytest.fixture(autouse=True)
 def _root_log_handlers():
     """`exporter`'s CLI (run in process by CliRunner) points the root logger at CliRunner's

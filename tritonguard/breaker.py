@@ -11,8 +11,12 @@ fault of the version, like an error (a call that failed because one request was 
 not one: that request fails alone too).
 
 OPEN: no traffic for at least ``min_off_s``; then HALF_OPEN: only probe traffic, judged one
-verdict at a time. ``probes_to_close`` consecutive PASS probes close it (MARGINAL neither counts
-nor resets the streak); a FAIL opens it again and restarts the off timer. For ``min_on_s`` after
+probe batch at a time. ``probes_to_close`` consecutive PASS probe rows close it (MARGINAL neither
+counts nor resets the streak); a FAIL anywhere in a probe batch opens it again (that batch's
+PASSes do not count) and restarts the off timer. A version whose fault hits a fraction ``f`` of
+rows still comes back with probability about ``(1 - f) ** probes_to_close`` per off period: size
+``probes_to_close`` to the faults that must stay out (the default, 20, lets a 25 % fault back
+0.3 % of the time; 5 would let it back 24 %). For ``min_on_s`` after
 closing, the non-critical signals (latency, validator FAIL rate) cannot trip it, so one noisy
 window does not flap it; the critical ones (non-finite outputs, errors) always can.
 
@@ -54,7 +58,7 @@ class BreakerConfig:
     min_compared: int = 50  # no FAIL-rate judgement on fewer compared requests
     latency_budget_ms: float = 0.0  # window p95 over this trips; 0 = off
     min_off_s: float = 300.0
-    probes_to_close: int = 5
+    probes_to_close: int = 20  # 5 would let a 25 % fault back a quarter of the time
     min_on_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -195,20 +199,25 @@ class Breaker:
         self._clear_window()
 
     def record_probe(self, now: float, verdict: str | Sequence[str]) -> Trip | None:
-        """Judge HALF_OPEN probe verdicts in order; probes in any other state are ignored."""
+        """Judge one batch of HALF_OPEN probe verdicts; probes in any other state are ignored.
+
+        The batch is judged as a whole: a FAIL anywhere in it re-opens the breaker, and its
+        PASSes do not count (a batch whose first rows pass must not close the breaker before its
+        later rows are read)."""
         verdicts = [verdict] if isinstance(verdict, str) else list(verdict)
         for v in verdicts:
-            self._tick(now)
-            if self.state != HALF_OPEN:
-                return None
-            if v == FAIL:
-                return self.trip(now, "validator_fail", {"probe": "FAIL", "probes_passed": self.probes_passed})
-            if v == "PASS":
-                self.probes_passed += 1
-                if self.probes_passed >= self.config.probes_to_close:
-                    self.close(now)
-            elif v != "MARGINAL":
+            if v not in ("PASS", "MARGINAL", FAIL):
                 raise ValueError(f"probe verdict must be PASS, MARGINAL or FAIL, got {v!r}")
+        self._tick(now)
+        if self.state != HALF_OPEN or not verdicts:
+            return None
+        if FAIL in verdicts:
+            return self.trip(now, "validator_fail", {"probe": "FAIL", "probes_passed": self.probes_passed,
+                                                      "probe_fails": verdicts.count(FAIL),
+                                                      "probe_rows": len(verdicts)})
+        self.probes_passed += verdicts.count("PASS")
+        if self.probes_passed >= self.config.probes_to_close:
+            self.close(now)
         return None
 
     # -- the window -----------------------------------------------------------------------

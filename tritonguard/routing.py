@@ -890,7 +890,14 @@ class Router:
 
     def _store_breaker(self, version: int, shared: dict[str, Any]) -> None:
         try:
-            self.state = self.store.update_breaker(version, lambda _old: shared, by=f"guard:{self.guard}")
+            # latest transition wins: a process that has not yet adopted another's newer change
+            # (e.g. a trip while this one was still half-open) must not write over it
+            def newer(old: dict[str, Any] | None) -> dict[str, Any]:
+                if old and float(old.get("changed_at", 0.0)) > float(shared.get("changed_at", 0.0)):
+                    return old
+                return shared
+
+            self.state = self.store.update_breaker(version, newer, by=f"guard:{self.guard}")
         except StateError as exc:
             log.warning("guard %s: breaker state of v%d not stored: %s", self.guard, version, exc)
 

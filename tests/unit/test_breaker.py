@@ -130,6 +130,51 @@ def test_marginal_probes_do_not_count_and_fail_resets():
         b.record_probe(200.0, "OK")
 
 
+def test_a_fail_anywhere_in_a_probe_batch_reopens_it_and_its_passes_do_not_count():
+    """A probe batch is judged whole: 19 PASS rows already in, a batch of PASS x5 then FAIL must
+    reopen the breaker, not close it on its first rows and drop the FAIL (a 23 %-NaN version came
+    back that way in a CI run)."""
+    b = make(min_off_s=10, probes_to_close=20)
+    open_breaker(b)
+    assert b.wants_probe(10.0)
+    b.record_probe(10.0, ["PASS"] * 19)
+    assert b.state == HALF_OPEN and b.probes_passed == 19
+    trip = b.record_probe(11.0, np.array(["PASS"] * 5 + ["FAIL"]))
+    assert trip is not None and trip.reason == "validator_fail" and b.state == OPEN
+    assert trip.figures["probe_fails"] == 1 and trip.figures["probe_rows"] == 6
+    assert not b.allow(11.0) and b.opened_at == 11.0
+    # a clean batch counts all its PASS rows (numpy verdicts, as the validators give them)
+    assert b.wants_probe(21.0)
+    b.record_probe(21.0, np.array(["PASS"] * 12 + ["MARGINAL"] * 3))
+    assert b.state == HALF_OPEN and b.probes_passed == 12
+    b.record_probe(22.0, np.array(["PASS"] * 8))
+    assert b.state == CLOSED
+    # an unknown verdict is refused before anything is counted
+    open_breaker(b, now=50.0)
+    assert b.wants_probe(60.0)
+    with pytest.raises(ValueError, match="probe verdict"):
+        b.record_probe(60.0, ["PASS", "OK"])
+    assert b.probes_passed == 0 and b.state == HALF_OPEN
+
+
+def test_default_probes_keep_a_quarter_faulty_version_out():
+    """The default probes_to_close: a version failing 25 % of rows passes a whole probe streak
+    less than 1 % of the time (simulated over 2000 off periods, fixed seed)."""
+    rng = np.random.default_rng(7)
+    back = 0
+    for _ in range(2000):
+        b = make(min_off_s=0)
+        open_breaker(b)
+        for _ in range(100):  # probe batches of 4 rows until it closes or reopens
+            b.wants_probe(0.0)
+            rows = np.where(rng.random(4) < 0.25, "FAIL", "PASS")
+            b.record_probe(0.0, rows)
+            if b.state != HALF_OPEN:
+                break
+        back += b.state == CLOSED
+    assert back / 2000 < 0.01, back
+
+
 def test_min_on_suppresses_latency_but_not_nan():
     b = make(min_off_s=10, probes_to_close=1, min_on_s=60, latency_budget_ms=5.0)
     open_breaker(b)

@@ -323,3 +323,31 @@ def test_paired_order_alternates_for_each_version_under_test(repo):
     for arm in (2, 3):
         mine = [p for p in pairs if arm in p]
         assert len(mine) == 4 and sum(p[0] == arm for p in mine) == 2, pairs
+
+
+def test_a_stale_breaker_write_does_not_erase_another_processs_newer_trip(repo):
+    """Two guard processes share the breaker through the store. One tripped the candidate again
+    (changed_at 100) while the other, not yet polled, still holds the older half-open state
+    (changed_at 50) and records a probe: its write must not put the older state back."""
+    router, _ = make(repo, {1: Linear(W1), 2: Linear(W1)}, candidate=2, share=0.0, min_off_s=10)
+    other = BreakerConfig(min_off_s=10)
+    from tritonguard.breaker import Breaker  # noqa: PLC0415
+
+    newer = Breaker(other, name="t:2")
+    newer.trip(90.0, "manual")
+    newer.wants_probe(100.0)
+    newer.record_probe(100.0, ["FAIL"])  # reopened at 100
+    router._store_breaker(2, newer.to_dict())
+    stale = Breaker(other, name="t:2")
+    stale.trip(40.0, "manual")
+    assert stale.wants_probe(50.0)
+    stale.record_probe(50.0, ["PASS"])
+    router._store_breaker(2, stale.to_dict())
+    doc = router.store.load().breakers["2"]
+    assert doc["state"] == "open" and doc["changed_at"] == 100.0, doc
+    # a newer change of its own still goes in
+    stale.record_probe(120.0, ["PASS"] * 30)  # 120 - 40 >= min_off: probes close it at 120
+    assert stale.state == "closed"
+    router._store_breaker(2, stale.to_dict())
+    assert router.store.load().breakers["2"]["state"] == "closed"
+    router.close()
