@@ -1,0 +1,271 @@
+"""The generator's pieces without Triton: tokenizer, sampling parameters, decoding, the engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from examples import generator as example
+from tritonguard.config import from_params
+from tritonguard.errors import ConfigError, InvalidInput
+from tritonguard.generator import (
+    CharTokenizer,
+    Decoder,
+    Engine,
+    GeneratorConfig,
+    SamplingParams,
+    Sequence,
+    StepModel,
+    parse_request,
+    parse_sampling,
+    pick,
+)
+
+CAP = 256
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A quickly trained tinylm (10 steps: the text is poor, the mechanics are the same)."""
+    repo = tmp_path_factory.mktemp("gen")
+    figures = example.build(repo, "tinylm", steps=10)
+    return repo / "tinylm", figures
+
+
+@pytest.fixture(scope="module")
+def decoder(built):
+    folder, _ = built
+    tok = CharTokenizer.from_dict(json.loads((folder / "1" / "vocab.json").read_text()))
+    return Decoder(StepModel(folder / "1" / "model.onnx"), tok)
+
+
+# -- tokenizer -----------------------------------------------------------------------------------
+def test_tokenizer_round_trip():
+    tok = CharTokenizer()
+    text = "Return a list of the words.\n\tdef f(x): return {'a': x[0] ~ 1}  # 100%"
+    ids = tok.encode(text)
+    assert len(ids) == len(text) and tok.eos not in ids and tok.unk not in ids
+    assert tok.decode(ids) == text
+    assert "".join(tok.piece(i) for i in ids) == text
+
+
+def test_tokenizer_unknown_chars_and_serialisation():
+    tok = CharTokenizer()
+    assert tok.encode("é€") == [tok.unk, tok.unk]
+    assert tok.decode([tok.eos, *tok.encode("ab"), tok.unk]) == "ab"
+    again = CharTokenizer.from_dict(json.loads(json.dumps(tok.to_dict())))
+    assert again.itos == tok.itos
+    with pytest.raises(ValueError, match="vocab.json"):
+        CharTokenizer.from_dict({"kind": "bpe"})
+
+
+# -- sampling parameters -------------------------------------------------------------------------
+def test_sampling_defaults_follow_vllm():
+    assert parse_sampling(None, max_tokens_cap=CAP) == SamplingParams(16, 1.0, 1.0, None)
+    assert parse_sampling(b"", max_tokens_cap=CAP) == SamplingParams()
+    assert parse_sampling("{}", max_tokens_cap=8) == SamplingParams(max_tokens=8)
+
+
+def test_sampling_accepts_numbers_and_numeric_strings():
+    p = parse_sampling('{"max_tokens": "32", "temperature": "0.5", "top_p": 0.9, "seed": 7.0}', max_tokens_cap=CAP)
+    assert p == SamplingParams(max_tokens=32, temperature=0.5, top_p=0.9, seed=7)
+    assert parse_sampling('{"temperature": 0, "seed": null}', max_tokens_cap=CAP).greedy
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    ("{max_tokens: 3}", "JSON"),
+    ("[1, 2]", "JSON object"),
+    ('{"top_k": 3}', "unknown key 'top_k'"),
+    ('{"max_tokens": 0}', "'max_tokens'"),
+    ('{"max_tokens": 257}', "1..256"),
+    ('{"max_tokens": 1.5}', "'max_tokens'"),
+    ('{"max_tokens": true}', "'max_tokens'"),
+    ('{"max_tokens": "many"}', "'max_tokens'"),
+    ('{"temperature": -0.1}', "'temperature'"),
+    ('{"temperature": "nan"}', "'temperature'"),
+    ('{"temperature": 1e999}', "'temperature'"),
+    ('{"top_p": 0}', "'top_p'"),
+    ('{"top_p": 1.5}', "(0, 1]"),
+    ('{"seed": -1}', "'seed'"),
+    ('{"seed": "x"}', "'seed'"),
+    (b"\xff{}", "UTF-8"),
+])
+def test_sampling_rejects_with_key_and_rule(raw, needle):
+    with pytest.raises(InvalidInput) as err:
+        parse_sampling(raw, max_tokens_cap=CAP)
+    assert err.value.input_name == "sampling_parameters"
+    assert needle in str(err.value)
+
+
+def test_pick_greedy_sampling_and_top_p():
+    logits = np.array([5.0, 9.0, 1.0, 2.0, 4.5], np.float32)
+    rng = np.random.default_rng(0)
+    assert pick(logits, SamplingParams(temperature=0), rng, banned=1) == 0  # 1 is banned (UNK)
+    # a tiny top_p keeps only the most likely token
+    assert {pick(logits, SamplingParams(top_p=1e-6), rng, banned=1) for _ in range(20)} == {0}
+    draws = [pick(logits, SamplingParams(temperature=2.0), np.random.default_rng(3), banned=1) for _ in range(3)]
+    assert len(set(draws)) == 1
+    spread = {pick(logits, SamplingParams(temperature=5.0), rng, banned=1) for _ in range(200)}
+    assert 1 not in spread and len(spread) >= 3
+
+
+# -- requests ------------------------------------------------------------------------------------
+def _inputs(prompt=b"Return the", **extra):
+    out = {"text_input": np.array([prompt], dtype=object)}
+    for name, value in extra.items():
+        out[name] = np.array([value], dtype=object if isinstance(value, (bytes, str)) else bool)
+    return out
+
+
+def test_parse_request_defaults_like_vllm():
+    cfg = GeneratorConfig()
+    seq = parse_request(_inputs(), cfg)
+    assert (seq.prompt, seq.stream, seq.prepend_prompt) == ("Return the", False, True)
+    seq = parse_request(_inputs(stream=True), cfg)
+    assert (seq.stream, seq.prepend_prompt) == (True, False)
+    seq = parse_request(_inputs(exclude_input_in_output=True), cfg)
+    assert seq.prepend_prompt is False
+
+
+@pytest.mark.parametrize(("inputs", "name", "needle"), [
+    ({}, "text_input", "required"),
+    (_inputs(b""), "text_input", "empty"),
+    (_inputs(b"ab\xffcd"), "text_input", "UTF-8"),
+    (_inputs(b"x" * 9000), "text_input", "max_prompt_chars"),
+    ({"text_input": np.array([b"a", b"b"], dtype=object)}, "text_input", "shape [1]"),
+    (_inputs(stream=True, exclude_input_in_output=False), "exclude_input_in_output", "stream"),
+    (_inputs(sampling_parameters=b'{"max_tokens": 999}'), "sampling_parameters", "max_tokens_cap"),
+])
+def test_parse_request_rejects(inputs, name, needle):
+    with pytest.raises(InvalidInput) as err:
+        parse_request(inputs, GeneratorConfig())
+    assert err.value.input_name == name and needle in str(err.value)
+    assert err.value.code == "INVALID_ARG"
+
+
+def test_config_parameters_are_checked():
+    assert from_params(GeneratorConfig, {"max_tokens_cap": "64"}, model="m").max_tokens_cap == 64
+    with pytest.raises(ConfigError, match="max_token_cap"):
+        from_params(GeneratorConfig, {"max_token_cap": "64"}, model="m")
+    with pytest.raises(ConfigError, match="max_active"):
+        from_params(GeneratorConfig, {"max_active": "0"}, model="m")
+
+
+# -- the built model and decoding ----------------------------------------------------------------
+def test_builder_writes_a_small_decoupled_model(built):
+    folder, figures = built
+    assert sorted(p.name for p in (folder / "1").iterdir()) == ["model.onnx", "vocab.json"]
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    assert size < 2_000_000
+    config = (folder / "config.pbtxt").read_text()
+    assert 'backend: "generator"' in config and "decoupled: true" in config
+    assert figures["documents"] > 500
+
+
+def test_greedy_decode_is_deterministic(decoder):
+    greedy = SamplingParams(max_tokens=60, temperature=0)
+    first = decoder.generate("Return the", greedy)
+    assert len(first) == 60 or decoder.generate("Return the", SamplingParams(max_tokens=200, temperature=0)) == first
+    assert decoder.generate("Return the", greedy) == first
+    assert decoder.generate("Return the", SamplingParams(max_tokens=10, temperature=0)) == first[:10]
+
+
+def test_seeded_sampling_is_reproducible(decoder):
+    params = SamplingParams(max_tokens=80, temperature=0.9, top_p=0.95, seed=11)
+    texts = {decoder.generate("Open a file", params) for _ in range(3)}
+    assert len(texts) == 1
+    others = {decoder.generate("Open a file", SamplingParams(max_tokens=80, temperature=0.9, seed=s)) for s in range(5)}
+    assert len(others) > 1
+
+
+def test_batched_decode_matches_decoding_alone(decoder):
+    prompts = ["Return the", "def ", "x" * 40, "The", "Open a file", "é"]
+    params = [SamplingParams(max_tokens=50 + 7 * i, temperature=t, seed=i)
+              for i, t in enumerate([0, 0.7, 1.0, 0, 1.3, 0.5])]
+    alone = [decoder.generate(p, q) for p, q in zip(prompts, params, strict=True)]
+    seqs = [Sequence(p, q) for p, q in zip(prompts, params, strict=True)]
+    for s in seqs:
+        decoder.prefill(s)
+    active = seqs
+    while active:
+        decoder.advance(active)
+        active = [s for s in active if not s.done]
+    assert [s.text for s in seqs] == alone
+
+
+# -- the engine (the decode thread) ---------------------------------------------------------------
+class ListSink:
+    def __init__(self, cancel_after: int | None = None):
+        self.pieces: list[str] = []
+        self.final: str | None = None
+        self.error: tuple[str, str] | None = None
+        self.cancel_after = cancel_after
+        self.closed = threading.Event()
+
+    def piece(self, text):
+        self.pieces.append(text)
+
+    def finish(self, text):
+        self.final = text
+        self.closed.set()
+
+    def fail(self, message, code):
+        self.error = (message, code)
+        self.closed.set()
+
+    def cancelled(self):
+        return self.cancel_after is not None and len(self.pieces) >= self.cancel_after
+
+
+def test_engine_streams_what_it_would_return_whole(decoder):
+    engine = Engine(decoder, cancel_poll_s=0)
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0)
+        whole, streamed, prefixed = ListSink(), ListSink(), ListSink()
+        engine.submit(Sequence("Return the", params, sink=whole))
+        engine.submit(Sequence("Return the", params, stream=True, sink=streamed))
+        engine.submit(Sequence("Return the", params, prepend_prompt=True, sink=prefixed))
+        for s in (whole, streamed, prefixed):
+            assert s.closed.wait(10)
+        assert whole.final == decoder.generate("Return the", params)
+        assert streamed.final is None and "".join(streamed.pieces) == whole.final
+        assert prefixed.final == "Return the" + whole.final
+    finally:
+        engine.stop()
+
+
+def test_engine_cancel_stops_decoding(decoder):
+    engine = Engine(decoder, cancel_poll_s=0)
+    try:
+        sink = ListSink(cancel_after=5)
+        engine.submit(Sequence("Return the", SamplingParams(max_tokens=256, temperature=0.5, seed=1),
+                               stream=True, sink=sink))
+        assert sink.closed.wait(10)
+        assert sink.error == ("the request was cancelled", "CANCELLED")
+        assert 5 <= len(sink.pieces) <= 6
+    finally:
+        engine.stop()
+
+
+def test_engine_queue_full_and_unload():
+    class Slow:
+        def prefill(self, seq):
+            time.sleep(0.3)
+            seq.logits = np.zeros(4, np.float32)
+
+        def advance(self, seqs):
+            time.sleep(0.05)
+            return [(s, "a") for s in seqs]
+
+    engine = Engine(Slow(), max_active=1, max_queue=1)  # type: ignore[arg-type]
+    sinks = [ListSink() for _ in range(4)]
+    for s in sinks:
+        engine.submit(Sequence("p", SamplingParams(max_tokens=256, temperature=0), sink=s))
+    assert any(s.error and s.error[1] == "UNAVAILABLE" and "queue" in s.error[0] for s in sinks)
+    engine.stop()
+    assert all(s.closed.is_set() for s in sinks)
+    assert any(s.error == ("the model is unloading", "UNAVAILABLE") for s in sinks)
