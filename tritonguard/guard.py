@@ -13,96 +13,26 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import repository, triton
-from .audit import AuditConfig
-from .breaker import BreakerConfig
-from .cache import CacheConfig
-from .config import from_params, layered_parameters, model_parameters, split_parameters
-from .cost import CostConfig, cost_meter
+from .config import from_params, layered_parameters, model_parameters
+from .cost import cost_meter
 from .engines import EngineConfig, load_engine
 from .errors import ConfigError, InvalidInput, TargetError
+from .guard_config import SERVED_BY, GuardConfig, TargetConfig
 from .privacy import PrivacyStage, audit_file, enforce_security, security_findings
-from .redaction import RedactionConfig
-from .routing import Router, RoutingConfig
+from .routing import Router
 from .state import open_store
-from .tenancy import TenancyConfig
 from .tensors import ModelSignature, TensorSpec, offsets, split
-from .tracing import Tracer, TracingConfig
-from .validation import BatchValidator, ValidationConfig
-from .validators import ValidatorConfig, ValidatorRegistry
+from .tracing import Tracer
+from .validation import BatchValidator
+from .validators import ValidatorRegistry
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class TargetConfig:
-    """Top-level guard parameters."""
-
-    target: str = ""
-    target_version: int = -1  # -1: the latest version Triton serves
-    placement: str = "bls"  # bls | inprocess
-    timeout_ms: int = 0  # BLS timeout; 0 = none
-    # BLS only: the model that serves version N, e.g. "minilm_raw_v{version}" (per-version
-    # ensembles); empty: version N of ``target`` itself
-    target_per_version: str = ""
-    # the public name this guard serves under when it is a step of an ensemble (``<name>`` =
-    # ``<name>_intake`` -> ``<name>_guard``, see tritonguard.intake): its rollout state,
-    # metrics, audit and latency log are keyed by that name; empty: the guard's own name
-    serves_as: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.target:
-            raise ValueError("parameter 'target' is required (the model or ensemble this guard fronts)")
-        if self.target_per_version and "{version}" not in self.target_per_version:
-            raise ValueError("target_per_version must contain '{version}'")
-        if self.placement not in ("bls", "inprocess"):
-            raise ValueError(f"placement must be 'bls' or 'inprocess', got {self.placement!r}")
-
-
-SERVED_BY = "SERVED_BY"  # optional BYTES [1] output: "<target>:<version>" that answered
-
-
-@dataclass(kw_only=True)
-class GuardConfig:
-    target: TargetConfig
-    validation: ValidationConfig
-    runtime: EngineConfig
-    routing: RoutingConfig
-    breaker: BreakerConfig
-    validator: ValidatorConfig
-    redaction: RedactionConfig
-    tenancy: TenancyConfig
-    cache: CacheConfig
-    audit: AuditConfig
-    tracing: TracingConfig
-    cost: CostConfig
-
-    SECTIONS = ("", "validation", "runtime", "routing", "breaker", "validator", "redaction", "tenancy", "cache", "audit",
-                "tracing", "cost")
-
-    @classmethod
-    def from_parameters(cls, params: dict[str, str], model: str) -> GuardConfig:
-        groups = split_parameters(params, cls.SECTIONS, model=model)
-        return cls(
-            target=from_params(TargetConfig, groups[""], model=model),
-            validation=from_params(ValidationConfig, groups["validation"], section="validation", model=model),
-            runtime=from_params(EngineConfig, groups["runtime"], section="runtime", model=model),
-            routing=from_params(RoutingConfig, groups["routing"], section="routing", model=model),
-            breaker=from_params(BreakerConfig, groups["breaker"], section="breaker", model=model),
-            validator=from_params(ValidatorConfig, groups["validator"], section="validator", model=model),
-            redaction=from_params(RedactionConfig, groups["redaction"], section="redaction", model=model),
-            tenancy=from_params(TenancyConfig, groups["tenancy"], section="tenancy", model=model),
-            cache=from_params(CacheConfig, groups["cache"], section="cache", model=model),
-            audit=from_params(AuditConfig, groups["audit"], section="audit", model=model),
-            tracing=from_params(TracingConfig, groups["tracing"], section="tracing", model=model),
-            cost=from_params(CostConfig, groups["cost"], section="cost", model=model),
-        )
 
 
 def check_signature(guard: ModelSignature, target: ModelSignature, target_name: str) -> None:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -41,16 +41,13 @@ from . import repository
 from .audit import AuditLog, open_anchor_store
 from .cache import PrivacyMode, TieredCache, canonical_params, load_key, row_keys
 from .errors import ConfigError, QuotaExceeded, TritonGuardError
+from .guard_config import SERVED_BY, GuardConfig
 from .redaction import Redactor
 from .tenancy import QUOTA_FILE, QuotaManager, SharedQuotaManager, TenantResolver, authenticator
 from .tensors import ModelSignature, concat
 
-if TYPE_CHECKING:
-    from .guard import GuardConfig
-
 log = logging.getLogger(__name__)
 
-SERVED_BY = "SERVED_BY"  # the guard's optional output naming who answered (see guard.py)
 MAX_TENANT_LABELS = 256  # distinct tenant label values on metrics; later tenants share "_other"
 OTHER_TENANTS = "_other"
 _TIERS = ("l1", "l2", "l3")
