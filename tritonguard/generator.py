@@ -240,6 +240,10 @@ class Sequence:
     state: np.ndarray | None = None
     done: bool = False
     last_cancel_check: float = 0.0
+    received: float = field(default_factory=time.perf_counter)  # when execute() got the request
+    first_token_at: float | None = None  # first token sent (stream) / decided (whole text)
+    last_token_at: float = 0.0  # last streamed token sent
+    ended: bool = False  # counted in the metrics (and answered)
 
     def __post_init__(self) -> None:
         if self.rng is None:
@@ -297,6 +301,51 @@ class Decoder:
         return seq.text
 
 
+# -- metrics ------------------------------------------------------------------------------------
+# per-token latencies: 0.1 ms (a token of this model) .. 10 s (a long queue wait before the first)
+GENERATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                      0.5, 1.0, 2.5, 5.0, 10.0)
+COUNTERS = {
+    "gen_tokens": ("tritonguard_generation_tokens_total",
+                   "Tokens of generation requests, by direction: in (prompt tokens prefilled, one per "
+                   "character here), out (tokens generated)"),
+    "gen_requests": ("tritonguard_generation_requests_total",
+                     "Generation requests ended, by outcome: ok, cancelled, error, rejected (refused before "
+                     "decoding: invalid input, queue full)"),
+}
+HISTOGRAMS = {
+    "ttft": ("tritonguard_generation_ttft_seconds",
+             "Time from execute() receiving a request to its first token sent (stream) or decided (whole text)",
+             GENERATION_BUCKETS),
+    "itl": ("tritonguard_generation_itl_seconds",
+            "Inter-token latency between consecutive streamed tokens: per streamed request with at least two "
+            "tokens, its mean (per token with parameter itl_per_token)", GENERATION_BUCKETS),
+}
+OUTCOMES = ("ok", "cancelled", "error", "rejected")
+ZERO_AT_LOAD = (*(("gen_requests", {"outcome": o}) for o in OUTCOMES),
+                *(("gen_tokens", {"direction": d}) for d in ("in", "out")))
+
+
+class MetricsSink(Protocol):
+    """What the engine needs of :class:`tritonguard.triton.Metrics` (in-process, no IPC)."""
+
+    def inc(self, family: str, value: float = 1, **labels: str) -> None: ...
+    def observe(self, family: str, value: float, **labels: str) -> None: ...
+
+
+class NoMetrics:
+    def inc(self, family: str, value: float = 1, **labels: str) -> None:
+        pass
+
+    def observe(self, family: str, value: float, **labels: str) -> None:
+        pass
+
+
+def generation_metrics(model: str, version: str) -> Any:
+    return triton.Metrics(model, version, counters=COUNTERS, gauges={}, histograms=HISTOGRAMS,
+                          zero_at_load=ZERO_AT_LOAD)
+
+
 # -- the serving loop ---------------------------------------------------------------------------
 class Sink(Protocol):
     def piece(self, text: str) -> None: ...
@@ -310,8 +359,12 @@ class Engine:
     advances all in flight by one token per loop; polls cancellation every ``cancel_poll_s``."""
 
     def __init__(self, decoder: Decoder, *, max_active: int = 16, max_queue: int = 256,
-                 cancel_poll_s: float = 0.05, name: str = "generator") -> None:
+                 cancel_poll_s: float = 0.05, name: str = "generator",
+                 metrics: MetricsSink | None = None, itl_per_token: bool = False) -> None:
         self.decoder = decoder
+        # observations only go to the in-process sink (a deque the Metrics flusher empties)
+        self.metrics: MetricsSink = metrics if metrics is not None else NoMetrics()
+        self.itl_per_token = itl_per_token
         self.max_active, self.cancel_poll_s = max_active, cancel_poll_s
         self.queue: queue.Queue[Sequence] = queue.Queue(maxsize=max_queue)
         self.active: list[Sequence] = []
@@ -324,6 +377,7 @@ class Engine:
         try:
             self.queue.put_nowait(seq)
         except queue.Full:
+            self.metrics.inc("gen_requests", outcome="rejected")
             _safe(seq.sink.fail, "the generator's queue is full; retry later", "UNAVAILABLE")
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -336,7 +390,22 @@ class Engine:
             except queue.Empty:
                 break
         for seq in pending:
-            _safe(seq.sink.fail, "the model is unloading", "UNAVAILABLE")
+            if not seq.ended:
+                self._ended(seq, "error")
+                _safe(seq.sink.fail, "the model is unloading", "UNAVAILABLE")
+
+    def _ended(self, seq: Sequence, outcome: str) -> None:
+        """Per-request accounting at its end (one inc per family, no per-token IPC)."""
+        if seq.ended:
+            return
+        seq.ended = True
+        m = self.metrics
+        m.inc("gen_requests", outcome=outcome)
+        if seq.pieces:
+            m.inc("gen_tokens", len(seq.pieces), direction="out")
+        if (seq.stream and not self.itl_per_token and seq.first_token_at is not None
+                and len(seq.pieces) >= 2):
+            m.observe("itl", (seq.last_token_at - seq.first_token_at) / (len(seq.pieces) - 1))
 
     def _admit(self) -> None:
         block = not self.active
@@ -350,8 +419,10 @@ class Engine:
                 self.decoder.prefill(seq)
             except Exception as exc:  # noqa: BLE001 - one bad prompt must not stop the loop
                 log.exception("prefill failed")
+                self._ended(seq, "error")
                 _safe(seq.sink.fail, f"generation failed: {type(exc).__name__}", "INTERNAL")
                 continue
+            self.metrics.inc("gen_tokens", len(seq.prompt), direction="in")
             self.active.append(seq)
 
     def _cancelled(self, seq: Sequence, now: float) -> bool:
@@ -371,6 +442,7 @@ class Engine:
                 for seq in self.active:
                     if self._cancelled(seq, now):
                         log.info("request cancelled after %d tokens: decoding stopped", len(seq.pieces))
+                        self._ended(seq, "cancelled")
                         _safe(seq.sink.fail, "the request was cancelled", "CANCELLED")
                     else:
                         live.append(seq)
@@ -379,15 +451,30 @@ class Engine:
                         self.tokens += 1
                         if seq.stream:
                             _safe(seq.sink.piece, piece)
+                        self._token_timing(seq)
                     if seq.done:
                         text = None if seq.stream else (seq.prompt if seq.prepend_prompt else "") + seq.text
+                        self._ended(seq, "ok")
                         _safe(seq.sink.finish, text)
                 self.active = [s for s in live if not s.done]
             except Exception:  # noqa: BLE001 - fail what is in flight, keep serving
                 log.exception("decode step failed")
                 for seq in self.active:
-                    _safe(seq.sink.fail, "generation failed: internal error", "INTERNAL")
+                    if not seq.ended:
+                        self._ended(seq, "error")
+                        _safe(seq.sink.fail, "generation failed: internal error", "INTERNAL")
                 self.active = []
+
+    def _token_timing(self, seq: Sequence) -> None:
+        """After a token was sent (stream) or decided (whole text): TTFT on the first, the gap
+        since the previous one for streams (per token only with ``itl_per_token``)."""
+        t = time.perf_counter()
+        if seq.first_token_at is None:
+            seq.first_token_at = t
+            self.metrics.observe("ttft", t - seq.received)
+        elif self.itl_per_token and seq.stream:
+            self.metrics.observe("itl", t - seq.last_token_at)
+        seq.last_token_at = t
 
 
 def _safe(fn: Callable[..., Any], *args: Any) -> Any:
@@ -410,6 +497,9 @@ class GeneratorConfig:
     max_queue: int = 256
     intra_op_threads: int = 1
     cancel_poll_ms: int = 50
+    # ITL: one observation per streamed token (one pb_utils IPC each in the flusher) instead of
+    # one per request (its mean); see docs/generation.md "Metrics"
+    itl_per_token: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_cap", "default_max_tokens", "max_prompt_chars", "max_active",
@@ -502,28 +592,34 @@ class GeneratorModel:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model '{self.name}': cannot read {version_dir / 'vocab.json'}: {exc}") from None
         model = StepModel(version_dir / "model.onnx", self.config.intra_op_threads)
+        self.metrics = generation_metrics(self.name, args["model_version"])
         self.engine = Engine(Decoder(model, tok), max_active=self.config.max_active,
                              max_queue=self.config.max_queue,
-                             cancel_poll_s=self.config.cancel_poll_ms / 1000, name=self.name)
+                             cancel_poll_s=self.config.cancel_poll_ms / 1000, name=self.name,
+                             metrics=self.metrics, itl_per_token=self.config.itl_per_token)
         log.info("generator %s v%s: vocab %d, hidden %d, max_tokens_cap %d", self.name,
                  args["model_version"], tok.vocab_size, model.hidden, self.config.max_tokens_cap)
 
     def execute(self, requests: list[Any]) -> None:
+        received = time.perf_counter()
         for request in requests:
             sender = request.get_response_sender()
             sink = TritonSink(request, sender)
             try:
                 seq = parse_request(triton.request_inputs(request, INPUTS), self.config)
             except TritonGuardError as exc:
+                self.metrics.inc("gen_requests", outcome="rejected")
                 _safe(sink.fail, str(exc), exc.code)
                 continue
             except Exception as exc:  # noqa: BLE001 - never let a traceback reach clients
                 log.exception("generator %s: request rejected", self.name)
+                self.metrics.inc("gen_requests", outcome="rejected")
                 _safe(sink.fail, f"model '{self.name}' cannot read the request: {type(exc).__name__}", "INTERNAL")
                 continue
-            seq.sink = sink
+            seq.sink, seq.received = sink, received
             self.engine.submit(seq)
         return None
 
     def finalize(self) -> None:
         self.engine.stop()
+        self.metrics.close()

@@ -202,10 +202,26 @@ class Metrics:
                         "Cost of 1000 answered requests, by target version and tenant: a decaying average over cost.window_s"),
     }
 
-    def __init__(self, model: str, version: str, interval: float = 1.0, max_pending: int = 8192):
+    def __init__(self, model: str, version: str, interval: float = 1.0, max_pending: int = 8192, *,
+                 counters: Mapping[str, tuple[str, str]] | None = None,
+                 gauges: Mapping[str, tuple[str, str]] | None = None,
+                 histograms: Mapping[str, tuple[str, str, Sequence[float]]] | None = None,
+                 zero_at_load: Iterable[str | tuple[str, Mapping[str, str]]] | None = None):
+        """Without the keyword arguments: the guard's families (``FAMILIES``, ``GAUGES``, the
+        target latency histogram, ``ZERO_AT_LOAD``). Another backend passes its own instead:
+        ``counters``/``gauges`` ``{key: (name, doc)}``, ``histograms`` ``{key: (name, doc,
+        buckets)}``, ``zero_at_load`` keys or ``(key, labels)`` created at 0. The drops counter
+        is always registered (the flusher reports queue overflow through it)."""
         import collections  # noqa: PLC0415
         import threading  # noqa: PLC0415
 
+        counter_families = dict(self.FAMILIES) if counters is None else {"drops": self.FAMILIES["drops"], **counters}
+        gauge_families = dict(self.GAUGES) if gauges is None else dict(gauges)
+        histogram_families = ({"latency": ("tritonguard_target_latency_seconds", "Latency of fused target calls",
+                                           self.LATENCY_BUCKETS)}
+                              if histograms is None else dict(histograms))
+        zeros = list(self.ZERO_AT_LOAD if zero_at_load is None else zero_at_load)
+        self._buckets = {key: tuple(buckets) for key, (_, _, buckets) in histogram_families.items()}
         self.labels = {"model": model, "version": str(version)}
         self.interval = interval
         self._children: dict[tuple, Any] = {}
@@ -219,15 +235,15 @@ class Metrics:
         self.enabled = True
         try:
             mf = pb().MetricFamily
-            for key, (name, doc) in self.FAMILIES.items():
+            for key, (name, doc) in counter_families.items():
                 self._families[key] = mf(name, doc, mf.COUNTER)
-            for key, (name, doc) in self.GAUGES.items():
+            for key, (name, doc) in gauge_families.items():
                 self._families[key] = mf(name, doc, mf.GAUGE)
-            try:
-                self._families["latency"] = mf("tritonguard_target_latency_seconds",
-                                               "Latency of fused target calls", mf.HISTOGRAM)
-            except (AttributeError, TypeError):
-                self._families["latency"] = None
+            for key, (name, doc, _) in histogram_families.items():
+                try:
+                    self._families[key] = mf(name, doc, mf.HISTOGRAM)
+                except (AttributeError, TypeError):
+                    self._families[key] = None
         except Exception:  # noqa: BLE001 - metrics are optional, serving is not
             log.exception("custom metrics unavailable; serving without them")
             self.enabled = False
@@ -235,8 +251,9 @@ class Metrics:
         try:
             # counters without labels of their own start at 0, so a scrape (and an alert on
             # their increase) sees them before their first event
-            for key in self.ZERO_AT_LOAD:
-                self._child(key, ())
+            for entry in zeros:
+                key, labels = (entry, {}) if isinstance(entry, str) else entry
+                self._child(key, tuple(sorted(labels.items())))
         except Exception:  # noqa: BLE001
             log.exception("custom metrics: zero series not created")
         self._thread = threading.Thread(target=self._run, name=f"metrics-{model}", daemon=True)
@@ -273,8 +290,9 @@ class Metrics:
         if child is None:
             fam = self._families[family]
             all_labels = {**self.labels, **dict(labels)}
-            if family == "latency":
-                child = fam.Metric(labels=all_labels, buckets=list(self.LATENCY_BUCKETS))
+            buckets = self._buckets.get(family)
+            if buckets is not None:
+                child = fam.Metric(labels=all_labels, buckets=list(buckets))
             else:
                 child = fam.Metric(labels=all_labels)
             self._children[key] = child

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import shutil
 import time
 import urllib.error
@@ -34,8 +35,11 @@ def server(tmp_path_factory):
     # the same weights with a high cap: a generation long enough to cancel midway
     shutil.copytree(repo / "tinylm", repo / "tinylong")
     write_config(repo / "tinylong", example.triton_config("tinylong", max_tokens_cap=1_000_000))
+    # a copy only the metrics test sends to: its counters start at 0
+    shutil.copytree(repo / "tinylm", repo / "tinymetrics")
+    write_config(repo / "tinymetrics", example.triton_config("tinymetrics"))
     srv = Server(repository=repo, log_path=tmp_path_factory.mktemp("genlogs") / "tritonserver.log")
-    srv.start(wait_models=("tinylm", "tinylong"))
+    srv.start(wait_models=("tinylm", "tinylong", "tinymetrics"))
     yield srv
     srv.stop()
 
@@ -172,3 +176,74 @@ def test_grpc_cancel_stops_decoding(server):
         time.sleep(0.1)
     assert "request cancelled after" in server.tail(200)
     assert generate(server, model="tinylong")["text_output"].startswith(PROMPT)
+
+
+SAMPLE = re.compile(r'^(tritonguard_generation_\w+)\{([^}]*)\} (\S+)$')
+
+
+def generation_metrics(srv, model: str) -> dict[tuple, float]:
+    """``{(sample name, label, value, ...): value}`` of the model's tritonguard_generation_* series."""
+    text = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = SAMPLE.match(line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            if labels.pop("model", None) == model and labels.pop("version", None) == "1":
+                out[(m.group(1), *sorted(labels.items()))] = float(m.group(3))
+    return out
+
+
+def test_generation_metrics_count_what_was_sent(server):
+    model = "tinymetrics"
+    base = generation_metrics(server, model)
+    # counters without events exist at 0 from load
+    for outcome in ("ok", "cancelled", "error", "rejected"):
+        assert base[("tritonguard_generation_requests_total", ("outcome", outcome))] == 0
+    streamed = []
+    for n in (1, 5, 23, 64):
+        status, raw = post(server, f"/v2/models/{model}/generate_stream",
+                           {"text_input": PROMPT, "stream": True,
+                            "sampling_parameters": json.dumps({"max_tokens": n, "temperature": 0})})
+        assert status == 200, raw
+        events = sse(raw)
+        assert all("error" not in e for e in events), events
+        streamed.append("".join(e["text_output"] for e in events))
+    whole = [generate(server, params={"max_tokens": n, "temperature": 0.8, "seed": n}, model=model,
+                      exclude_input_in_output=True)["text_output"] for n in (3, 40)]
+    prefixed = generate(server, params={"max_tokens": 12, "temperature": 0}, model=model)["text_output"]
+    whole.append(prefixed[len(PROMPT):])
+    rejected = 0
+    for body in ({"text_input": PROMPT, "sampling_parameters": '{"max_tokens": 1000}'},
+                 {"text_input": "", "sampling_parameters": "{}"}):
+        status, _ = post(server, f"/v2/models/{model}/generate", body)
+        assert status == 400
+        rejected += 1
+
+    texts = streamed + whole
+    sent = len(texts)
+    want = {
+        ("tritonguard_generation_requests_total", ("outcome", "ok")): sent,
+        ("tritonguard_generation_requests_total", ("outcome", "rejected")): rejected,
+        ("tritonguard_generation_requests_total", ("outcome", "cancelled")): 0,
+        ("tritonguard_generation_requests_total", ("outcome", "error")): 0,
+        ("tritonguard_generation_tokens_total", ("direction", "in")): len(PROMPT) * sent,
+        # one token per character: tokens out are the characters the clients got
+        ("tritonguard_generation_tokens_total", ("direction", "out")): sum(len(t) for t in texts),
+        ("tritonguard_generation_ttft_seconds_count",): sum(1 for t in texts if t),
+        # one ITL observation (the request's mean) per streamed request with two tokens or more
+        ("tritonguard_generation_itl_seconds_count",): sum(1 for t in streamed if len(t) >= 2),
+    }
+    deadline = time.monotonic() + 10  # the flusher pushes once a second
+    while True:
+        got = generation_metrics(server, model)
+        if all(got.get(k) == v for k, v in want.items()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert {k: got.get(k) for k in want} == want
+    assert want[("tritonguard_generation_itl_seconds_count",)] == 3  # the max_tokens=1 stream has none
+    # buckets from 0.1 ms to 10 s; every TTFT here is well under 10 s
+    ttft = {dict([k[1]])["le"]: v for k, v in got.items() if k[0] == "tritonguard_generation_ttft_seconds_bucket"}
+    assert {"0.0001", "10", "+Inf"} <= set(ttft)
+    assert ttft["10"] == ttft["+Inf"] == want[("tritonguard_generation_ttft_seconds_count",)]
+    assert 0 < got[("tritonguard_generation_itl_seconds_sum",)] < 3 * 1.0

@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 
 from examples import generator as example
+from tritonguard import triton
 from tritonguard.config import from_params
 from tritonguard.errors import ConfigError, InvalidInput
 from tritonguard.generator import (
+    COUNTERS,
+    GENERATION_BUCKETS,
+    HISTOGRAMS,
     CharTokenizer,
     Decoder,
     Engine,
@@ -20,6 +24,7 @@ from tritonguard.generator import (
     SamplingParams,
     Sequence,
     StepModel,
+    generation_metrics,
     parse_request,
     parse_sampling,
     pick,
@@ -269,3 +274,174 @@ def test_engine_queue_full_and_unload():
     engine.stop()
     assert all(s.closed.is_set() for s in sinks)
     assert any(s.error == ("the model is unloading", "UNAVAILABLE") for s in sinks)
+
+
+# -- metrics --------------------------------------------------------------------------------------
+class FakeMetrics:
+    """The engine's metrics sink: records what the decode thread would hand the flusher."""
+
+    def __init__(self):
+        self.counts: dict[tuple, float] = {}
+        self.observed: list[tuple[str, float]] = []
+        self.lock = threading.Lock()
+
+    def inc(self, family, value=1, **labels):
+        with self.lock:
+            key = (family, *sorted(labels.items()))
+            self.counts[key] = self.counts.get(key, 0) + value
+
+    def observe(self, family, value, **labels):
+        assert not labels
+        with self.lock:
+            self.observed.append((family, value))
+
+    def count(self, family, **labels):
+        return self.counts.get((family, *sorted(labels.items())), 0)
+
+    def values(self, family):
+        return [v for f, v in self.observed if f == family]
+
+
+class Paced:
+    """A decoder with known timing: prefill 30 ms, then one 'a' every 10 ms."""
+
+    def __init__(self, prefill_s=0.03, step_s=0.01):
+        self.prefill_s, self.step_s = prefill_s, step_s
+
+    def prefill(self, seq):
+        time.sleep(self.prefill_s)
+        seq.logits = np.zeros(4, np.float32)
+
+    def advance(self, seqs):
+        time.sleep(self.step_s)
+        out = []
+        for s in seqs:
+            s.pieces.append("a")
+            s.done = len(s.pieces) >= s.params.max_tokens
+            out.append((s, "a"))
+        return out
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_engine_times_first_token_and_inter_token_latency(per_token):
+    metrics = FakeMetrics()
+    engine = Engine(Paced(), metrics=metrics, itl_per_token=per_token)  # type: ignore[arg-type]
+    try:
+        streamed, whole = ListSink(), ListSink()
+        params = SamplingParams(max_tokens=6, temperature=0)
+        engine.submit(Sequence("abcd", params, stream=True, sink=streamed))
+        assert streamed.closed.wait(10)
+        engine.submit(Sequence("xy", params, sink=whole))
+        assert whole.closed.wait(10)
+    finally:
+        engine.stop()
+    assert metrics.count("gen_requests", outcome="ok") == 2
+    assert metrics.count("gen_tokens", direction="in") == 4 + 2
+    assert metrics.count("gen_tokens", direction="out") == len(streamed.pieces) + len(whole.final) == 12
+    ttft = metrics.values("ttft")
+    assert len(ttft) == 2 and all(0.035 <= t < 1.0 for t in ttft)  # prefill + one step at least
+    itl = metrics.values("itl")
+    assert len(itl) == (5 if per_token else 1)  # whole-text requests have no ITL
+    assert all(0.008 <= t < 0.5 for t in itl)
+
+
+def test_engine_counts_every_outcome():
+    metrics = FakeMetrics()
+
+    class Failing(Paced):
+        def prefill(self, seq):
+            if seq.prompt == "boom":
+                raise RuntimeError("bad prompt")
+            super().prefill(seq)
+
+    engine = Engine(Failing(prefill_s=0.3), max_active=1, max_queue=1, cancel_poll_s=0,  # type: ignore[arg-type]
+                    metrics=metrics)
+    sinks = [ListSink(cancel_after=3), ListSink(), ListSink()]
+    engine.submit(Sequence("p", SamplingParams(max_tokens=256), stream=True, sink=sinks[0]))
+    deadline = time.monotonic() + 5
+    while not engine.queue.empty() and time.monotonic() < deadline:  # the decode thread took it
+        time.sleep(0.005)
+    engine.submit(Sequence("boom", SamplingParams(), sink=sinks[1]))
+    engine.submit(Sequence("q", SamplingParams(), sink=sinks[2]))  # the queue (1) is full
+    for s in sinks:
+        assert s.closed.wait(10)
+    engine.stop()
+    assert sinks[0].error[1] == "CANCELLED" and sinks[1].error[1] == "INTERNAL" and sinks[2].error[1] == "UNAVAILABLE"
+    assert {k: v for k, v in metrics.counts.items() if k[0] == "gen_requests"} == {
+        ("gen_requests", ("outcome", "cancelled")): 1,
+        ("gen_requests", ("outcome", "error")): 1,
+        ("gen_requests", ("outcome", "rejected")): 1,
+    }
+    assert metrics.count("gen_tokens", direction="out") == len(sinks[0].pieces) >= 3
+    assert metrics.count("gen_tokens", direction="in") == 1  # only the prefilled prompt
+    assert len(metrics.values("ttft")) == 1 and len(metrics.values("itl")) == 1
+
+
+class FakeMetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    registered: list[tuple[str, str]] = []
+    children: list[tuple[str, dict, list | None]] = []
+
+    def __init__(self, name, doc, kind):
+        self.name = name
+        FakeMetricFamily.registered.append((name, kind))
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' name
+        FakeMetricFamily.children.append((self.name, labels, buckets))
+        family = self
+
+        class Child:
+            def increment(self, v):
+                FakeMetricFamily.children.append((family.name, labels, ["inc", v]))
+
+            def observe(self, v):
+                FakeMetricFamily.children.append((family.name, labels, ["obs", v]))
+
+            def set(self, v):
+                pass
+
+        return Child()
+
+
+@pytest.fixture()
+def fake_pb(monkeypatch):
+    FakeMetricFamily.registered, FakeMetricFamily.children = [], []
+    monkeypatch.setattr(triton, "pb", lambda: type("pb", (), {"MetricFamily": FakeMetricFamily}))
+    return FakeMetricFamily
+
+
+def test_metrics_takes_the_generator_families(fake_pb):
+    m = generation_metrics("tinylm", "1")
+    try:
+        names = dict(fake_pb.registered)
+        assert names == {"tritonguard_metric_drops_total": "counter",
+                         **{n: "counter" for n, _ in COUNTERS.values()},
+                         **{n: "histogram" for n, _, _ in HISTOGRAMS.values()}}
+        zero = {(n, tuple(sorted(lb.items()))) for n, lb, b in fake_pb.children if b is None}
+        assert ("tritonguard_generation_requests_total",
+                (("model", "tinylm"), ("outcome", "rejected"), ("version", "1"))) in zero
+        assert len(zero) == 6  # 4 outcomes + 2 directions
+        m.observe("ttft", 0.002)
+        m.inc("gen_tokens", 7, direction="out")
+        m.flush()
+        hist = [(lb, b) for n, lb, b in fake_pb.children if n == "tritonguard_generation_ttft_seconds"]
+        assert hist[0] == ({"model": "tinylm", "version": "1"}, list(GENERATION_BUCKETS))
+        assert hist[1][1] == ["obs", 0.002]
+        assert GENERATION_BUCKETS[0] <= 0.0001 and GENERATION_BUCKETS[-1] >= 5
+    finally:
+        m.close()
+
+
+def test_metrics_defaults_are_still_the_guards(fake_pb):
+    m = triton.Metrics("g", "1")
+    try:
+        names = dict(fake_pb.registered)
+        assert set(names) == ({n for n, _ in triton.Metrics.FAMILIES.values()}
+                              | {n for n, _ in triton.Metrics.GAUGES.values()} | {"tritonguard_target_latency_seconds"})
+        assert not any(n.startswith("tritonguard_generation_") for n in names)
+        m.observe("latency", 0.01)
+        m.flush()
+        assert ("tritonguard_target_latency_seconds", {"model": "g", "version": "1"},
+                list(triton.Metrics.LATENCY_BUCKETS)) in fake_pb.children
+    finally:
+        m.close()
