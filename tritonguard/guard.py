@@ -24,10 +24,16 @@ from .cost import cost_meter
 from .engines import EngineConfig, load_engine
 from .errors import ConfigError, InvalidInput, TargetError
 from .guard_config import SERVED_BY, GuardConfig, TargetConfig
+from .pipeline import Batch, Pipeline
 from .privacy import PrivacyStage, audit_file, enforce_security, security_findings
 from .routing import Router
+from .stages.cost import CostStage
+from .stages.respond import RespondStage
+from .stages.route import RouteStage
+from .stages.trace import TraceStartStage, TraceTagStage
+from .stages.validate import ValidateStage
 from .state import open_store
-from .tensors import ModelSignature, TensorSpec, offsets, split
+from .tensors import ModelSignature, TensorSpec
 from .tracing import Tracer
 from .validation import BatchValidator
 from .validators import ValidatorRegistry
@@ -200,6 +206,21 @@ class GuardModel:
             self.router.tracer = self.tracer
             log.info("guard %s: tracing to %s (sample ratio %g for requests without a traced parent)",
                      self.name, self.config.tracing.endpoint, self.config.tracing.sample_ratio)
+        # the path of every batch, in order, holding only the stages this guard's config needs
+        # (tritonguard/pipeline.py; each stage is one concern in tritonguard/stages/)
+        traced = self.tracer is not None
+        self.pipeline = Pipeline([
+            ValidateStage(self.validator, self.input_names, self.metrics),
+            *([TraceStartStage(self.tracer)] if traced else []),
+            *self.privacy.inbound,
+            *([TraceTagStage(self.privacy.label)] if traced else []),
+            RouteStage(self.router),
+            *self.privacy.outbound,
+            RespondStage(self.output_names),
+            *self.privacy.closing,
+            CostStage(self.cost),
+        ])
+        log.info("guard %s: stages %s", self.name, " -> ".join(self.pipeline.names()))
         if tcfg.placement == "inprocess":
             # goldens on the serving hardware before any traffic; a primary that fails them
             # fails the load, so the model reports not ready instead of serving wrong answers
@@ -227,147 +248,32 @@ class GuardModel:
         return responses
 
     def _execute(self, requests: list[Any], responses: list[Any]) -> None:
-        if self.tracer is None:
-            self._run(requests, responses, None)
-            return
-        clock = (time.time_ns(), time.perf_counter_ns())
-        try:
-            self._run(requests, responses, clock)
-        finally:
-            tb, self._batch_trace = self._batch_trace, None
-            if tb is not None:
-                tb.finish()
-
-    _batch_trace: Any = None  # the BatchTrace of the batch in execute(), when it has traced requests
-
-    def _run(self, requests: list[Any], responses: list[Any], clock: tuple[int, int] | None) -> None:
         self._served = True
         self.metrics.inc("requests", len(requests))
-        inputs, unreadable = [], {}
-        for i, r in enumerate(requests):  # per request: one unreadable tensor fails its own request
-            try:
-                inputs.append(triton.request_inputs(r, self.input_names))
-            except InvalidInput as exc:
-                inputs.append({})  # fails validation ("presence"); the read error replaces that below
-                unreadable[i] = exc
-        verdict = self.validator.validate(inputs)
-        for i, exc in unreadable.items():
-            verdict.errors[i] = exc
-        rejects: dict[str, int] = {}
-        for i, err in enumerate(verdict.errors):
-            if err is not None:
-                responses[i] = triton.error(err)
-                rejects[err.rule] = rejects.get(err.rule, 0) + 1
-        for rule, n in rejects.items():
-            self.metrics.inc("rejects", n, reason=rule)
         # parsed once per batch (most requests carry none: a string compare each), for the
-        # tenant and for the ground-truth labels the rollout's gates score
-        params = [triton.request_parameters(r) for r in requests]
-        tenancy_params = params if self.privacy.needs_parameters else None
-        tb = None
-        if clock is not None:
-            tb = self._batch_trace = self._trace_begin(requests, params, verdict, clock)
-        if not verdict.valid:
-            if self.privacy.audit.enabled:
-                self.privacy.before(tenancy_params, verdict, trace=tb)  # audits the rejects
+        # tenant, the ground-truth labels the rollout's gates score, pins and tracing
+        batch = Batch(requests=requests, responses=responses,
+                      params=[triton.request_parameters(r) for r in requests],
+                      served_by=([self._wants_served_by(r) for r in requests] if self.served_by_output
+                                 else [False] * len(requests)))
+        if self.tracer is None:
+            self.pipeline.run(batch)
             return
-        # tenants, quotas, redaction, cache lookups: what is left goes to the router
-        batch = self.privacy.before(tenancy_params, verdict, trace=tb)
-        for i, err in batch.errors.items():
-            responses[i] = triton.error(err)
-        if tb is not None:
-            for i in tb.sampled:
-                tb.set(i, **{"tritonguard.tenant": self.privacy.label(batch.tenants[i]) if batch.tenants[i] else "",
-                             "tritonguard.cache": batch.cache_state.get(i, "off")})
-                if i in batch.hits:
-                    tb.set(i, **{"tritonguard.served_by": batch.cache_label})
-                    if i in batch.hit_tiers:
-                        tb.set(i, **{"tritonguard.cache.tier": batch.hit_tiers[i]})
-        routed = None
-        # SERVED_BY only for requests that ask for it (or name no outputs, and so get them all):
-        # a BYTES tensor per response is measurable work on the hot path
-        served_by = ([self._wants_served_by(r) for r in requests] if self.served_by_output
-                     else [False] * len(requests))
+        batch.clock = (time.time_ns(), time.perf_counter_ns())
         try:
-            for i, outs in batch.hits.items():
-                if served_by[i]:
-                    outs = {**outs, SERVED_BY: np.full((batch.hit_sizes[i], 1), batch.cache_label.encode(), dtype=object)}
-                responses[i] = triton.response(outs)
-            if batch.route:
-                labels = [_label(params[i]) for i in batch.route]
-                pins = [_pin(params[i]) for i in batch.route]
-                traced = ({k: tb.sampled[i] for k, i in enumerate(batch.route) if i in tb.sampled}
-                          if tb is not None else None)
-                routed = self.router.infer(batch.fused, batch.sizes, labels if any(x is not None for x in labels) else None,
-                                           pins if any(x is not None for x in pins) else None, traced=traced or None)
-                if tb is not None:
-                    self._trace_routed(tb, batch, routed)
-                self.privacy.redact_outputs(batch, routed)
-                if tb is not None and self.privacy.redact_out:
-                    tb.mark("redact", **{"tritonguard.redact.direction": "output"})
-                self._respond(batch, routed, responses, served_by)
-                if tb is not None:
-                    tb.mark("respond")
+            self.pipeline.run(batch)
         finally:
-            self.privacy.after(batch, routed, trace=tb)  # cache fill, audit, quota release; never raises
-        self.router.publish()
-        self.cost.record(batch, routed, self.router.calls)
-
-    def _trace_begin(self, requests: list[Any], params: list[dict[str, Any]], verdict: Any,
-                     clock: tuple[int, int]) -> Any:
-        """The batch's traced requests (None when none is), with validation as their first stage."""
-        assert self.tracer is not None
-        validated = time.time_ns()
-        tb = self.tracer.begin(requests, params, *clock)
-        if tb is None:
-            return None
-        tb.marks.append(("validate", validated, {}))
-        for i, err in enumerate(verdict.errors):
-            if err is not None:
-                tb.left(i, "validate", err.rule, str(err))
-        return tb
-
-    def _trace_routed(self, tb: Any, batch: Any, routed: Any) -> None:
-        tb.mark("route")
-        tb.calls = [(v, [batch.route[k] for k in idx], s, e, ok) for v, idx, s, e, ok in self.router.calls]
-        for k, i in enumerate(batch.route):
-            if i not in tb.sampled:
-                continue
-            served = routed.served_by[k]
-            tb.set(i, **{"tritonguard.served_by": served,
-                         "tritonguard.target_version": served.rpartition(":")[2] if ":" in served else served})
-            err = routed.errors[k]
-            if err is not None:
-                tb.errors[i] = (err.code, str(err))
+            if batch.trace is not None:
+                batch.trace.finish()
 
     @staticmethod
     def _wants_served_by(request: Any) -> bool:
         names = triton.requested_outputs(request)
         return names is None or SERVED_BY in names
 
-    def _respond(self, batch: Any, routed: Any, responses: list[Any], served_by: list[bool]) -> None:
-        good_sizes = [batch.sizes[k] for k in range(len(batch.route)) if routed.errors[k] is None]
-        parts = {n: split(routed.outputs[n], offsets(good_sizes)) for n in self.output_names}
-        labels: dict[tuple[int, str], np.ndarray] = {}  # one SERVED_BY array per size and version
-        j = 0
-        for k, i in enumerate(batch.route):
-            err = routed.errors[k]
-            if err is not None:
-                responses[i] = triton.error(err)
-                continue
-            outs = {n: parts[n][j] for n in self.output_names}
-            if served_by[i]:
-                key = (batch.sizes[k], routed.served_by[k])
-                label = labels.get(key)
-                if label is None:
-                    label = labels[key] = np.full((key[0], 1), key[1].encode(), dtype=object)
-                outs[SERVED_BY] = label
-            responses[i] = triton.response(outs)
-            j += 1
-
     def finalize(self) -> None:
         self.router.close()
-        self.cost.close()
+        self.pipeline.close()  # the cost meter; the privacy services close below
         if self.tracer is not None:
             self.tracer.close()
         self.privacy.close()
@@ -385,32 +291,6 @@ def _latency_recorder(guard: str, repo: Path) -> Any:
     except Exception as exc:  # noqa: BLE001 - e.g. a bad TRITONGUARD_STATE_URL: say so, serve on
         log.warning("guard %s: latency samples not kept (%s: %s)", guard, type(exc).__name__, exc)
         return None
-
-
-def _label(params: dict[str, Any]) -> Any:
-    """The ground truth a client sent with a request (request parameter ``label``: a class id,
-    or ids separated by commas for a request of several rows), or None. The rollout's gates
-    compare the versions' accuracy on it; a label that does not parse is ignored, never an error
-    (it is feedback, not an input)."""
-    raw = params.get("label")
-    if raw is None or isinstance(raw, bool):
-        return None
-    try:
-        return [int(raw)] if isinstance(raw, int) else [int(x) for x in str(raw).split(",")]
-    except ValueError:
-        return None
-
-
-def _pin(params: dict[str, Any]) -> int | None:
-    """The version a request must be answered by (request parameter ``version``), or None; a
-    value that is not a whole number is 0, which the router refuses with INVALID_ARGUMENT."""
-    raw = params.get("version")
-    if raw is None:
-        return None
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        return raw
-    text = str(raw).strip()
-    return int(text) if text.isascii() and text.isdigit() else 0
 
 
 def _with_source(message: str, params: Any) -> str:

@@ -1,17 +1,13 @@
 """Privacy, tenants, cache and audit around the guard's routing, on whole batches.
 
-Per ``execute()`` the guard calls, in order:
-
-1. :meth:`PrivacyStage.before` after validation: resolves each request's tenant (request
-   parameter ``tenant`` or a forwarded HTTP header), applies the tenant quotas, redacts the text
-   (BYTES) inputs, computes one cache key per batch row — tenant + guard + the primary version's
-   artifact SHA-256 + the canonical (redacted) inputs + requested outputs + output-affecting
-   settings — and looks the rows up L1 → L2 → L3. A request is answered from the cache only when
-   every one of its rows hits; the rest are handed back, fused, for the router.
-2. :meth:`PrivacyStage.redact_outputs` on what the router returned (text outputs, if enabled).
-3. :meth:`PrivacyStage.after` once responses are built: fills the cache with the rows the
-   primary answered (never a candidate's, fallback's or default answer), writes the audit
-   records (hashes and ids only) and releases the tenants' in-flight slots. It never raises.
+:class:`PrivacyStage` holds a guard's privacy services and builds the stages that use them
+(``tritonguard/stages/``: tenancy, redaction, keys, cache, audit), which the guard runs in its
+pipeline (:mod:`tritonguard.pipeline`): tenants and quotas, redacted text inputs, one cache key per
+batch row — tenant + guard + the primary version's artifact SHA-256 + the canonical (redacted)
+inputs + requested outputs + output-affecting settings — looked up L1 → L2 → L3 (a request is
+answered from the cache only when every one of its rows hits), redacted text outputs, then the
+cache filled with the primary's answers only (never a candidate's, fallback's or default), the
+audit records (hashes and ids only), and the tenants' in-flight slots released.
 
 Nothing here writes request contents anywhere: the cache persists AES-GCM ciphertext under
 keyed row ids (:mod:`tritonguard.cache`), the audit log holds digests (:mod:`tritonguard.audit`),
@@ -24,32 +20,38 @@ router's safety events (golden results, breaker trips and states, fallbacks) int
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
-import itertools
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from . import repository
 from .audit import AuditLog, open_anchor_store
-from .cache import PrivacyMode, TieredCache, canonical_params, load_key, row_keys
-from .errors import ConfigError, QuotaExceeded, TritonGuardError
+from .cache import PrivacyMode, TieredCache, load_key
+from .errors import ConfigError
 from .guard_config import SERVED_BY, GuardConfig
+from .pipeline import Batch, GuardContext, Pipeline, Stage
 from .redaction import Redactor
-from .tenancy import QUOTA_FILE, QuotaManager, SharedQuotaManager, TenantResolver, authenticator
-from .tensors import ModelSignature, concat
+from .stages.audit import AuditStage
+from .stages.cache import CacheFillStage, CacheLookupStage
+from .stages.keys import KeysStage
+from .stages.redact import RedactInStage, RedactOutStage
+from .stages.tenancy import QuotaReleaseStage, TenancyStage
+from .tenancy import (
+    MAX_TENANT_LABELS,
+    OTHER_TENANTS,
+    QUOTA_FILE,
+    QuotaManager,
+    SharedQuotaManager,
+    TenantLabels,
+    authenticator,
+)
+from .tensors import ModelSignature
 
 log = logging.getLogger(__name__)
 
-MAX_TENANT_LABELS = 256  # distinct tenant label values on metrics; later tenants share "_other"
-OTHER_TENANTS = "_other"
 _TIERS = ("l1", "l2", "l3")
 
 
@@ -184,46 +186,32 @@ class AuditedMetrics:
         self._inner.observe(family, value, **labels)
 
 
-# -- the stage --------------------------------------------------------------------------------
-def _starts(sizes: Sequence[int]) -> list[int]:
-    """Start row of each request, plus the total (a list: cheaper than numpy for a few requests)."""
-    return [0, *itertools.accumulate(sizes)]
-
-
-@dataclass
-class PrivacyBatch:
-    """What :meth:`PrivacyStage.before` decided for one execute() batch (request indices)."""
-
-    tenants: list[str]  # per request; "" where no valid tenant was named
-    errors: dict[int, TritonGuardError] = field(default_factory=dict)  # tenant and quota refusals
-    hits: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # answered from the cache
-    hit_sizes: dict[int, int] = field(default_factory=dict)
-    hit_tiers: dict[int, str] = field(default_factory=dict)  # deepest tier a hit's rows came from (traced batches)
-    route: list[int] = field(default_factory=list)  # requests for the router, in order
-    fused: dict[str, np.ndarray] = field(default_factory=dict)  # their inputs, as the target sees them
-    sizes: list[int] = field(default_factory=list)
-    keys: dict[int, list[bytes]] = field(default_factory=dict)  # row keys of cacheable requests
-    digests: dict[int, str] = field(default_factory=dict)  # audit digest per valid request
-    cache_state: dict[int, str] = field(default_factory=dict)  # hit / miss / bypass / off
-    redacted: set[int] = field(default_factory=set)  # requests with PII replaced in their inputs
-    admitted: list[str] = field(default_factory=list)  # tenants holding an in-flight slot
-    primary_label: str = ""  # "<target>:<version>" whose answers may be cached
-    cache_label: str = ""  # SERVED_BY of cache hits
+# -- the privacy services and their stages ----------------------------------------------------
+PrivacyBatch = Batch  # the name tests and benchmarks used before the stages had their own modules
 
 
 class PrivacyStage:
+    """A guard's privacy services — tenant labels, quotas, the redactor, the cache, the audit
+    log — and the stages that use them (``tritonguard/stages/``), in the guard's order:
+
+    - before routing (:attr:`inbound`): tenancy → redact (input) → keys → cache.lookup;
+    - after routing, before responses (:attr:`outbound`): redact (output);
+    - after responses (:attr:`closing`): cache.fill → audit → quota release (these always run).
+
+    The guard puts these lists into its pipeline. :meth:`before`, :meth:`redact_outputs` and
+    :meth:`after` run them on their own, for tests and benchmarks that have no router or Triton.
+    """
+
     def __init__(self, *, guard: str, target: str, signature: ModelSignature, output_names: Sequence[str],
                  config: GuardConfig, repo: Path, metrics: Any, audit_path: str = "",
                  key_params: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
                  clock: Callable[[], float] = time.time):
-        self.guard, self.target = guard, target
-        self.signature = signature
+        self.ctx = GuardContext(guard=guard, target=target, signature=signature, output_names=list(output_names),
+                                config=config, repo=Path(repo), metrics=metrics, clock=clock, environ=environ)
+        self.guard, self.target, self.config, self.metrics = guard, target, config, metrics
         self.output_names = list(output_names)
-        self.repo = Path(repo)
-        self.metrics = metrics
-        self.clock = clock
-        self.config = config
         self.batched = signature.max_batch_size > 0
+        self.label = TenantLabels()
         self.redactor = Redactor(config.redaction)
         self.text_inputs = [s.name for s in signature.inputs if s.is_bytes]
         self.text_outputs = [s.name for s in signature.outputs if s.is_bytes and s.name != SERVED_BY]
@@ -232,36 +220,46 @@ class PrivacyStage:
         self.model_sees_redacted = config.redaction.model_sees_redacted
         tcfg = config.tenancy
         self.tenancy_on = tcfg.enabled
-        self.default_tenant = tcfg.default
-        self.resolver = TenantResolver(tcfg, environ)
         self.quotas = self._quotas(tcfg) if tcfg.enabled and tcfg.quotas else None
         self.cache: TieredCache | None = None
         if config.cache.enabled and self.batched:
             cache = TieredCache(config.cache, environ=environ)
             self.cache = cache if cache.enabled else None
-        acfg = config.audit
         # anchors of the chain go to the guard's state store too (Redis, or beside rollout_state.json)
-        self.audit = AuditLog(dataclasses.replace(acfg, path=audit_path), environ=environ,
+        self.audit = AuditLog(dataclasses.replace(config.audit, path=audit_path), environ=environ,
                               anchors=open_anchor_store(guard, repo) if audit_path else None)
-        self.keyed = self.cache is not None or self.audit.enabled
-        # low-entropy inputs hash to guessable digests: key them when a secret is at hand
-        self._digest_key: bytes | None = None
-        if config.cache.enabled and config.cache.mode is PrivacyMode.PERSISTED_ENCRYPTED:
-            self._digest_key = hashlib.sha256(b"tritonguard-audit-digest\0" + load_key(config.cache, environ)).digest()
-        self.key_params = dict(key_params or {})
-        if self.redact_out:
-            self.key_params["redact_outputs"] = [config.redaction.replacement, list(config.redaction.recognizers),
-                                                 sorted(config.redaction.pattern.items())]
-        self._key_params = canonical_params(self.key_params)
         self.tiers = self._tiers()
+        key_params = dict(key_params or {})
+        if self.redact_out:
+            key_params["redact_outputs"] = [config.redaction.replacement, list(config.redaction.recognizers),
+                                            sorted(config.redaction.pattern.items())]
+        self.key_params = key_params
         self.router: Any = None
-        self._revision: int | None = None
-        self._epoch: int | None = None
-        self._sha: dict[int, str | None] = {}
-        self._labels: set[str] = set()
-        self._cache_errors = {"l2": 0, "l3": 0}
-        self._cache_quarantined = 0
-        self._audit_dropped = 0
+
+        self.tenancy = TenancyStage(tcfg, metrics, self.label, self.quotas, environ)
+        inbound: list[Stage] = [self.tenancy]
+        if self.redact_in:
+            inbound.append(RedactInStage(self.redactor, self.text_inputs, self.model_sees_redacted, self.batched,
+                                         metrics, self.label))
+        self.audit_stage = AuditStage(self.audit, guard, metrics) if self.audit.enabled else None
+        if self.batched and (self.cache is not None or self.audit.enabled):
+            self.keys = KeysStage(self.ctx, key_params, cache_on=self.cache is not None, audit_on=self.audit.enabled)
+            inbound.append(self.keys)
+        if self.cache is not None:
+            inbound.append(CacheLookupStage(self.cache, guard, self.output_names, self.model_sees_redacted,
+                                            metrics=metrics, label=self.label, audit=self.audit,
+                                            state=lambda: getattr(self.router, "state", None)))
+        self.inbound = inbound
+        self.outbound: list[Stage] = ([RedactOutStage(self.redactor, self.text_outputs, metrics, self.label)]
+                                      if self.redact_out else [])
+        closing: list[Stage] = []
+        if self.cache is not None:
+            closing.append(CacheFillStage(self.cache, self.output_names, self.tiers, metrics))
+        if self.audit_stage is not None:
+            closing.append(self.audit_stage)
+        if self.quotas is not None:
+            closing.append(QuotaReleaseStage(self.quotas))
+        self.closing = closing
 
     # -- lifecycle --------------------------------------------------------------------------
     def wrap_metrics(self, metrics: Any) -> Any:
@@ -269,12 +267,13 @@ class PrivacyStage:
         return AuditedMetrics(metrics, self.audit, self.guard) if self.audit.enabled else metrics
 
     def attach(self, router: Any) -> None:
-        self.router = router
-        state = getattr(router, "state", None)
-        self._revision = getattr(state, "revision", None)
+        self.router = self.ctx.router = router
+        if self.audit_stage is not None:
+            self.audit_stage.attach(router)
         c = self.config.cache
         self.audit.record("guard_start", model=self.guard, target=self.target, primary=router.primary(),
-                          revision=self._revision, privacy=c.privacy if c.enabled else "off",
+                          revision=getattr(getattr(router, "state", None), "revision", None),
+                          privacy=c.privacy if c.enabled else "off",
                           tiers=self.tiers, tenancy=self.tenancy_on, tenant_auth=self.config.tenancy.auth,
                           quotas=sorted(self.config.tenancy.quotas),
                           redaction=self.redact_in or self.redact_out, model_sees_redacted=self.model_sees_redacted)
@@ -290,7 +289,7 @@ class PrivacyStage:
     def _quotas(self, tcfg: Any) -> QuotaManager:
         """Buckets shared by every instance of this guard on the host (a file beside its rollout
         state); per process if that file cannot be used."""
-        path = self.repo / self.guard / QUOTA_FILE
+        path = self.ctx.repo / self.guard / QUOTA_FILE
         try:
             return SharedQuotaManager(tcfg, path)
         except OSError as exc:
@@ -299,6 +298,7 @@ class PrivacyStage:
             return QuotaManager(tcfg)
 
     def close(self) -> None:
+        """The services' files and threads (the stages hold none of their own)."""
         self.audit.record("guard_stop", model=self.guard)
         self.audit.close()
         if self.cache is not None:
@@ -308,374 +308,35 @@ class PrivacyStage:
 
     @property
     def needs_parameters(self) -> bool:
-        """Whether :meth:`before` needs the requests' parameters (the tenant is read from them)."""
+        """Whether the stages need the requests' parameters (the tenant is read from them)."""
         return self.tenancy_on
 
-    def label(self, tenant: str) -> str:
-        """Tenant as a metric label; bounded cardinality."""
-        if tenant in self._labels:
-            return tenant
-        if len(self._labels) < MAX_TENANT_LABELS:
-            self._labels.add(tenant)
-            return tenant
-        return OTHER_TENANTS
-
-    # -- helpers ----------------------------------------------------------------------------
-    def artifact_sha(self, version: int) -> str | None:
-        """SHA-256 of the artifact of ``version`` of the target (its manifest.json), memoised."""
-        if version not in self._sha:
-            sha = None
-            if version > 0:
-                try:
-                    manifest = repository.read_manifest(self.repo / self.target / str(version)) or {}
-                    sha = manifest.get("sha256") or None
-                except (OSError, ValueError):
-                    sha = None
-            if sha is None and self.cache is not None:
-                log.warning("guard %s: %s v%d has no artifact sha256 in its manifest.json; its answers are not "
-                            "cached", self.guard, self.target, version)
-            self._sha[version] = sha
-        return self._sha[version]
-
-    def _primary(self) -> int:
-        router = self.router
-        if router is None:
-            return -1
-        refresh = getattr(router, "refresh", None)
-        if refresh is not None and self.cache is not None:
-            refresh(self.clock())  # the primary that routing will use for this batch
-        state = getattr(router, "state", None)
-        rev = getattr(state, "revision", None)
-        epoch = getattr(state, "cache_epoch", 0)
-        if self.cache is not None and epoch != self._epoch:
-            if self._epoch is not None:  # a rollback/promote asked every instance to forget
-                dropped = self.cache.purge_local(self.guard)
-                log.info("guard %s: cache epoch %s -> %s, dropped %d L1 entries", self.guard, self._epoch,
-                         epoch, dropped)
-                self.audit.record("cache_purge", model=self.guard, epoch=epoch, l1=dropped)
-            self._epoch = epoch
-        if rev is not None and rev != self._revision:
-            cand = getattr(state, "candidate", None)
-            self.audit.record("state_change", model=self.guard, revision=rev, previous_revision=self._revision,
-                              primary=router.primary(), candidate=getattr(cand, "version", None),
-                              share=getattr(cand, "share", None), by=getattr(state, "updated_by", ""))
-            self._revision = rev
-        return router.primary()
-
-    def _redact_rows(self, arr: np.ndarray, row_tenants: Sequence[str], direction: str) -> tuple[np.ndarray, np.ndarray]:
-        """Redacted copy of a BYTES array (rows = first axis), and which rows changed. Spans are
-        counted per tenant on the ``redactions`` metric."""
-        n = len(arr)
-        groups: dict[str, list[int]] = {}
-        for r, t in enumerate(row_tenants):
-            groups.setdefault(t, []).append(r)
-        if len(groups) <= 1:
-            red, counts = self.redactor.redact_bytes_array(arr)
-            per_tenant = [(row_tenants[0] if n else "", counts)]
-        else:
-            red = np.empty_like(arr)
-            per_tenant = []
-            for t, rows in groups.items():
-                idx = np.asarray(rows)
-                part, counts = self.redactor.redact_bytes_array(arr[idx])
-                red[idx] = part
-                per_tenant.append((t, counts))
-        for t, counts in per_tenant:
-            for kind, k in counts.items():
-                self.metrics.inc("redactions", k, type=kind, direction=direction, tenant=self.label(t))
-        if red is arr:
-            return arr, np.zeros(n, bool)
-        flat_a, flat_r = arr.reshape(n, -1), red.reshape(n, -1)
-        changed = np.fromiter((any(a is not b for a, b in zip(ra, rr, strict=True))
-                               for ra, rr in zip(flat_a, flat_r, strict=True)), bool, count=n)
-        return red, changed
-
-    @staticmethod
-    def _take(fused: Mapping[str, np.ndarray], starts: Sequence[int], positions: Sequence[int], total: int) -> dict[str, np.ndarray]:
-        if len(positions) == total:
-            return dict(fused)
-        if not positions:
-            return {}
-        return {k: concat([v[starts[p]:starts[p + 1]] for p in positions]) for k, v in fused.items()}
-
-    def _digest(self, keys: Sequence[bytes]) -> str:
-        data = b"".join(keys)
-        if self._digest_key is not None:
-            return hmac.new(self._digest_key, data, hashlib.sha256).hexdigest()
-        return hashlib.sha256(data).hexdigest()
-
-    # -- before routing -----------------------------------------------------------------------
+    # -- the stages on their own (tests, benchmarks) ------------------------------------------
     def before(self, requests_params: Sequence[Mapping[str, Any]] | None, verdict: Any,
-               trace: Any = None) -> PrivacyBatch:
-        """``trace``: the batch's :class:`tritonguard.tracing.BatchTrace` when some of its
-        requests are traced (stage marks: tenancy, redact, cache.lookup); None otherwise."""
+               trace: Any = None) -> Batch:
+        """The inbound stages on a validated batch: what is left to route is ``batch.route``."""
         n = len(verdict.errors)
-        if requests_params is not None and self.tenancy_on:
-            tenants, terrs = self.resolver.resolve_tenants(requests_params)
-        else:
-            tenants, terrs = [self.default_tenant] * n, [None] * n
-        batch = PrivacyBatch(tenants=[t or "" for t in tenants])
-        audit = self.audit.enabled
-        for i, err in enumerate(verdict.errors):
-            if err is not None and audit:
-                self.audit.record("reject", tenant=batch.tenants[i], model=self.guard, rule=err.rule,
-                                  input=err.input_name)
-        valid: list[int] = list(verdict.valid)
-        sizes: list[int] = list(verdict.sizes)
-        # tenant ids
-        keep = []
-        for pos, i in enumerate(valid):
-            err = terrs[i]
-            if err is None:
-                keep.append(pos)
-                continue
-            batch.errors[i] = err
-            self.metrics.inc("rejects", 1, reason=err.rule)
-            if audit:
-                self.audit.record("reject", model=self.guard, rule=err.rule, input=err.input_name)
-        # quotas
-        if self.quotas is not None and keep:
-            refusals = self.quotas.admit([tenants[valid[p]] for p in keep])
-            admitted = []
-            for p, why in zip(list(keep), refusals, strict=True):
-                i, t = valid[p], tenants[valid[p]]
-                if why is None:
-                    admitted.append(p)
-                    batch.admitted.append(t)
-                    continue
-                batch.errors[i] = QuotaExceeded(why)
-                reason = "in_flight" if "in flight" in why else "rate"
-                self.metrics.inc("quota_rejects", 1, tenant=self.label(t), reason=reason)
-                if audit:
-                    self.audit.record("quota_reject", tenant=t, model=self.guard, reason=reason)
-            keep = admitted
-        if trace is not None:
-            trace.mark("tenancy")
-            for i, err in batch.errors.items():
-                trace.left(i, "tenancy", err.rule, str(err))
-        if not keep:
-            return batch
-        if not self.batched:
-            # one request per execute (no batch axis): no row bookkeeping, no cache
-            i = valid[keep[0]]
-            fused = dict(verdict.fused)
-            if self.redact_in:
-                t = batch.tenants[i]
-                for name in self.text_inputs:
-                    red, counts = self.redactor.redact_bytes_array(fused[name])
-                    for kind, k in counts.items():
-                        self.metrics.inc("redactions", k, type=kind, direction="input", tenant=self.label(t))
-                    if red is not fused[name] and counts:
-                        batch.redacted.add(i)
-                    if self.model_sees_redacted:
-                        fused[name] = red
-                if trace is not None:
-                    trace.mark("redact", **{"tritonguard.redact.direction": "input"})
-            batch.route, batch.fused, batch.sizes = [i], fused, [sizes[keep[0]]]
-            batch.cache_state[i] = "off"
-            return batch
-
-        fused = verdict.fused if len(keep) == len(valid) else self._take(verdict.fused, _starts(sizes), keep, len(valid))
-        ksizes = [sizes[p] for p in keep]
-        kreq = [valid[p] for p in keep]  # request index per kept position
-        kstarts = _starts(ksizes)
-        # redaction: the key and the audit always use the redacted text
-        key_inputs = fused
-        if self.redact_in:
-            row_changed = np.zeros(kstarts[-1], bool)
-            row_tenants = [batch.tenants[i] for i, n in zip(kreq, ksizes, strict=True) for _ in range(n)]
-            key_inputs = dict(fused)
-            for name in self.text_inputs:
-                red, changed = self._redact_rows(fused[name], row_tenants, "input")
-                key_inputs[name] = red
-                row_changed |= changed
-            for j, i in enumerate(kreq):
-                if row_changed[kstarts[j]:kstarts[j + 1]].any():
-                    batch.redacted.add(i)
-            if trace is not None:
-                trace.mark("redact", **{"tritonguard.redact.direction": "input"})
-        model_inputs = key_inputs if self.model_sees_redacted else fused
-
-        # keys per row, grouped by tenant (the tenant is part of every key)
-        primary = self._primary() if self.keyed else -1
-        batch.primary_label = f"{self.target}:{primary}"
-        batch.cache_label = f"cache:{self.target}:{primary}"
-        sha = self.artifact_sha(primary) if self.keyed else None
-        req_keys: dict[int, list[bytes]] = {}
-        if self.keyed:
-            groups: dict[str, list[int]] = {}
-            for j, i in enumerate(kreq):
-                groups.setdefault(batch.tenants[i], []).append(j)
-            for t, js in groups.items():
-                sub = self._take(key_inputs, kstarts, js, len(kreq))
-                keys = row_keys(t, self.guard, sha or f"unversioned:{primary}", sub, self.output_names, self._key_params)
-                pos = 0
-                for j in js:
-                    size = ksizes[j]
-                    req_keys[kreq[j]] = keys[pos:pos + size]
-                    pos += size
-            if self.audit.enabled:
-                for i, keys in req_keys.items():
-                    batch.digests[i] = self._digest(keys)
-
-        # lookups: a request is a hit only if all of its rows hit
-        cacheable = self.cache is not None and sha is not None
-        hit_js: set[int] = set()
-        if cacheable:
-            bypass = set()
-            if not self.model_sees_redacted:
-                # the target sees the original text, the key the redacted one: rows with PII
-                # would share keys with different answers, so they neither read nor fill the cache
-                bypass = {i for i in kreq if i in batch.redacted}
-            by_tenant: dict[str, list[int]] = {}
-            for j, i in enumerate(kreq):
-                if i in bypass:
-                    batch.cache_state[i] = "bypass"
-                else:
-                    by_tenant.setdefault(batch.tenants[i], []).append(j)
-            for t, js in by_tenant.items():
-                keys = [k for j in js for k in req_keys[kreq[j]]]
-                found_in: list[str | None] | None = [None] * len(keys) if trace is not None else None
-                values = self._lookup(keys, t, trace, found_in)
-                pos = 0
-                for j in js:
-                    i, size = kreq[j], ksizes[j]
-                    got = values[pos:pos + size]
-                    if found_in is not None and i in trace.sampled:
-                        tiers = [x for x in found_in[pos:pos + size] if x]
-                        if tiers:
-                            batch.hit_tiers[i] = max(tiers)  # l1 < l2 < l3: the deepest it reached
-                    pos += size
-                    batch.keys[i] = req_keys[i]
-                    if all(v is not None for v in got):
-                        hit_js.add(j)
-                        batch.hits[i] = {name: concat([v[name] for v in got]) for name in self.output_names}
-                        batch.hit_sizes[i] = size
-                        batch.cache_state[i] = "hit"
-                    else:
-                        batch.cache_state[i] = "miss"
-        else:
-            for i in kreq:
-                batch.cache_state[i] = "off"
-        if trace is not None and cacheable:
-            trace.mark("cache.lookup")
-            for i in batch.hits:
-                trace.left(i, "cache.lookup")
-        rest = [j for j in range(len(kreq)) if j not in hit_js]
-        batch.route = [kreq[j] for j in rest]
-        batch.sizes = [ksizes[j] for j in rest]
-        batch.fused = self._take(model_inputs, kstarts, rest, len(kreq))
+        batch = Batch(params=list(requests_params) if requests_params is not None else [],
+                      responses=[None] * n, trace=trace)
+        batch.verdict = verdict
+        batch.route, batch.sizes, batch.fused = list(verdict.valid), list(verdict.sizes), verdict.fused
+        Pipeline(self.inbound).run(batch)
         return batch
 
-    def _lookup(self, keys: list[bytes], tenant: str, trace: Any = None,
-                found_in: list[str | None] | None = None) -> list[Any]:
-        cache = self.cache
-        assert cache is not None
-        before = {k: cache.stats[k] for k in cache.stats if k.endswith(("_hits", "_misses"))}
-        try:
-            values = (cache.get_many(keys) if trace is None
-                      else cache.get_many(keys, timings=trace.cache_tiers, found_in=found_in))
-        except Exception:  # noqa: BLE001 - a cache bug must cost a miss, never a request
-            log.exception("guard %s: cache lookup failed", self.guard)
-            return [None] * len(keys)
-        label = self.label(tenant)
-        for stat, old in before.items():
-            delta = cache.stats[stat] - old
-            if delta:
-                tier, result = stat.split("_")
-                self.metrics.inc("cache", delta, tier=tier, result="hit" if result == "hits" else "miss", tenant=label)
-        return values
+    def redact_outputs(self, batch: Batch, routed: Any) -> None:
+        batch.routed = routed
+        Pipeline(self.outbound).run(batch)
 
-    # -- after routing --------------------------------------------------------------------------
-    def redact_outputs(self, batch: PrivacyBatch, routed: Any) -> None:
-        """Redact the text outputs of the routed requests in place (before responses and cache)."""
-        if not self.redact_out or routed is None or not batch.route:
-            return
-        good = [k for k in range(len(batch.route)) if routed.errors[k] is None]
-        if not good:
-            return
-        row_tenants = [batch.tenants[batch.route[k]] for k in good for _ in range(batch.sizes[k])]
-        for name in self.text_outputs:
-            arr = routed.outputs.get(name)
-            if arr is None or arr.dtype.kind not in "OSU" or len(arr) != len(row_tenants):
-                continue
-            routed.outputs[name], _ = self._redact_rows(arr, row_tenants, "output")
-
-    def after(self, batch: PrivacyBatch, routed: Any, trace: Any = None) -> None:
-        """Fill the cache with the primary's answers, audit, release quota slots. Never raises."""
+    def after(self, batch: Batch, routed: Any, trace: Any = None) -> None:
+        """Cache fill, audit, quota release. Never raises."""
+        batch.routed = routed
+        if trace is not None:
+            batch.trace = trace
         try:
-            self._fill(batch, routed)
-            if trace is not None and self.cache is not None:
-                trace.mark("cache.fill")
-            self._audit_batch(batch, routed)
-            if trace is not None and self.audit.enabled:
-                trace.mark("audit")
-            self._publish()
-        except Exception:  # noqa: BLE001 - bookkeeping must never fail a served batch
+            Pipeline(self.closing).run(batch)
+        except Exception:  # noqa: BLE001 - the closing stages catch their own; belt and braces
             log.exception("guard %s: privacy bookkeeping failed", self.guard)
-        finally:
-            if self.quotas is not None and batch.admitted:
-                self.quotas.release(batch.admitted)
-                batch.admitted = []
-
-    def _fill(self, batch: PrivacyBatch, routed: Any) -> None:
-        if self.cache is None or routed is None or not batch.keys:
-            return
-        good = [k for k in range(len(batch.route)) if routed.errors[k] is None]
-        starts = _starts([batch.sizes[k] for k in good])
-        items = []
-        for j, k in enumerate(good):
-            i = batch.route[k]
-            keys = batch.keys.get(i)
-            if keys is None or routed.served_by[k] != batch.primary_label:
-                continue  # only the primary's answers: a candidate's, fallback's or default never
-            s0 = int(starts[j])
-            for r, key in enumerate(keys):
-                items.append((key, {n: routed.outputs[n][s0 + r:s0 + r + 1] for n in self.output_names}))
-        if items:
-            self.cache.put_many(items)
-
-    def _audit_batch(self, batch: PrivacyBatch, routed: Any) -> None:
-        if not self.audit.enabled:
-            return
-        for i in batch.hits:
-            self.audit.record("inference", tenant=batch.tenants[i], model=self.guard, request=batch.digests.get(i, ""),
-                              rows=batch.hit_sizes[i], cache="hit", served_by=batch.cache_label, status="ok",
-                              redacted=i in batch.redacted)
-        for k, i in enumerate(batch.route):
-            if routed is None:
-                status, served = "not_served", ""
-            else:
-                err = routed.errors[k]
-                status, served = ("ok" if err is None else err.code), routed.served_by[k]
-            self.audit.record("inference", tenant=batch.tenants[i], model=self.guard, request=batch.digests.get(i, ""),
-                              rows=batch.sizes[k], cache=batch.cache_state.get(i, "off"), served_by=served,
-                              status=status, redacted=i in batch.redacted)
-
-    def _publish(self) -> None:
-        if self.cache is not None:
-            stats = self.cache.stats
-            degraded = set(stats.get("degraded", ()))
-            for tier in ("l2", "l3"):
-                errs = stats.get(f"{tier}_errors", 0)
-                if errs > self._cache_errors[tier]:
-                    self.metrics.inc("cache_errors", errs - self._cache_errors[tier], tier=tier)
-                    self._cache_errors[tier] = errs
-                if tier in self.tiers:
-                    self.metrics.set("cache_degraded", 1 if tier in degraded else 0, tier=tier)
-            quarantined = stats.get("l2_quarantined", 0)
-            if quarantined > self._cache_quarantined:
-                self.metrics.inc("cache_quarantined", quarantined - self._cache_quarantined, tier="l2")
-                self._cache_quarantined = quarantined
-        if self.audit.dropped > self._audit_dropped:
-            self.metrics.inc("audit_drops", self.audit.dropped - self._audit_dropped)
-            self._audit_dropped = self.audit.dropped
-
-    def release(self, batch: PrivacyBatch) -> None:
-        if self.quotas is not None and batch.admitted:
-            self.quotas.release(batch.admitted)
-            batch.admitted = []
 
 
-__all__ = ["PrivacyStage", "PrivacyBatch", "AuditedMetrics", "Finding", "security_findings", "enforce_security",
+__all__ = ["PrivacyStage", "PrivacyBatch", "AuditedMetrics", "TenantLabels", "MAX_TENANT_LABELS", "OTHER_TENANTS", "Finding", "security_findings", "enforce_security",
            "audit_file"]

@@ -174,14 +174,9 @@ def test_unpriced_exports_seconds_only_and_a_meter_error_never_reaches_serving()
 
 
 def test_tenant_labels_go_through_the_cardinality_guard():
-    from tritonguard.privacy import PrivacyStage
+    from tritonguard.tenancy import TenantLabels
 
-    seen: set[str] = set()
-
-    def label(t: str) -> str:  # PrivacyStage.label's rule, on its own state
-        return PrivacyStage.label(type("S", (), {"_labels": seen})(), t)
-
-    m, metrics, clock = meter(label=label)
+    m, metrics, clock = meter(label=TenantLabels())  # the guard's own labels (one per process)
     n = MAX_TENANT_LABELS + 5
     clock.cpu_ns = 1_000_000
     m.record(PrivacyBatch(tenants=[f"t{i}" for i in range(n)], route=list(range(n)), sizes=[1] * n),

@@ -116,7 +116,7 @@ def test_defaults_keep_todays_behaviour(repo):
     assert stage.needs_parameters  # tenancy is on: the tenant is read from the parameters
     batch, _ = serve(stage, cfg, [[b"hello"], [b"world"]])
     assert batch.route == [0, 1] and batch.sizes == [1, 1] and not batch.hits
-    assert set(batch.cache_state.values()) == {"off"}
+    assert batch.cache_state == {}  # no cache: no lookup outcome ("off" to tracing and audit)
 
 
 def test_model_sees_redacted_text(repo):
@@ -227,14 +227,14 @@ def test_no_manifest_sha_no_cache(repo):
     stage, cfg, router = make(repo, cache__enabled="true")
     router._primary = 7  # no manifest.json for v7
     serve(stage, cfg, [[b"q"]], served_by="t:7")
-    assert serve(stage, cfg, [[b"q"]], served_by="t:7")[0].cache_state == {0: "off"}
+    assert serve(stage, cfg, [[b"q"]], served_by="t:7")[0].cache_state == {}  # not looked up: "off"
 
 
 def test_hashes_only_caches_nothing(repo):
     stage, cfg, _ = make(repo, cache__enabled="true", cache__privacy="hashes_only")
     assert stage.cache is None
     serve(stage, cfg, [[b"q"]])
-    assert serve(stage, cfg, [[b"q"]])[0].cache_state == {0: "off"}
+    assert serve(stage, cfg, [[b"q"]])[0].cache_state == {}  # not looked up: "off"
 
 
 def test_persisted_l2_holds_no_plaintext(repo, tmp_path):

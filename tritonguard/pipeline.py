@@ -1,0 +1,179 @@
+"""The guard's path for one ``execute()`` batch: an ordered list of stages over one :class:`Batch`.
+
+A guard builds its list once, from its configuration (:func:`tritonguard.stages.build`), holding
+only the stages it needs::
+
+    validate → tenancy → redact (input) → keys → cache.lookup → route → redact (output)
+             → respond → cache.fill → audit → quota release → cost
+
+Each stage is one concern in one module (``tritonguard/stages/``) with one method,
+``run(batch)``. A stage reads what earlier stages left on the batch and narrows or fills it:
+requests it answers or refuses leave ``batch.route`` (the requests still pending, their fused
+inputs ``batch.fused`` and ``batch.sizes``); ``route`` sets ``batch.routed``. When a stage
+raises, the rest are skipped except those marked ``always`` (bookkeeping that must happen for
+every batch: responses already decided, audit, quota slots); those never raise.
+
+Streams (issue 17) will run the same stages on a request and then on each partial response;
+today every stage serves whole batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import TritonGuardError
+from .tensors import ModelSignature, concat
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """One ``execute()`` batch on its way through the stages (indices are request indices)."""
+
+    params: list[Mapping[str, Any]] = field(default_factory=list)  # request parameters, per request
+    inputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # read by validate
+    responses: list[Any] = field(default_factory=list)  # one per request; None until decided
+    requests: list[Any] = field(default_factory=list)  # the Triton requests (empty off Triton)
+    verdict: Any = None  # validation.BatchVerdict
+    trace: Any = None  # tracing.BatchTrace when some requests are traced, else None
+    served_by: list[bool] = field(default_factory=list)  # per request: wants SERVED_BY
+    clock: tuple[int, int] | None = None  # (time_ns, perf_counter_ns) at execute(), when tracing
+
+    tenants: list[str] = field(default_factory=list)  # per request; "" where no valid tenant was named
+    errors: dict[int, TritonGuardError] = field(default_factory=dict)  # refusals after validation
+    # pending: what still goes to the router (each stage may narrow it)
+    route: list[int] = field(default_factory=list)
+    fused: dict[str, np.ndarray] = field(default_factory=dict)  # their inputs, as the target sees them
+    sizes: list[int] = field(default_factory=list)
+    key_inputs: dict[str, np.ndarray] | None = None  # the pending inputs the cache and audit key on (redacted)
+    routed: Any = None  # routing.Routed, once routed
+
+    hits: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # answered from the cache
+    hit_sizes: dict[int, int] = field(default_factory=dict)
+    hit_tiers: dict[int, str] = field(default_factory=dict)  # deepest tier a hit's rows came from (traced batches)
+    keys: dict[int, list[bytes]] = field(default_factory=dict)  # row keys, per request
+    lookup_keys: dict[int, list[bytes]] = field(default_factory=dict)  # row keys of requests the cache looked up
+    digests: dict[int, str] = field(default_factory=dict)  # audit digest per valid request
+    cache_state: dict[int, str] = field(default_factory=dict)  # hit / miss / bypass; absent: off (no lookup)
+    redacted: set[int] = field(default_factory=set)  # requests with PII replaced in their inputs
+    admitted: list[str] = field(default_factory=list)  # tenants holding an in-flight slot
+    artifact_sha: str | None = None  # of the primary's artifact, when keyed (None: not cacheable)
+    primary_label: str = ""  # "<target>:<version>" whose answers may be cached
+    cache_label: str = ""  # SERVED_BY of cache hits
+    calls: Sequence[Any] = ()  # the router's target calls for this batch (cost, tracing)
+
+    @property
+    def valid(self) -> bool:
+        return self.verdict is not None and bool(self.verdict.valid)
+
+    def refuse(self, i: int, err: TritonGuardError) -> None:
+        """Request ``i`` is answered with ``err`` (after validation: a tenant or quota refusal)."""
+        self.errors[i] = err
+
+    def keep(self, positions: Sequence[int]) -> None:
+        """Narrow the pending requests to ``positions`` (indices into ``route``)."""
+        if len(positions) == len(self.route):
+            return
+        starts = starts_of(self.sizes)
+        total = len(self.route)
+        self.fused = take(self.fused, starts, positions, total)
+        if self.key_inputs is not None:
+            self.key_inputs = take(self.key_inputs, starts, positions, total)
+        self.route = [self.route[p] for p in positions]
+        self.sizes = [self.sizes[p] for p in positions]
+
+
+def starts_of(sizes: Sequence[int]) -> list[int]:
+    """Start row of each request, plus the total (a list: cheaper than numpy for a few requests)."""
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
+
+
+def take(fused: Mapping[str, np.ndarray], starts: Sequence[int], positions: Sequence[int],
+         total: int) -> dict[str, np.ndarray]:
+    """The rows of the requests at ``positions`` of a fused batch of ``total`` requests."""
+    if len(positions) == total:
+        return dict(fused)
+    if not positions:
+        return {}
+    return {k: concat([v[starts[p]:starts[p + 1]] for p in positions]) for k, v in fused.items()}
+
+
+class Stage:
+    """One concern on the guard's path. ``name`` is for logs; a stage marks its own trace span."""
+
+    name = ""
+    always = False  # runs (and must not raise) even when an earlier stage raised
+
+    def run(self, batch: Batch) -> None:  # pragma: no cover - the interface
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the stage holds (files, threads) when the model unloads."""
+
+
+class Pipeline:
+    def __init__(self, stages: Sequence[Stage]):
+        self.stages = list(stages)
+
+    def run(self, batch: Batch) -> None:
+        failed: BaseException | None = None
+        for stage in self.stages:
+            if failed is None:
+                try:
+                    stage.run(batch)
+                except Exception as exc:  # noqa: BLE001 - re-raised below, after the bookkeeping
+                    failed = exc
+            elif stage.always:
+                try:
+                    stage.run(batch)
+                except Exception:  # noqa: BLE001 - bookkeeping must never hide the first error
+                    log.exception("stage %s failed after an earlier failure", stage.name)
+        if failed is not None:
+            raise failed
+
+    def stage(self, name: str) -> Stage | None:
+        return next((s for s in self.stages if s.name == name), None)
+
+    def names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def close(self) -> None:
+        for stage in reversed(self.stages):
+            try:
+                stage.close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing stage %s failed", stage.name)
+
+
+@dataclass
+class GuardContext:
+    """What the stages of one guard share: who it is, its configuration, and the services (the
+    metrics, the audit log, the router once attached)."""
+
+    guard: str
+    target: str
+    signature: ModelSignature
+    output_names: list[str]
+    config: Any  # guard_config.GuardConfig
+    repo: Path
+    metrics: Any
+    clock: Callable[[], float]
+    environ: Mapping[str, str] | None = None
+    router: Any = None
+
+    @property
+    def batched(self) -> bool:
+        return self.signature.max_batch_size > 0
+
+
+__all__ = ["Batch", "Stage", "Pipeline", "GuardContext", "starts_of", "take"]

@@ -1,0 +1,73 @@
+"""Routing (``routing.*``, ``breaker.*``, ``validator.*``): the pending requests go to the
+versions the rollout state names, through breakers and the fallback chain, in one call per
+version (see :mod:`tritonguard.routing`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..pipeline import Batch, Stage
+
+
+def label_of(params: dict[str, Any]) -> Any:
+    """The ground truth a client sent with a request (request parameter ``label``: a class id,
+    or ids separated by commas for a request of several rows), or None. The rollout's gates
+    compare the versions' accuracy on it; a label that does not parse is ignored, never an error
+    (it is feedback, not an input)."""
+    raw = params.get("label")
+    if raw is None or isinstance(raw, bool):
+        return None
+    try:
+        return [int(raw)] if isinstance(raw, int) else [int(x) for x in str(raw).split(",")]
+    except ValueError:
+        return None
+
+
+def pin_of(params: dict[str, Any]) -> int | None:
+    """The version a request must be answered by (request parameter ``version``), or None; a
+    value that is not a whole number is 0, which the router refuses with INVALID_ARGUMENT."""
+    raw = params.get("version")
+    if raw is None:
+        return None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    text = str(raw).strip()
+    return int(text) if text.isascii() and text.isdigit() else 0
+
+
+class RouteStage(Stage):
+    name = "route"
+
+    def __init__(self, router: Any):
+        self.router = router
+
+    def run(self, b: Batch) -> None:
+        if not b.valid:
+            return
+        router = self.router
+        if b.route:
+            labels = [label_of(b.params[i]) for i in b.route]
+            pins = [pin_of(b.params[i]) for i in b.route]
+            tb = b.trace
+            traced = ({k: tb.sampled[i] for k, i in enumerate(b.route) if i in tb.sampled}
+                      if tb is not None else None)
+            b.routed = router.infer(b.fused, b.sizes, labels if any(x is not None for x in labels) else None,
+                                    pins if any(x is not None for x in pins) else None, traced=traced or None)
+            b.calls = router.calls
+            if tb is not None:
+                self._trace(b)
+        router.publish()
+
+    def _trace(self, b: Batch) -> None:
+        tb, routed = b.trace, b.routed
+        tb.mark("route")
+        tb.calls = [(v, [b.route[k] for k in idx], s, e, ok) for v, idx, s, e, ok in self.router.calls]
+        for k, i in enumerate(b.route):
+            if i not in tb.sampled:
+                continue
+            served = routed.served_by[k]
+            tb.set(i, **{"tritonguard.served_by": served,
+                         "tritonguard.target_version": served.rpartition(":")[2] if ":" in served else served})
+            err = routed.errors[k]
+            if err is not None:
+                tb.errors[i] = (err.code, str(err))
