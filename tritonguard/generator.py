@@ -129,7 +129,8 @@ def _as_float(key: str, value: Any, rule: str) -> float:
     return f
 
 
-def parse_sampling(raw: str | bytes | None, *, max_tokens_cap: int, default_max_tokens: int = 16) -> SamplingParams:
+def parse_sampling(raw: str | bytes | None, *, max_tokens_cap: int, default_max_tokens: int = 16,
+                   cap_name: str = "this model's max_tokens_cap") -> SamplingParams:
     """``sampling_parameters`` JSON -> :class:`SamplingParams`; every problem raises
     :class:`InvalidInput` naming the key and its rule."""
     default = SamplingParams(max_tokens=min(default_max_tokens, max_tokens_cap))
@@ -154,7 +155,7 @@ def parse_sampling(raw: str | bytes | None, *, max_tokens_cap: int, default_max_
                            f"unknown key '{unknown[0]}' (supported: {', '.join(SAMPLING_KEYS)})")
     kw: dict[str, Any] = {}
     if obj.get("max_tokens") is not None:
-        rule = f"must be an integer in 1..{max_tokens_cap} (this model's max_tokens_cap)"
+        rule = f"must be an integer in 1..{max_tokens_cap} ({cap_name})"
         n = _as_int("max_tokens", obj["max_tokens"], rule)
         if not 1 <= n <= max_tokens_cap:
             raise _bad("max_tokens", rule, obj["max_tokens"])

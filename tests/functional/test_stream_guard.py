@@ -1,0 +1,319 @@
+"""A decoupled guard in front of decoupled generators on a real tritonserver: tinylm, and a
+test-only echo model that streams its prompt back one character per response (so PII is split
+over single-character tokens). SSE /generate_stream, gRPC streaming, bad inputs, a target that
+fails mid-stream, a token-budget refusal and a client cancel."""
+
+from __future__ import annotations
+
+import json
+import queue
+import statistics
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from examples import generator as example
+from tritonguard.repository import write_config
+from tritonguard.server import Server
+
+pytestmark = pytest.mark.functional
+
+PROMPT = "Return the"
+GREEDY = {"max_tokens": 64, "temperature": 0}
+PII = "Call me at (555) 867-5309 or mail john.smith@example.com, thanks."
+REDACTED = "Call me at [PHONE] or mail [EMAIL], thanks."
+
+# The vLLM contract, decoupled: streams the prompt back one character per response (at most
+# max_tokens); "FAIL!" in the prompt fails the stream after three characters.
+ECHO_MODEL = '''
+import json
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def _get(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy().reshape(-1)[0]
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            prompt = _get(request, "text_input").decode()
+            stream = bool(_get(request, "stream") or False)
+            exclude = _get(request, "exclude_input_in_output")
+            sp = _get(request, "sampling_parameters")
+            max_tokens = json.loads(sp).get("max_tokens", 16) if sp else 16
+            print(f"echo saw: {prompt}", flush=True)
+            text = prompt[:max_tokens]
+            if stream:
+                for i, ch in enumerate(text):
+                    if "FAIL!" in prompt and i == 3:
+                        try:
+                            sender.send(pb_utils.InferenceResponse(
+                                output_tensors=[], error=pb_utils.TritonError("echo broke mid-stream")), flags=final)
+                        except Exception as exc:
+                            print(f"echo could not fail: {exc!r}", flush=True)
+                        break
+                    if request.is_cancelled():
+                        print("echo cancelled", flush=True)
+                        sender.send(flags=final)
+                        break
+                    out = pb_utils.Tensor("text_output", np.array([ch.encode()], dtype=object))
+                    sender.send(pb_utils.InferenceResponse([out]))
+                else:
+                    sender.send(flags=final)
+            else:
+                whole = text if exclude else prompt + text
+                out = pb_utils.Tensor("text_output", np.array([whole.encode()], dtype=object))
+                sender.send(pb_utils.InferenceResponse([out]), flags=final)
+        return None
+'''
+
+
+def _params(**kw: str) -> dict:
+    return {k.replace("__", "."): {"string_value": v} for k, v in kw.items()}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("streamrepo")
+    example.build(repo, "tinylm", steps=40)
+    write_config(repo / "tinylm", example.triton_config("tinylm", max_tokens_cap=5000))
+    io = {k: v for k, v in example.triton_config("x").items() if k in ("input", "output", "max_batch_size",
+                                                                    "model_transaction_policy")}
+    write_config(repo / "echo", {"name": "echo", "backend": "python", **io,
+                                 "instance_group": [{"count": 1, "kind": "KIND_CPU"}]})
+    (repo / "echo" / "1").mkdir()
+    (repo / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+
+    def guard(name: str, **params: str) -> None:
+        write_config(repo / name, {"name": name, "backend": "guard", **io, "parameters": _params(**params),
+                                   "instance_group": [{"count": 1, "kind": "KIND_CPU"}]})
+        (repo / name / "1").mkdir()
+
+    guard("tinylm_guard", target="tinylm", validation__max_tokens="5000", validation__max_temperature="1.5")
+    guard("echo_guard", target="echo", validation__max_tokens="512")  # the echo sees the redacted prompt
+    # the echo sees the original prompt: only the way out redacts
+    guard("echo_out", target="echo", validation__max_tokens="512", redaction__model_sees_redacted="false",
+          target_idle_timeout_s="2")
+    guard("echo_budget", target="echo", tokens__per_minute="60", validation__max_tokens="512")
+    guard("misspelt_stream", target="echo", tokens__per_minut="60")
+    logs = tmp_path_factory.mktemp("streamlogs")
+    srv = Server(repository=repo, log_path=logs / "tritonserver.log")
+    srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "echo_guard", "echo_out", "echo_budget"))
+    yield srv
+    srv.stop()
+
+
+def post(srv, path: str, body: dict, timeout: float = 30) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://{srv.http_url}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def generate(srv, model: str, prompt: str = PROMPT, params: dict | None = None, **inputs) -> tuple[int, dict]:
+    body = {"text_input": prompt, "sampling_parameters": json.dumps(params or GREEDY), **inputs}
+    status, raw = post(srv, f"/v2/models/{model}/generate", body)
+    return status, json.loads(raw)
+
+
+def sse(srv, model: str, prompt: str, params: dict | None = None) -> list[dict]:
+    status, raw = post(srv, f"/v2/models/{model}/generate_stream",
+                       {"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(params or GREEDY)})
+    assert status == 200, raw
+    return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith(b"data: ")]
+
+
+def grpc_inputs(prompt: bytes, stream: bool, params: dict) -> list:
+    out = []
+    for name, arr, dtype in (("text_input", np.array([prompt], dtype=object), "BYTES"),
+                             ("stream", np.array([stream]), "BOOL"),
+                             ("sampling_parameters", np.array([json.dumps(params).encode()], dtype=object), "BYTES")):
+        t = grpcclient.InferInput(name, [1], dtype)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def grpc_stream(client, results, model: str, prompt: str, params: dict) -> tuple[list[str], float]:
+    """Pieces of one streamed request, and its time to the first piece (s)."""
+    t0 = time.perf_counter()
+    client.async_stream_infer(model, grpc_inputs(prompt.encode(), True, params), enable_empty_final_response=True)
+    pieces, ttft = [], None
+    while True:
+        result, error = results.get(timeout=20)
+        assert error is None, error
+        out = result.as_numpy("text_output")
+        if out is not None and out[0]:
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            pieces.append(out[0].decode())
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            return pieces, ttft
+
+
+def wait_log(srv, needle: str, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while needle not in srv.tail(400) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return needle in srv.tail(400)
+
+
+def test_guarded_tinylm_answers_what_the_raw_model_answers(server):
+    status, raw = generate(server, "tinylm")
+    assert status == 200
+    status, guarded = generate(server, "tinylm_guard")
+    assert status == 200 and guarded["text_output"] == raw["text_output"]
+    events = sse(server, "tinylm_guard", PROMPT)
+    assert all("error" not in e for e in events), events
+    assert PROMPT + "".join(e["text_output"] for e in events) == raw["text_output"]
+
+
+def test_output_redaction_across_single_character_tokens_over_sse(server):
+    events = sse(server, "echo_out", PII, {"max_tokens": 200})
+    pieces = [e["text_output"] for e in events]
+    assert "".join(pieces) == REDACTED
+    assert not any(leak in p for p in pieces for leak in ("@", "867", "5309", "smith"))
+    assert wait_log(server, f"echo saw: {PII}")  # the target got the original; the way out redacted
+    # the default: the prompt is redacted before the target sees it
+    assert "".join(e["text_output"] for e in sse(server, "echo_guard", PII, {"max_tokens": 200})) == REDACTED
+    assert wait_log(server, f"echo saw: {REDACTED}")
+    # the whole text (stream false) in one response, redacted
+    status, body = generate(server, "echo_out", PII, {"max_tokens": 200}, exclude_input_in_output=True)
+    assert status == 200 and body["text_output"] == REDACTED
+
+
+def test_grpc_streaming_redaction_and_ttft(server):
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        tail = " And then some more words, long enough to leave the hold-back window."
+        pieces, _ = grpc_stream(client, results, "echo_out", PII + tail, {"max_tokens": 200})
+        assert "".join(pieces) == REDACTED + tail and not any("@" in p for p in pieces)
+        assert len(pieces) > 20  # released as it goes, not in one piece at the end
+        ttft = {}
+        for model in ("tinylm", "tinylm_guard", "tinylm", "tinylm_guard"):
+            runs = [grpc_stream(client, results, model, PROMPT, {"max_tokens": 128, "temperature": 0}) for _ in range(5)]
+            ttft.setdefault(model, []).extend(t for _, t in runs)
+        raw, guarded = (statistics.median(ttft[m]) * 1000 for m in ("tinylm", "tinylm_guard"))
+        print(f"TTFT c=1 gRPC median of 10: raw {raw:.1f} ms, guarded {guarded:.1f} ms (holdback 64 chars)")
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"text_input": PROMPT, "sampling_parameters": "{max_tokens: 3"}, "'sampling_parameters' violates JSON"),
+    ({"text_input": PROMPT, "sampling_parameters": '{"max_tokens": 5001}'}, "key 'max_tokens': must be an integer in 1..5000"),
+    ({"text_input": PROMPT, "sampling_parameters": '{"top_k": 5}'}, "unknown key 'top_k'"),
+    ({"text_input": PROMPT, "sampling_parameters": '{"temperature": 1.6}'}, "validation.max_temperature"),
+    ({"text_input": PROMPT, "sampling_parameters": '{"top_p": 0}'}, "key 'top_p'"),
+    ({"text_input": "", "sampling_parameters": "{}"}, "'text_input' violates non-empty"),
+])
+def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(server, body, needle):
+    status, raw = post(server, "/v2/models/tinylm_guard/generate", body)
+    assert status == 400, raw
+    message = json.loads(raw)["error"]
+    assert needle in message and "Traceback" not in message
+    assert generate(server, "tinylm_guard")[0] == 200
+
+
+def test_invalid_utf8_over_grpc(server):
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("tinylm_guard", grpc_inputs(b"ab\xff", True, GREEDY))
+        _, error = results.get(timeout=20)
+        assert error is not None and "'text_input' violates UTF-8" in str(error)
+        pieces, _ = grpc_stream(client, results, "echo_out", "still serving", {"max_tokens": 50})
+        assert "".join(pieces) == "still serving"
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_a_target_failing_mid_stream_ends_the_stream_cleanly(server):
+    """The echo sends three characters, then an error response. Triton 2.51's python_backend does
+    not deliver that error to the guard's BLS stream (a client of the echo gets it): the guard's
+    idle timeout (2 s here) ends the client's stream with UNAVAILABLE instead of leaving it open
+    for good, and the guard keeps serving."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        t0 = time.monotonic()
+        client.async_stream_infer("echo_out", grpc_inputs(b"FAIL! now", True, {"max_tokens": 50}))
+        error = None
+        while error is None:
+            _, error = results.get(timeout=20)
+        took = time.monotonic() - t0
+        assert "target 'echo'" in str(error) and ("failed" in str(error) or "sent nothing for 2 s" in str(error)), error
+        assert took < 10, took
+        pieces, _ = grpc_stream(client, results, "echo_out", "still serving", {"max_tokens": 50})
+        assert "".join(pieces) == "still serving"
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def test_token_budget_refusal_is_unavailable_with_retry_advice(server):
+    prompt = "x" * 100  # 100 tokens from the echo: over the 60 tokens/minute budget
+    status, _ = generate(server, "echo_budget", prompt, {"max_tokens": 100}, exclude_input_in_output=True)
+    assert status == 200
+    status, body = generate(server, "echo_budget", prompt, {"max_tokens": 100}, exclude_input_in_output=True)
+    # /generate answers 400 for any model error (Triton 2.51's generate endpoint); gRPC keeps the code
+    assert status == 400 and "token budget of 60 tokens/minute" in body["error"] and "retry after" in body["error"]
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("echo_budget", grpc_inputs(prompt.encode(), True, {"max_tokens": 100}))
+        _, error = results.get(timeout=20)
+        # a streamed gRPC error carries the message only (no status code); the guard sends UNAVAILABLE
+        assert error is not None and "retry after" in str(error), error
+    finally:
+        client.stop_stream()
+        client.close()
+    status, body = generate(server, "echo_budget", "y", params={"max_tokens": 1}, parameters={"tenant": "other"})
+    assert status == 200, body  # another tenant has its own budget
+
+
+def test_misspelt_parameter_fails_the_load_naming_it(server):
+    status, raw = post(server, "/v2/repository/index", {})
+    reason = next(m.get("reason", "") for m in json.loads(raw) if m["name"] == "misspelt_stream")
+    assert "'tokens.per_minut'" in reason
+
+
+def test_grpc_cancel_stops_the_guarded_stream(server):
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("tinylm_guard", grpc_inputs(PROMPT.encode(), True,
+                                                              {"max_tokens": 5000, "temperature": 0}))
+        for _ in range(20):
+            _, error = results.get(timeout=20)
+            assert error is None
+        client.stop_stream(cancel_requests=True)
+    finally:
+        client.close()
+    assert wait_log(server, "stream guard tinylm_guard: client cancelled after")
+    # python_backend >= r25.01 cancels the BLS stream (the generator logs it); 24.10 cannot, and
+    # the guard drains the target's rest (bounded by the max_tokens it forwarded)
+    assert wait_log(server, "target stream cancelled") or wait_log(server, "cannot cancel a BLS stream, drained")
+    if "target stream cancelled" in server.tail(400):
+        assert wait_log(server, "request cancelled after")
+    assert generate(server, "tinylm_guard")[0] == 200

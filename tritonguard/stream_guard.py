@@ -1,0 +1,677 @@
+"""The ``guard`` backend in front of a decoupled generative model (the vLLM backend's contract).
+
+A decoupled guard model (``model_transaction_policy { decoupled: true }``, the inputs
+``text_input``, ``stream``, ``sampling_parameters``, ``exclude_input_in_output`` and the output
+``text_output``) checks each request, redacts PII in the prompt, streams the target's answer
+through a BLS decoupled call and redacts PII in the answer *across token boundaries*:
+
+- ``execute()`` only validates, resolves the tenant, admits it (``tenancy.quotas``, the token
+  budget ``tokens.*``) and redacts the prompt; every refusal is a final error response at once.
+  The generation itself runs on a bounded pool of worker threads (``max_in_flight``), so
+  ``execute()`` returns at once and one long stream never holds up the next request.
+- :class:`StreamRedactor` keeps the last ``redaction.holdback_chars`` characters of the answer
+  back; text is released when no PII match can still reach into it, and flushed at the end, so
+  an e-mail or a phone number split over single-character tokens is still redacted.
+- A client cancel (``request.is_cancelled()``, polled every ``cancel_poll_ms``) stops the
+  forwarding and cancels the BLS stream where python_backend offers ``ResponseIterator.cancel()``
+  (r25.01 and later). python_backend 24.10 (Triton 2.51) has no way to cancel a BLS stream:
+  the worker then reads the target's remaining responses and drops them (bounded by the
+  ``max_tokens`` the guard forwarded), and logs it.
+
+Metrics are left out on purpose (another change adds them to the generator); the counters here
+(:attr:`StreamGuardModel.stats`) stay in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import triton
+from .config import from_params, model_parameters, split_parameters
+from .errors import ConfigError, InvalidInput, QuotaExceeded, TritonGuardError
+from .generator import INPUTS, OUTPUT, SAMPLING_KEYS, SamplingParams, parse_sampling
+from .redaction import RedactionConfig, Redactor
+from .tenancy import QuotaManager, TenancyConfig, TenantResolver
+
+log = logging.getLogger(__name__)
+
+# pb_utils.TritonError integer codes -> names (python_backend pb_error.h order)
+_CODE_NAMES = {0: "UNKNOWN", 1: "INTERNAL", 2: "NOT_FOUND", 3: "INVALID_ARG", 4: "UNAVAILABLE",
+               5: "UNSUPPORTED", 6: "ALREADY_EXISTS", 7: "CANCELLED"}
+SECTIONS = ("", "validation", "redaction", "tenancy", "tokens")
+# Long enough for every built-in at its usual length: an IPv6 with an embedded IPv4 (45), an
+# IBAN with spaces (42), an international phone number (<= 40), and e-mails up to 64 characters.
+DEFAULT_HOLDBACK = 64
+
+
+# -- config -------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class StreamGuardConfig:
+    """Top-level ``parameters`` of a decoupled guard."""
+
+    target: str = ""
+    target_version: int = -1
+    max_in_flight: int = 32  # generations in flight in this instance (worker threads)
+    cancel_poll_ms: int = 50
+    # the longest wait for the target's next response; past it the client gets UNAVAILABLE (a
+    # target that died or failed mid-stream: python_backend 24.10 does not always deliver a
+    # decoupled target's error response to a BLS caller, and its iterator has no timeout)
+    target_idle_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ValueError("parameter 'target' (the generator model's name) is required")
+        if self.max_in_flight < 1:
+            raise ValueError(f"parameter 'max_in_flight' must be >= 1, got {self.max_in_flight}")
+        if self.cancel_poll_ms < 0:
+            raise ValueError(f"parameter 'cancel_poll_ms' must be >= 0, got {self.cancel_poll_ms}")
+        if not self.target_idle_timeout_s > 0:
+            raise ValueError(f"parameter 'target_idle_timeout_s' must be > 0, got {self.target_idle_timeout_s}")
+
+
+@dataclass(kw_only=True)
+class StreamValidationConfig:
+    """``validation.*``: what a request may ask for."""
+
+    max_prompt_chars: int = 8192
+    max_tokens: int = 256  # cap on sampling_parameters.max_tokens (forwarded to the target)
+    default_max_tokens: int = 16
+    max_temperature: float = 2.0
+    sampling_keys: tuple[str, ...] = SAMPLING_KEYS  # keys a client may send
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_chars", "max_tokens", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parameter 'validation.{name}' must be >= 1, got {getattr(self, name)}")
+        if not (self.max_temperature >= 0 and math.isfinite(self.max_temperature)):
+            raise ValueError(f"parameter 'validation.max_temperature' must be a finite number >= 0, "
+                             f"got {self.max_temperature}")
+        unknown = sorted(set(self.sampling_keys) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"parameter 'validation.sampling_keys': unknown {', '.join(unknown)} "
+                             f"(supported: {', '.join(SAMPLING_KEYS)})")
+        self.sampling_keys = tuple(self.sampling_keys)
+
+
+@dataclass(kw_only=True)
+class TokenBudgetConfig:
+    """``tokens.*``: each tenant's generation budget (0 = unlimited)."""
+
+    per_minute: int = 0  # generated tokens per minute, a token bucket of one minute's worth
+    max_in_flight: int = 0  # generations in flight per tenant
+
+    def __post_init__(self) -> None:
+        if self.per_minute < 0 or self.max_in_flight < 0:
+            raise ValueError("parameters 'tokens.per_minute' and 'tokens.max_in_flight' must be >= 0")
+
+
+@dataclass
+class StreamGuardSettings:
+    guard: StreamGuardConfig
+    validation: StreamValidationConfig
+    redaction: RedactionConfig
+    holdback_chars: int
+    tenancy: TenancyConfig
+    tokens: TokenBudgetConfig
+
+
+def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuardSettings:
+    """config.pbtxt ``parameters`` -> settings; any unknown key or bad value raises ConfigError
+    naming the key."""
+    groups = split_parameters(params, SECTIONS, model=model)
+    red = dict(groups["redaction"])
+    raw_holdback = red.pop("holdback_chars", str(DEFAULT_HOLDBACK))
+    try:
+        holdback = int(raw_holdback.strip())
+    except ValueError:
+        raise ConfigError(f"model '{model}': parameter 'redaction.holdback_chars': expected an integer, "
+                          f"got {raw_holdback!r}") from None
+    if not 0 <= holdback <= 4096:
+        raise ConfigError(f"model '{model}': parameter 'redaction.holdback_chars' must lie in 0..4096, got {holdback}")
+    red.setdefault("redact_outputs", "true")  # the point of a stream guard; may be turned off
+    return StreamGuardSettings(
+        guard=from_params(StreamGuardConfig, groups[""], model=model),
+        validation=from_params(StreamValidationConfig, groups["validation"], section="validation", model=model),
+        redaction=from_params(RedactionConfig, red, section="redaction", model=model),
+        holdback_chars=holdback,
+        tenancy=from_params(TenancyConfig, groups["tenancy"], section="tenancy", model=model),
+        tokens=from_params(TokenBudgetConfig, groups["tokens"], section="tokens", model=model),
+    )
+
+
+# -- redaction across token boundaries ----------------------------------------------------------
+class StreamRedactor:
+    """Redacts a text that arrives in pieces, releasing it as early as is safe.
+
+    The last ``holdback`` characters are always kept back, and so is any match that reaches into
+    them (it may still grow). Everything before that is final: a match of at most ``holdback``
+    characters that starts there already lies whole in the buffer, with the character after it
+    (its look-ahead) too. The output equals :meth:`Redactor.redact_batch` of the whole text for
+    every match of at most ``holdback`` characters; a longer one is redacted from the point it
+    was still held back.
+    """
+
+    CONTEXT = 8  # released characters kept for look-behinds at the buffer's start
+
+    def __init__(self, redactor: Redactor, holdback: int) -> None:
+        self.redactor, self.holdback = redactor, holdback
+        self.pattern = redactor._pattern if redactor.active else None  # noqa: SLF001 - spans, not text
+        self.context = ""  # the last original characters released (for look-behinds)
+        self.consumed = 0  # where in ``context`` the scan resumes (after the last candidate)
+        self.pending = ""  # original text not released yet
+        self.counts: dict[str, int] = {}
+        self.released = 0  # characters of original text released
+
+    def _candidates(self, text: str, pos: int) -> list[tuple[int, int, int, str | None]]:
+        """Matches of ``text`` from ``pos`` on (look-behinds see the context before it):
+        (start, end, end of the redacted part, label or None where the check rejected it), as
+        :meth:`Redactor._redact` decides them (checksums, partial keeps)."""
+        r = self.redactor
+        out = []
+        for m in self.pattern.finditer(text, pos):  # type: ignore[union-attr]
+            group = m.lastgroup
+            check = r._checks.get(group)  # noqa: SLF001
+            keep = check(m.group()) if check is not None else len(m.group())
+            out.append((m.start(), m.end(), m.start() + keep, r._group[group] if keep else None))  # noqa: SLF001
+        return out
+
+    def _release(self, final: bool) -> str:
+        if self.pattern is None:
+            out, self.pending = self.pending, ""
+            self.released += len(out)
+            return out
+        if not final and len(self.pending) <= self.holdback:
+            return ""
+        text = self.context + self.pending
+        off = len(self.context)
+        cut = len(text) if final else len(text) - self.holdback
+        out: list[str] = []
+        pos = off
+        # The scan goes on after the last candidate, as re.sub's does. A match may start at the
+        # context's first character, whose own look-behind is gone: that errs towards redacting
+        # (a match longer than the window is still cut off where it was held back).
+        consumed = self.consumed
+        for start, end, keep_end, name in self._candidates(text, consumed):
+            if start >= cut or (not final and end > cut):
+                cut = max(min(cut, start), off)  # may still grow or change: keep it back whole
+                break
+            consumed = end
+            if name is None or keep_end <= off:
+                continue  # rejected by its check, or redacted already
+            start = max(start, off)  # began before the buffer (longer than holdback): redact what is left
+            out.append(text[pos:start])
+            out.append(self.redactor._labels[name])  # noqa: SLF001
+            self.counts[name] = self.counts.get(name, 0) + 1
+            pos = keep_end
+        if pos < cut:
+            out.append(text[pos:cut])
+        self.released += cut - off
+        base = max(0, cut - self.CONTEXT)
+        self.context = text[base:cut]
+        self.consumed = max(0, min(consumed, cut) - base)
+        self.pending = text[cut:]
+        return "".join(out)
+
+    def feed(self, piece: str) -> str:
+        """Add ``piece``; returns the text that is now safe to send (often '')."""
+        self.pending += piece
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """The rest, redacted: call once at the end of the stream."""
+        return self._release(final=True)
+
+
+# -- per-tenant token budget --------------------------------------------------------------------
+class TokenBudget:
+    """Per tenant: a bucket of ``per_minute`` tokens refilled continuously, and a cap on
+    generations in flight. A request is admitted while the bucket is positive; the tokens it
+    generates are charged as they stream (the bucket may go negative: the last admitted request
+    finishes, the next ones wait for the refill). Thread-safe, per process."""
+
+    def __init__(self, config: TokenBudgetConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.clock = config, clock
+        self.rate = config.per_minute / 60.0
+        self._lock = threading.Lock()
+        self._balance: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, stamp)
+        self._in_flight: dict[str, int] = {}
+        self.rejected = 0
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.config.per_minute or self.config.max_in_flight)
+
+    def _refill(self, tenant: str, now: float) -> float:
+        tokens, stamp = self._balance.get(tenant, (float(self.config.per_minute), now))
+        tokens = min(float(self.config.per_minute), tokens + (now - stamp) * self.rate)
+        self._balance[tenant] = (tokens, now)
+        return tokens
+
+    def admit(self, tenant: str) -> str | None:
+        """None if admitted (then :meth:`release` it once), else why not, with retry advice."""
+        if not self.limited:
+            return None
+        with self._lock:
+            cap = self.config.max_in_flight
+            n = self._in_flight.get(tenant, 0)
+            if cap and n >= cap:
+                self.rejected += 1
+                return (f"tenant '{tenant}' has {n} generations in flight (tokens.max_in_flight {cap}); "
+                        "retry after 500 ms")
+            if self.config.per_minute:
+                tokens = self._refill(tenant, self.clock())
+                if tokens < 1:
+                    self.rejected += 1
+                    retry = max(1, math.ceil((1 - tokens) / self.rate * 1000))
+                    return (f"tenant '{tenant}' used its token budget of {self.config.per_minute} tokens/minute; "
+                            f"retry after {retry} ms")
+            self._in_flight[tenant] = n + 1
+        return None
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        if not self.config.per_minute or tokens <= 0:
+            return
+        with self._lock:
+            left = self._refill(tenant, self.clock())
+            self._balance[tenant] = (left - tokens, self._balance[tenant][1])
+
+    def release(self, tenant: str) -> None:
+        if not self.limited:
+            return
+        with self._lock:
+            n = self._in_flight.get(tenant, 0)
+            if n <= 1:
+                self._in_flight.pop(tenant, None)
+            else:
+                self._in_flight[tenant] = n - 1
+
+    def balance(self, tenant: str) -> float:
+        with self._lock:
+            return self._refill(tenant, self.clock()) if self.config.per_minute else math.inf
+
+
+# -- request parsing ----------------------------------------------------------------------------
+@dataclass
+class Generation:
+    """One admitted request on its way to the target."""
+
+    prompt: str  # as the target gets it (redacted unless model_sees_redacted=false)
+    params: SamplingParams
+    stream: bool
+    exclude: bool | None  # exclude_input_in_output as the client sent it (None: absent)
+    sampling_keys: tuple[str, ...] = ()  # keys the client set, forwarded
+    tenant: str = ""
+    request: Any = None
+    sender: Any = None
+    quota_admitted: bool = False
+    received: float = field(default_factory=time.perf_counter)
+
+
+def _one(arr: np.ndarray, name: str) -> Any:
+    flat = arr.reshape(-1)
+    if flat.size != 1:
+        raise InvalidInput(name, "shape [1]", f"expected one element, got shape {list(arr.shape)}")
+    return flat[0]
+
+
+def parse_generation(inputs: Mapping[str, np.ndarray], cfg: StreamValidationConfig) -> Generation:
+    """Inputs -> :class:`Generation` (prompt not redacted yet); every broken rule raises
+    :class:`InvalidInput` naming the input and the rule."""
+    if "text_input" not in inputs:
+        raise InvalidInput("text_input", "presence", "the input is required")
+    raw = _one(inputs["text_input"], "text_input")
+    if isinstance(raw, bytes):
+        try:
+            prompt = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput("text_input", "UTF-8", f"invalid byte at offset {exc.start}") from None
+    else:
+        prompt = str(raw)
+    if not prompt.strip():
+        raise InvalidInput("text_input", "non-empty", "the prompt is empty")
+    if len(prompt) > cfg.max_prompt_chars:
+        raise InvalidInput("text_input", f"at most {cfg.max_prompt_chars} characters (validation.max_prompt_chars)",
+                           f"got {len(prompt)}")
+    stream = bool(_one(inputs["stream"], "stream")) if "stream" in inputs else False
+    exclude = bool(_one(inputs["exclude_input_in_output"], "exclude_input_in_output")) \
+        if "exclude_input_in_output" in inputs else None
+    if stream and exclude is False:
+        raise InvalidInput("exclude_input_in_output", "false only without stream",
+                           "streamed responses never repeat the prompt")
+    raw_sp = _one(inputs["sampling_parameters"], "sampling_parameters") if "sampling_parameters" in inputs else None
+    params = parse_sampling(raw_sp, max_tokens_cap=cfg.max_tokens, default_max_tokens=cfg.default_max_tokens,
+                            cap_name="the guard's validation.max_tokens")
+    keys: tuple[str, ...] = ()
+    if raw_sp is not None:
+        obj = json.loads(raw_sp) if (raw_sp.strip() if isinstance(raw_sp, (str, bytes)) else raw_sp) else {}
+        keys = tuple(k for k in SAMPLING_KEYS if obj.get(k) is not None)
+        refused = [k for k in keys if k not in cfg.sampling_keys]
+        if refused:
+            raise InvalidInput("sampling_parameters", "allowed keys",
+                               f"key '{refused[0]}' is not allowed here (validation.sampling_keys: "
+                               f"{', '.join(cfg.sampling_keys) or 'none'})")
+    if params.temperature > cfg.max_temperature:
+        raise InvalidInput("sampling_parameters", "key 'temperature'",
+                           f"must be at most {cfg.max_temperature:g} (validation.max_temperature), "
+                           f"got {params.temperature:g}")
+    return Generation(prompt, params, stream, exclude, keys)
+
+
+def target_sampling(gen: Generation) -> str:
+    """The sampling JSON the target gets: the client's keys, normalised, and always max_tokens
+    (so the target never falls back to a default above the guard's cap)."""
+    out: dict[str, Any] = {"max_tokens": gen.params.max_tokens}
+    for key in gen.sampling_keys:
+        if key != "max_tokens":
+            out[key] = getattr(gen.params, key)
+    return json.dumps(out)
+
+
+# -- the Triton model ---------------------------------------------------------------------------
+class _Sender:
+    """Responses of one decoupled request to the client."""
+
+    def __init__(self, sender: Any) -> None:
+        p = triton.pb()
+        self.sender, self.final = sender, p.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self.closed = False
+
+    def piece(self, text: str) -> None:
+        if text:
+            self.sender.send(triton.response({OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_)}))
+
+    def finish(self, text: str) -> None:
+        if text:
+            self.sender.send(triton.response({OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_)}),
+                             flags=self.final)
+        else:
+            self.sender.send(flags=self.final)
+        self.closed = True
+
+    def fail(self, message: str, code: str) -> None:
+        self.sender.send(triton.error(message, code), flags=self.final)
+        self.closed = True
+
+
+class TargetStalled(Exception):
+    """The target sent nothing for ``target_idle_timeout_s``."""
+
+
+_END = object()
+
+
+def watched(responses: Any, idle_s: float, name: str = "") -> Any:
+    """The target's responses, read on a thread of their own, each waited for at most
+    ``idle_s`` (else :class:`TargetStalled`). The reader thread of a stalled stream stays
+    blocked in python_backend's iterator (it has no timeout); it is a daemon and holds no lock."""
+    q: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        try:
+            for r in responses:
+                q.put(r)
+        except Exception as exc:  # noqa: BLE001 - handed to the worker, which fails the request
+            q.put(exc)
+        finally:
+            q.put(_END)
+
+    threading.Thread(target=read, name=f"bls-read-{name}", daemon=True).start()
+    while True:
+        try:
+            item = q.get(timeout=idle_s)
+        except queue.Empty:
+            raise TargetStalled(f"no response for {idle_s:g} s") from None
+        if item is _END:
+            return
+        if isinstance(item, Exception):
+            raise item
+        yield item
+
+
+def _safe(fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - a client gone mid-stream is not the guard's problem
+        log.warning("response to one request failed", exc_info=True)
+        return None
+
+
+class StreamGuardModel:
+    """``initialize`` / ``execute`` / ``finalize`` of a decoupled guard (see the module doc)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        triton.setup_logging()
+        cfg = triton.model_config(args)
+        self.name = args["model_name"]
+        if not (cfg.get("model_transaction_policy") or {}).get("decoupled"):
+            raise ConfigError(f"model '{self.name}': the stream guard needs model_transaction_policy {{ decoupled: true }}")
+        names = {i["name"] for i in cfg.get("input", [])}
+        if "text_input" not in names or OUTPUT not in {o["name"] for o in cfg.get("output", [])}:
+            raise ConfigError(f"model '{self.name}': a stream guard needs input 'text_input' and output "
+                              f"'{OUTPUT}' (the vLLM backend's contract)")
+        self.settings = s = parse_settings(model_parameters(cfg), model=self.name)
+        self.target, self.version = s.guard.target, s.guard.target_version
+        if self.target == self.name:
+            raise ConfigError(f"model '{self.name}': parameter 'target' names the guard itself")
+        self.inputs = tuple(n for n in INPUTS if n in names)
+        self.redactor = Redactor(s.redaction)
+        self.tenants = TenantResolver(s.tenancy)
+        self.quotas = QuotaManager(s.tenancy) if s.tenancy.quotas else None
+        self.budget = TokenBudget(s.tokens)
+        self.cancel_poll_s = s.guard.cancel_poll_ms / 1000
+        self.pool = ThreadPoolExecutor(s.guard.max_in_flight, thread_name_prefix=f"stream-{self.name}")
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.stats = {"requests": 0, "rejected": 0, "ok": 0, "cancelled": 0, "target_errors": 0,
+                      "errors": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0}
+        self._cancel_supported: bool | None = None
+        log.info("stream guard %s -> %s: max_tokens %d, holdback %d chars, redaction %s, max_in_flight %d",
+                 self.name, self.target, s.validation.max_tokens, s.holdback_chars,
+                 "on" if self.redactor.active else "off", s.guard.max_in_flight)
+
+    # -- execute thread: checks only -------------------------------------------------------
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            try:
+                sender = _Sender(request.get_response_sender())
+            except Exception:  # noqa: BLE001
+                log.exception("stream guard %s: no response sender", self.name)
+                continue
+            self.stats["requests"] += 1
+            try:
+                gen = self._admit(request)
+            except TritonGuardError as exc:
+                self.stats["rejected"] += 1
+                _safe(sender.fail, str(exc), exc.code)
+                continue
+            except Exception as exc:  # noqa: BLE001 - never a traceback to the client
+                log.exception("stream guard %s: request rejected", self.name)
+                self.stats["rejected"] += 1
+                _safe(sender.fail, f"model '{self.name}' cannot read the request: {type(exc).__name__}", "INTERNAL")
+                continue
+            gen.request, gen.sender = request, sender
+            try:
+                self.pool.submit(self._run, gen)
+            except Exception:  # noqa: BLE001 - pool shut down (unloading)
+                self._done(gen)
+                _safe(sender.fail, f"model '{self.name}' is unloading", "UNAVAILABLE")
+        return None
+
+    def _admit(self, request: Any) -> Generation:
+        gen = parse_generation(triton.request_inputs(request, self.inputs), self.settings.validation)
+        tenants, errors = self.tenants.resolve_tenants([triton.request_parameters(request)])
+        if errors[0] is not None:
+            raise errors[0]
+        gen.tenant = tenant = tenants[0] or self.settings.tenancy.default
+        with self._lock:
+            if self.in_flight >= self.settings.guard.max_in_flight:
+                raise QuotaExceeded(f"model '{self.name}' has {self.in_flight} generations in flight "
+                                    f"(max_in_flight); retry after 200 ms")
+            self.in_flight += 1
+        try:
+            if self.quotas is not None:
+                why = self.quotas.admit([tenant])[0]
+                if why is not None:
+                    raise QuotaExceeded(why)
+                gen.quota_admitted = True
+            why = self.budget.admit(tenant)
+            if why is not None:
+                raise QuotaExceeded(why)
+        except BaseException:
+            self._release_admission(gen)
+            raise
+        if self.redactor.active and self.settings.redaction.model_sees_redacted:
+            (red,), counts = self.redactor.redact_batch([gen.prompt])
+            if counts:
+                gen.prompt = red
+                self.stats["redacted_in"] += sum(counts.values())
+        return gen
+
+    def _release_admission(self, gen: Generation) -> None:
+        if gen.quota_admitted and self.quotas is not None:
+            self.quotas.release([gen.tenant])
+            gen.quota_admitted = False
+        with self._lock:
+            self.in_flight -= 1
+
+    def _done(self, gen: Generation) -> None:
+        self.budget.release(gen.tenant)
+        self._release_admission(gen)
+
+    # -- worker threads: one generation each -----------------------------------------------
+    def _bls(self, gen: Generation) -> Any:
+        p = triton.pb()
+        tensors = [p.Tensor("text_input", np.array([gen.prompt.encode("utf-8")], dtype=np.object_)),
+                   p.Tensor("stream", np.array([gen.stream], dtype=bool)),
+                   p.Tensor("sampling_parameters", np.array([target_sampling(gen).encode()], dtype=np.object_))]
+        if gen.exclude is not None:
+            tensors.append(p.Tensor("exclude_input_in_output", np.array([gen.exclude], dtype=bool)))
+        kwargs: dict[str, Any] = {"model_name": self.target, "model_version": int(self.version),
+                                  "inputs": tensors, "requested_output_names": [OUTPUT]}
+        try:
+            kwargs["trace"] = gen.request.trace()
+        except Exception:  # noqa: BLE001 - tracing is optional
+            pass
+        return p.InferenceRequest(**kwargs).exec(decoupled=True)
+
+    def _run(self, gen: Generation) -> None:
+        try:
+            self._generate(gen)
+        except Exception as exc:  # noqa: BLE001 - fail this request, keep serving
+            log.exception("stream guard %s: generation failed", self.name)
+            self.stats["errors"] += 1
+            if not gen.sender.closed:
+                _safe(gen.sender.fail, f"model '{self.name}': generation failed ({type(exc).__name__})", "INTERNAL")
+        finally:
+            self._done(gen)
+
+    def _stop_target(self, responses: Any, it: Any, why: str) -> None:
+        """Cancel the BLS stream where python_backend can; else read and drop the rest."""
+        cancel = getattr(responses, "cancel", None)
+        if cancel is not None:
+            try:
+                cancel()
+                log.info("stream guard %s: %s; target stream cancelled", self.name, why)
+                return
+            except Exception:  # noqa: BLE001
+                log.warning("stream guard %s: cancelling the target stream failed", self.name, exc_info=True)
+        t0, dropped = time.perf_counter(), 0
+        try:
+            for _ in it:
+                dropped += 1
+        except TargetStalled:
+            log.warning("stream guard %s: %s; the target then stalled while its rest was drained", self.name, why)
+            return
+        if dropped:
+            log.info("stream guard %s: %s; this python_backend cannot cancel a BLS stream, drained %d target "
+                     "responses in %.0f ms", self.name, why, dropped, (time.perf_counter() - t0) * 1000)
+
+    def _generate(self, gen: Generation) -> None:
+        responses = self._bls(gen)
+        it = watched(responses, self.settings.guard.target_idle_timeout_s, self.name)
+        try:
+            self._forward(gen, responses, it)
+        except TargetStalled as exc:
+            self.stats["target_errors"] += 1
+            log.warning("stream guard %s: target %s %s (stalled, or failed mid-stream)", self.name, self.target, exc)
+            _safe(gen.sender.fail, f"target '{self.target}' sent nothing for "
+                  f"{self.settings.guard.target_idle_timeout_s:g} s (it stalled or failed mid-stream); retry later",
+                  "UNAVAILABLE")
+
+    def _forward(self, gen: Generation, responses: Any, it: Any) -> None:
+        out = StreamRedactor(self.redactor, self.settings.holdback_chars) if (
+            self.redactor.active and self.settings.redaction.redact_outputs) else None
+        sender, request = gen.sender, gen.request
+        tokens, next_poll, whole = 0, 0.0, []
+        max_tokens = gen.params.max_tokens
+        for resp in it:
+            if resp.has_error():
+                err = resp.error()
+                code = _CODE_NAMES.get(err.code(), "INTERNAL") if hasattr(err, "code") else "INTERNAL"
+                self.stats["target_errors"] += 1
+                self.budget.charge(gen.tenant, tokens)
+                log.warning("stream guard %s: target %s failed after %d tokens: %s", self.name, self.target,
+                            tokens, err.message())
+                _safe(sender.fail, f"target '{self.target}' failed: {err.message()}", code)
+                try:
+                    for _ in it:  # nothing should follow an error; do not leave it half read
+                        pass
+                except TargetStalled:
+                    pass
+                return
+            tensor = triton.pb().get_output_tensor_by_name(resp, OUTPUT)
+            if tensor is not None:
+                piece = b"".join(bytes(x) for x in tensor.as_numpy().reshape(-1)).decode("utf-8", "replace")
+                if gen.stream:
+                    tokens += 1
+                    if out is not None:
+                        piece = out.feed(piece)
+                    if piece:
+                        sender.piece(piece)
+                else:
+                    whole.append(piece)
+            now = time.monotonic()
+            if now >= next_poll:
+                next_poll = now + self.cancel_poll_s
+                if request.is_cancelled():
+                    self.stats["cancelled"] += 1
+                    self.budget.charge(gen.tenant, tokens)
+                    log.info("stream guard %s: client cancelled after %d tokens", self.name, tokens)
+                    _safe(sender.fail, "the request was cancelled", "CANCELLED")
+                    self._stop_target(responses, it, "client cancelled")
+                    return
+            if gen.stream and tokens >= max_tokens:
+                # a target that ignores max_tokens: stop here
+                self._stop_target(responses, it, f"max_tokens {max_tokens} reached")
+                break
+        if gen.stream:
+            rest = out.flush() if out is not None else ""
+        else:
+            text = "".join(whole)
+            generated = len(text) - (0 if gen.exclude else len(gen.prompt))  # the prompt comes first unless excluded
+            tokens = max(0, generated)  # one token per character: exact for tinylm, an estimate otherwise
+            if out is not None:
+                (text,), counts = self.redactor.redact_batch([text])
+                self.stats["redacted_out"] += sum(counts.values())
+            rest = text
+        if out is not None:
+            self.stats["redacted_out"] += sum(out.counts.values())
+        self.stats["tokens"] += tokens
+        self.stats["ok"] += 1
+        self.budget.charge(gen.tenant, tokens)
+        sender.finish(rest)
+
+    def finalize(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        log.info("stream guard %s: %s", self.name, json.dumps(self.stats))
