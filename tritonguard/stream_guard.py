@@ -9,17 +9,22 @@ through a BLS decoupled call and redacts PII in the answer *across token boundar
   budget ``tokens.*``) and redacts the prompt; every refusal is a final error response at once.
   The generation itself runs on a bounded pool of worker threads (``max_in_flight``), so
   ``execute()`` returns at once and one long stream never holds up the next request.
-- :class:`StreamRedactor` keeps the last ``redaction.holdback_chars`` characters of the answer
-  back; text is released when no PII match can still reach into it, and flushed at the end, so
-  an e-mail or a phone number split over single-character tokens is still redacted.
+- :class:`StreamRedactor` holds back the tail of the answer that may still grow into a PII match
+  (with the built-in recognizers: the word being written and the short or digit-bearing words
+  right before it; with custom patterns: the last ``redaction.holdback_chars`` characters), at
+  most ``redaction.holdback_chars``; text is released when no match can still reach into it, and
+  flushed at the end, so an e-mail or a phone number split over single-character tokens is still
+  redacted.
 - A client cancel (``request.is_cancelled()``, polled every ``cancel_poll_ms``) stops the
   forwarding and cancels the BLS stream where python_backend offers ``ResponseIterator.cancel()``
   (r25.01 and later). python_backend 24.10 (Triton 2.51) has no way to cancel a BLS stream:
   the worker then reads the target's remaining responses and drops them (bounded by the
   ``max_tokens`` the guard forwarded), and logs it.
 
-Metrics are left out on purpose (another change adds them to the generator); the counters here
-(:attr:`StreamGuardModel.stats`) stay in-process.
+Metrics on Triton's /metrics: ``tritonguard_stream_requests_total`` (by outcome and tenant),
+``tritonguard_stream_tokens_total`` (in/out, by tenant), ``tritonguard_stream_redactions_total``,
+and the histograms ``tritonguard_stream_ttft_seconds`` (hold-back included) and
+``tritonguard_stream_itl_seconds`` (one mean per streamed request).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import logging
 import math
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -40,9 +46,16 @@ import numpy as np
 from . import triton
 from .config import from_params, model_parameters, split_parameters
 from .errors import ConfigError, InvalidInput, QuotaExceeded, TritonGuardError
-from .generator import INPUTS, OUTPUT, SAMPLING_KEYS, SamplingParams, parse_sampling
+from .generator import (
+    GENERATION_BUCKETS,
+    INPUTS,
+    OUTPUT,
+    SAMPLING_KEYS,
+    SamplingParams,
+    parse_sampling,
+)
 from .redaction import RedactionConfig, Redactor
-from .tenancy import QuotaManager, TenancyConfig, TenantResolver
+from .tenancy import QuotaManager, TenancyConfig, TenantLabels, TenantResolver
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +66,23 @@ SECTIONS = ("", "validation", "redaction", "tenancy", "tokens")
 # Long enough for every built-in at its usual length: an IPv6 with an embedded IPv4 (45), an
 # IBAN with spaces (42), an international phone number (<= 40), and e-mails up to 64 characters.
 DEFAULT_HOLDBACK = 64
+
+# Triton /metrics of a stream guard (per model and version; counters also per tenant)
+OUTCOMES = ("ok", "rejected", "cancelled", "target_error", "error")
+COUNTERS = {
+    "stream_requests": ("tritonguard_stream_requests_total",
+                        "Requests to a stream guard, by outcome (ok, rejected, cancelled, target_error, error) and tenant"),
+    "stream_tokens": ("tritonguard_stream_tokens_total",
+                      "Tokens through a stream guard, by direction (in: prompt characters, out: generated tokens) and tenant"),
+    "stream_redactions": ("tritonguard_stream_redactions_total", "PII spans a stream guard redacted, by direction"),
+}
+HISTOGRAMS = {
+    "stream_ttft": ("tritonguard_stream_ttft_seconds",
+                    "Time from a request's arrival to the first text sent to its client (hold-back included)",
+                    GENERATION_BUCKETS),
+    "stream_itl": ("tritonguard_stream_itl_seconds",
+                   "Mean time between the pieces sent to one streamed request's client", GENERATION_BUCKETS),
+}
 
 
 # -- config -------------------------------------------------------------------------------------
@@ -154,8 +184,9 @@ def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuar
 class StreamRedactor:
     """Redacts a text that arrives in pieces, releasing it as early as is safe.
 
-    The last ``holdback`` characters are always kept back, and so is any match that reaches into
-    them (it may still grow). Everything before that is final: a match of at most ``holdback``
+    The last ``holdback`` characters are kept back (with built-ins only: just the :attr:`TAIL`
+    that may still grow into a match, at most ``holdback``), and so is any match that reaches
+    into them (it may still grow). Everything before that is final: a match of at most ``holdback``
     characters that starts there already lies whole in the buffer, with the character after it
     (its look-ahead) too. The output equals :meth:`Redactor.redact_batch` of the whole text for
     every match of at most ``holdback`` characters; a longer one is redacted from the point it
@@ -163,9 +194,17 @@ class StreamRedactor:
     """
 
     CONTEXT = 8  # released characters kept for look-behinds at the buffer's start
+    # Where a built-in match may still be growing: every built-in match is one run of non-space
+    # characters, or groups joined by single spaces (phone and card numbers, IBANs) where each
+    # group holds a digit or is 1-4 letters and digits. With built-ins only, the buffer's tail
+    # that has this shape is held back (at most ``holdback`` characters), not the whole window:
+    # plain prose is released a word behind, not ``holdback`` characters behind.
+    TAIL = re.compile(r"(?<!\S)(?:(?>[^\s]*[0-9][^\s]*|[A-Za-z0-9]{1,4}) )*+[^\s]*\Z")
 
     def __init__(self, redactor: Redactor, holdback: int) -> None:
         self.redactor, self.holdback = redactor, holdback
+        # custom patterns (redaction.pattern.*) may match anything: they keep the fixed window
+        self.tail = self.TAIL if redactor.active and not redactor.config.pattern else None
         self.pattern = redactor._pattern if redactor.active else None  # noqa: SLF001 - spans, not text
         self.context = ""  # the last original characters released (for look-behinds)
         self.consumed = 0  # where in ``context`` the scan resumes (after the last candidate)
@@ -191,11 +230,19 @@ class StreamRedactor:
             out, self.pending = self.pending, ""
             self.released += len(out)
             return out
-        if not final and len(self.pending) <= self.holdback:
-            return ""
         text = self.context + self.pending
         off = len(self.context)
-        cut = len(text) if final else len(text) - self.holdback
+        if final:
+            cut = len(text)
+        elif self.tail is not None:
+            tail = self.tail.search(text, off)
+            cut = max(len(text) - self.holdback, tail.start() if tail is not None else off, off)
+            if cut <= off:
+                return ""
+        else:
+            if len(self.pending) <= self.holdback:
+                return ""
+            cut = len(text) - self.holdback
         out: list[str] = []
         pos = off
         # The scan goes on after the last candidate, as re.sub's does. A match may start at the
@@ -316,6 +363,9 @@ class Generation:
     sender: Any = None
     quota_admitted: bool = False
     received: float = field(default_factory=time.perf_counter)
+    first_sent: float | None = None  # when the client got its first text
+    last_sent: float | None = None
+    pieces_sent: int = 0
 
 
 def _one(arr: np.ndarray, name: str) -> Any:
@@ -476,6 +526,13 @@ class StreamGuardModel:
         self.stats = {"requests": 0, "rejected": 0, "ok": 0, "cancelled": 0, "target_errors": 0,
                       "errors": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0}
         self._cancel_supported: bool | None = None
+        # counters and histograms go through the in-process Metrics (flushed by its own thread):
+        # no IPC on a worker's per-token path
+        self.label = TenantLabels()
+        self.metrics = triton.Metrics(self.name, args.get("model_version", "1"), counters=COUNTERS, gauges={},
+                                      histograms=HISTOGRAMS,
+                                      zero_at_load=[("stream_requests", {"outcome": o, "tenant": s.tenancy.default})
+                                                    for o in OUTCOMES])
         log.info("stream guard %s -> %s: max_tokens %d, holdback %d chars, redaction %s, max_in_flight %d",
                  self.name, self.target, s.validation.max_tokens, s.holdback_chars,
                  "on" if self.redactor.active else "off", s.guard.max_in_flight)
@@ -492,12 +549,12 @@ class StreamGuardModel:
             try:
                 gen = self._admit(request)
             except TritonGuardError as exc:
-                self.stats["rejected"] += 1
+                self._outcome(None, "rejected")
                 _safe(sender.fail, str(exc), exc.code)
                 continue
             except Exception as exc:  # noqa: BLE001 - never a traceback to the client
                 log.exception("stream guard %s: request rejected", self.name)
-                self.stats["rejected"] += 1
+                self._outcome(None, "rejected")
                 _safe(sender.fail, f"model '{self.name}' cannot read the request: {type(exc).__name__}", "INTERNAL")
                 continue
             gen.request, gen.sender = request, sender
@@ -536,6 +593,8 @@ class StreamGuardModel:
             if counts:
                 gen.prompt = red
                 self.stats["redacted_in"] += sum(counts.values())
+                self.metrics.inc("stream_redactions", sum(counts.values()), direction="input")
+        self.metrics.inc("stream_tokens", len(gen.prompt), direction="in", tenant=self.label(gen.tenant))
         return gen
 
     def _release_admission(self, gen: Generation) -> None:
@@ -544,6 +603,30 @@ class StreamGuardModel:
             gen.quota_admitted = False
         with self._lock:
             self.in_flight -= 1
+
+    def _outcome(self, gen: Generation | None, outcome: str) -> None:
+        """One request ended: its in-process count, its outcome counter, and (ok) its timings."""
+        key = {"target_error": "target_errors", "error": "errors"}.get(outcome, outcome)
+        self.stats[key] += 1
+        tenant = gen.tenant if gen is not None else self.settings.tenancy.default
+        self.metrics.inc("stream_requests", 1, outcome=outcome, tenant=self.label(tenant))
+        if gen is not None and gen.first_sent is not None:
+            self.metrics.observe("stream_ttft", gen.first_sent - gen.received)
+            if gen.pieces_sent >= 2 and gen.last_sent is not None:
+                self.metrics.observe("stream_itl", (gen.last_sent - gen.first_sent) / (gen.pieces_sent - 1))
+
+    def _charge(self, gen: Generation, tokens: int) -> None:
+        self.budget.charge(gen.tenant, tokens)
+        if tokens:
+            self.metrics.inc("stream_tokens", tokens, direction="out", tenant=self.label(gen.tenant))
+
+    @staticmethod
+    def _sent(gen: Generation) -> None:
+        now = time.perf_counter()
+        if gen.first_sent is None:
+            gen.first_sent = now
+        gen.last_sent = now
+        gen.pieces_sent += 1
 
     def _done(self, gen: Generation) -> None:
         self.budget.release(gen.tenant)
@@ -570,7 +653,7 @@ class StreamGuardModel:
             self._generate(gen)
         except Exception as exc:  # noqa: BLE001 - fail this request, keep serving
             log.exception("stream guard %s: generation failed", self.name)
-            self.stats["errors"] += 1
+            self._outcome(gen, "error")
             if not gen.sender.closed:
                 _safe(gen.sender.fail, f"model '{self.name}': generation failed ({type(exc).__name__})", "INTERNAL")
         finally:
@@ -603,7 +686,7 @@ class StreamGuardModel:
         try:
             self._forward(gen, responses, it)
         except TargetStalled as exc:
-            self.stats["target_errors"] += 1
+            self._outcome(gen, "target_error")
             log.warning("stream guard %s: target %s %s (stalled, or failed mid-stream)", self.name, self.target, exc)
             _safe(gen.sender.fail, f"target '{self.target}' sent nothing for "
                   f"{self.settings.guard.target_idle_timeout_s:g} s (it stalled or failed mid-stream); retry later",
@@ -619,8 +702,8 @@ class StreamGuardModel:
             if resp.has_error():
                 err = resp.error()
                 code = _CODE_NAMES.get(err.code(), "INTERNAL") if hasattr(err, "code") else "INTERNAL"
-                self.stats["target_errors"] += 1
-                self.budget.charge(gen.tenant, tokens)
+                self._outcome(gen, "target_error")
+                self._charge(gen, tokens)
                 log.warning("stream guard %s: target %s failed after %d tokens: %s", self.name, self.target,
                             tokens, err.message())
                 _safe(sender.fail, f"target '{self.target}' failed: {err.message()}", code)
@@ -639,14 +722,15 @@ class StreamGuardModel:
                         piece = out.feed(piece)
                     if piece:
                         sender.piece(piece)
+                        self._sent(gen)
                 else:
                     whole.append(piece)
             now = time.monotonic()
             if now >= next_poll:
                 next_poll = now + self.cancel_poll_s
                 if request.is_cancelled():
-                    self.stats["cancelled"] += 1
-                    self.budget.charge(gen.tenant, tokens)
+                    self._outcome(gen, "cancelled")
+                    self._charge(gen, tokens)
                     log.info("stream guard %s: client cancelled after %d tokens", self.name, tokens)
                     _safe(sender.fail, "the request was cancelled", "CANCELLED")
                     self._stop_target(responses, it, "client cancelled")
@@ -655,23 +739,29 @@ class StreamGuardModel:
                 # a target that ignores max_tokens: stop here
                 self._stop_target(responses, it, f"max_tokens {max_tokens} reached")
                 break
+        redacted = 0
         if gen.stream:
             rest = out.flush() if out is not None else ""
+            redacted = sum(out.counts.values()) if out is not None else 0
         else:
             text = "".join(whole)
             generated = len(text) - (0 if gen.exclude else len(gen.prompt))  # the prompt comes first unless excluded
             tokens = max(0, generated)  # one token per character: exact for tinylm, an estimate otherwise
             if out is not None:
                 (text,), counts = self.redactor.redact_batch([text])
-                self.stats["redacted_out"] += sum(counts.values())
+                redacted = sum(counts.values())
             rest = text
-        if out is not None:
-            self.stats["redacted_out"] += sum(out.counts.values())
+        self.stats["redacted_out"] += redacted
         self.stats["tokens"] += tokens
-        self.stats["ok"] += 1
-        self.budget.charge(gen.tenant, tokens)
+        self._charge(gen, tokens)
         sender.finish(rest)
+        if rest:
+            self._sent(gen)
+        self._outcome(gen, "ok")
+        if redacted:
+            self.metrics.inc("stream_redactions", redacted, direction="output")
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.metrics.close()
         log.info("stream guard %s: %s", self.name, json.dumps(self.stats))
