@@ -29,6 +29,7 @@ and the histograms ``tritonguard_stream_ttft_seconds`` (hold-back included) and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -39,11 +40,13 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import triton
+from .cache import CacheConfig, TieredCache
 from .config import from_params, model_parameters, split_parameters
 from .errors import ConfigError, InvalidInput, QuotaExceeded, TritonGuardError
 from .generator import (
@@ -62,7 +65,7 @@ log = logging.getLogger(__name__)
 # pb_utils.TritonError integer codes -> names (python_backend pb_error.h order)
 _CODE_NAMES = {0: "UNKNOWN", 1: "INTERNAL", 2: "NOT_FOUND", 3: "INVALID_ARG", 4: "UNAVAILABLE",
                5: "UNSUPPORTED", 6: "ALREADY_EXISTS", 7: "CANCELLED"}
-SECTIONS = ("", "validation", "redaction", "tenancy", "tokens")
+SECTIONS = ("", "validation", "redaction", "tenancy", "tokens", "cache")
 # Long enough for every built-in at its usual length: an IPv6 with an embedded IPv4 (45), an
 # IBAN with spaces (42), an international phone number (<= 40), and e-mails up to 64 characters.
 DEFAULT_HOLDBACK = 64
@@ -75,6 +78,8 @@ COUNTERS = {
     "stream_tokens": ("tritonguard_stream_tokens_total",
                       "Tokens through a stream guard, by direction (in: prompt characters, out: generated tokens) and tenant"),
     "stream_redactions": ("tritonguard_stream_redactions_total", "PII spans a stream guard redacted, by direction"),
+    "stream_cache": ("tritonguard_stream_cache_lookups_total",
+                     "Response cache lookups of deterministic generations, by result (hit, miss) and tenant"),
 }
 HISTOGRAMS = {
     "stream_ttft": ("tritonguard_stream_ttft_seconds",
@@ -154,6 +159,7 @@ class StreamGuardSettings:
     holdback_chars: int
     tenancy: TenancyConfig
     tokens: TokenBudgetConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
 
 def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuardSettings:
@@ -177,7 +183,47 @@ def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuar
         holdback_chars=holdback,
         tenancy=from_params(TenancyConfig, groups["tenancy"], section="tenancy", model=model),
         tokens=from_params(TokenBudgetConfig, groups["tokens"], section="tokens", model=model),
+        cache=from_params(CacheConfig, groups["cache"], section="cache", model=model),
     )
+
+
+# -- response cache -----------------------------------------------------------------------------
+def target_fingerprint(version_dir: Path) -> str | None:
+    """SHA-256 over the files of the target's version folder (names and contents): answers are
+    cached per exact artifact, so a new checkpoint never answers from an older one's entries."""
+    if not version_dir.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(x for x in version_dir.rglob("*") if x.is_file()):
+        h.update(str(f.relative_to(version_dir)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_key(guard: str, fingerprint: str, gen: Generation) -> bytes | None:
+    """The key of a deterministic generation (greedy, or seeded), None for any other: tenant,
+    guard, the target's artifact, the prompt as the target sees it, every sampling parameter and
+    the output shape (stream, prompt included or not)."""
+    p = gen.params
+    if not (p.greedy or p.seed is not None):
+        return None
+    material = json.dumps([gen.tenant, guard, fingerprint, gen.prompt, p.max_tokens, p.temperature, p.top_p,
+                           p.seed, gen.stream, gen.exclude], separators=(",", ":"))
+    return hashlib.sha256(b"tritonguard-stream\0" + material.encode()).digest()
+
+
+def replay_pieces(text: str) -> list[str]:
+    """A cached streamed answer, sent again as a stream: a piece per word (its trailing space)."""
+    pieces, start = [], 0
+    for i, ch in enumerate(text):
+        if ch.isspace() and i + 1 < len(text) and not text[i + 1].isspace():
+            pieces.append(text[start:i + 1])
+            start = i + 1
+    if start < len(text):
+        pieces.append(text[start:])
+    return pieces
 
 
 # -- redaction across token boundaries ----------------------------------------------------------
@@ -366,6 +412,8 @@ class Generation:
     first_sent: float | None = None  # when the client got its first text
     last_sent: float | None = None
     pieces_sent: int = 0
+    cache_key: bytes | None = None  # a deterministic generation's response-cache key
+    sent: list[str] = field(default_factory=list)  # pieces sent, kept only to fill the cache
 
 
 def _one(arr: np.ndarray, name: str) -> Any:
@@ -524,8 +572,13 @@ class StreamGuardModel:
         self._lock = threading.Lock()
         self.in_flight = 0
         self.stats = {"requests": 0, "rejected": 0, "ok": 0, "cancelled": 0, "target_errors": 0,
-                      "errors": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0}
+                      "errors": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0,
+                      "cache_hits": 0}
         self._cancel_supported: bool | None = None
+        self.cache: TieredCache | None = None
+        self.fingerprint: str | None = None
+        if s.cache.enabled:
+            self._open_cache(Path(args["model_repository"]).parent, s.cache)
         # counters and histograms go through the in-process Metrics (flushed by its own thread):
         # no IPC on a worker's per-token path
         self.label = TenantLabels()
@@ -536,6 +589,21 @@ class StreamGuardModel:
         log.info("stream guard %s -> %s: max_tokens %d, holdback %d chars, redaction %s, max_in_flight %d",
                  self.name, self.target, s.validation.max_tokens, s.holdback_chars,
                  "on" if self.redactor.active else "off", s.guard.max_in_flight)
+
+    def _open_cache(self, repo: Path, config: CacheConfig) -> None:
+        target_dir = repo / self.target
+        versions = sorted(int(d.name) for d in target_dir.iterdir() if d.is_dir() and d.name.isdigit()) \
+            if target_dir.is_dir() else []
+        version = self.version if self.version > 0 else (versions[-1] if versions else -1)
+        self.fingerprint = target_fingerprint(target_dir / str(version)) if version > 0 else None
+        if self.fingerprint is None:
+            log.warning("stream guard %s: target %s is not in %s: its answers are not cached (the cache keys on "
+                        "the target's artifact)", self.name, self.target, repo)
+            return
+        cache = TieredCache(config)
+        self.cache = cache if cache.enabled else None
+        log.info("stream guard %s: caching deterministic answers of %s v%d (artifact %s…)", self.name, self.target,
+                 version, self.fingerprint[:12])
 
     # -- execute thread: checks only -------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
@@ -659,6 +727,19 @@ class StreamGuardModel:
         finally:
             self._done(gen)
 
+    def _replay(self, gen: Generation, text: str) -> None:
+        """A cached answer, sent as it was the first time: streamed a word per piece, or whole."""
+        if gen.stream:
+            for piece in replay_pieces(text):
+                gen.sender.piece(piece)
+                self._sent(gen)
+            gen.sender.finish("")
+        else:
+            gen.sender.finish(text)
+            self._sent(gen)
+        self.stats["cache_hits"] += 1
+        self._outcome(gen, "ok")
+
     def _stop_target(self, responses: Any, it: Any, why: str) -> None:
         """Cancel the BLS stream where python_backend can; else read and drop the rest."""
         cancel = getattr(responses, "cancel", None)
@@ -681,6 +762,19 @@ class StreamGuardModel:
                      "responses in %.0f ms", self.name, why, dropped, (time.perf_counter() - t0) * 1000)
 
     def _generate(self, gen: Generation) -> None:
+        key = cache_key(self.name, self.fingerprint, gen) if self.cache is not None and self.fingerprint else None
+        if key is not None:
+            try:
+                hit = self.cache.get_many([key])[0]  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - a cache failure costs a miss, never the request
+                log.exception("stream guard %s: cache lookup failed", self.name)
+                hit = None
+            self.metrics.inc("stream_cache", 1, result="hit" if hit is not None else "miss",
+                             tenant=self.label(gen.tenant))
+            if hit is not None:
+                self._replay(gen, bytes(hit[OUTPUT].reshape(-1)[0]).decode("utf-8"))
+                return
+        gen.cache_key = key
         responses = self._bls(gen)
         it = watched(responses, self.settings.guard.target_idle_timeout_s, self.name)
         try:
@@ -723,6 +817,8 @@ class StreamGuardModel:
                     if piece:
                         sender.piece(piece)
                         self._sent(gen)
+                        if gen.cache_key is not None:
+                            gen.sent.append(piece)
                 else:
                     whole.append(piece)
             now = time.monotonic()
@@ -758,6 +854,12 @@ class StreamGuardModel:
         if rest:
             self._sent(gen)
         self._outcome(gen, "ok")
+        if gen.cache_key is not None and self.cache is not None:
+            text = "".join(gen.sent) + rest if gen.stream else rest
+            try:  # what this client got, redacted: the next identical request gets the same
+                self.cache.put_many([(gen.cache_key, {OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_)})])
+            except Exception:  # noqa: BLE001 - never fails the request it comes after
+                log.exception("stream guard %s: cache fill failed", self.name)
         if redacted:
             self.metrics.inc("stream_redactions", redacted, direction="output")
 

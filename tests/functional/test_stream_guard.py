@@ -106,11 +106,12 @@ def server(tmp_path_factory):
           target_idle_timeout_s="2")
     guard("echo_budget", target="echo", tokens__per_minute="60", validation__max_tokens="512")
     guard("echo_metrics", target="echo", validation__max_tokens="512")  # only test_metrics sends to it
+    guard("echo_cached", target="echo", validation__max_tokens="512", cache__enabled="true")
     guard("misspelt_stream", target="echo", tokens__per_minut="60")
     logs = tmp_path_factory.mktemp("streamlogs")
     srv = Server(repository=repo, log_path=logs / "tritonserver.log")
     srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "echo_guard", "echo_out", "echo_budget",
-                           "echo_metrics"))
+                           "echo_metrics", "echo_cached"))
     yield srv
     srv.stop()
 
@@ -354,4 +355,39 @@ def test_metrics_count_requests_tokens_and_time_to_first_piece(server):
     ttft = _scrape(server, "tritonguard_stream_ttft_seconds_count")
     itl = _scrape(server, "tritonguard_stream_itl_seconds_count")
     assert sum(ttft.values()) == 3 and sum(itl.values()) == 2, (ttft, itl)
+
+
+def test_a_deterministic_answer_is_cached_and_replayed_as_a_stream(server):
+    """Greedy (or seeded) requests are answered from the cache the second time: the target never
+    sees the repeat (the echo logs each prompt it gets), the stream replays the same text, and a
+    sampled request without a seed is never cached."""
+    prompt, params = "cache me once, call +44 20 7946 0958 then", {"max_tokens": 200, "temperature": 0}
+    first = sse(server, "echo_cached", prompt, params)
+    assert wait_log(server, f"echo saw: {prompt.replace('+44 20 7946 0958', '[PHONE]')}")
+    again = sse(server, "echo_cached", prompt, params)
+    text = "".join(e["text_output"] for e in first)
+    assert text == "".join(e["text_output"] for e in again) == "cache me once, call [PHONE] then"
+    assert len(again) > 3  # replayed as a stream, not one blob
+    status, body = generate(server, "echo_cached", prompt, params, exclude_input_in_output=True)
+    assert status == 200 and body["text_output"] == text  # another output shape: its own entry
+    time.sleep(1.5)  # the metrics thread flushes every second
+    seen = server.tail(2000).count("echo saw: cache me once")
+    assert seen == 2, seen  # the stream once, the whole answer once; the repeat came from the cache
+    lookups = _scrape_model(server, "tritonguard_stream_cache_lookups_total", "echo_cached")
+    assert sum(v for k, v in lookups.items() if 'result="hit"' in k) == 1, lookups
+    assert sum(v for k, v in lookups.items() if 'result="miss"' in k) == 2, lookups
+    sampled = {"max_tokens": 200, "temperature": 0.8}
+    for _ in range(2):
+        sse(server, "echo_cached", "never cached", sampled)
+    assert wait_log(server, "echo saw: never cached")
+    time.sleep(1.5)
+    assert server.tail(2000).count("echo saw: never cached") == 2
+    lookups = _scrape_model(server, "tritonguard_stream_cache_lookups_total", "echo_cached")
+    assert sum(lookups.values()) == 3, lookups  # no lookup for a sampled request
+
+
+def _scrape_model(srv, family: str, model: str) -> dict[str, float]:
+    text = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(family) and f'model="{model}"' in line}
 

@@ -10,15 +10,20 @@ import numpy as np
 import pytest
 
 from tritonguard.errors import ConfigError, InvalidInput
+from tritonguard.generator import SamplingParams
 from tritonguard.redaction import RedactionConfig, Redactor
 from tritonguard.stream_guard import (
     DEFAULT_HOLDBACK,
+    Generation,
     StreamRedactor,
     StreamValidationConfig,
     TokenBudget,
     TokenBudgetConfig,
+    cache_key,
     parse_generation,
     parse_settings,
+    replay_pieces,
+    target_fingerprint,
     target_sampling,
 )
 
@@ -179,7 +184,7 @@ def test_settings_defaults_and_sections():
     ({"target": "t", "validation.max_tokenz": "5"}, "'validation.max_tokenz'"),
     ({"target": "t", "tokens.per_second": "5"}, "'tokens.per_second'"),
     ({"target": "t", "bogus": "1"}, "'bogus'"),
-    ({"target": "t", "cache.enabled": "true"}, "'cache.enabled'"),
+    ({"target": "t", "cache.semantic": "true"}, "'cache.semantic'"),
     ({"target": "t", "redaction.holdback_chars": "lots"}, "'redaction.holdback_chars'"),
     ({"target": "t", "redaction.holdback_chars": "-1"}, "'redaction.holdback_chars'"),
     ({"target": "t", "redaction.recognizers": "EMAIL,PASSPORT"}, "PASSPORT"),
@@ -245,3 +250,39 @@ def test_sampling_keys_can_be_restricted():
     with pytest.raises(InvalidInput, match="key 'seed' is not allowed here"):
         parse_generation(inputs(sampling={"seed": 1}), cfg)
     assert parse_generation(inputs(sampling={"temperature": 0}), cfg).params.greedy
+
+
+# -- response cache -------------------------------------------------------------------------------
+def _gen(prompt="Return the", tenant="a", stream=True, **params) -> Generation:
+    return Generation(prompt=prompt, params=SamplingParams(**{"max_tokens": 16, "temperature": 0.0, **params}),
+                      stream=stream, exclude=None, tenant=tenant)
+
+
+def test_only_deterministic_generations_have_a_cache_key():
+    fp = "ab" * 32
+    greedy, seeded = cache_key("g", fp, _gen()), cache_key("g", fp, _gen(temperature=0.8, seed=7))
+    assert greedy is not None and seeded is not None and greedy != seeded
+    assert cache_key("g", fp, _gen(temperature=0.8)) is None  # fresh entropy each time: never cached
+    # everything that changes the answer, or who may see it, changes the key
+    variants = [_gen(tenant="b"), _gen(prompt="Return a"), _gen(max_tokens=17), _gen(stream=False),
+                _gen(temperature=0.8, seed=8)]
+    keys = {cache_key("g", fp, v) for v in variants} | {cache_key("g2", fp, _gen()), cache_key("g", "cd" * 32, _gen())}
+    assert greedy not in keys and len(keys) == 7
+
+
+def test_replayed_pieces_join_to_the_text():
+    text = "Call [PHONE] now,  then   the string\n the end"
+    pieces = replay_pieces(text)
+    assert "".join(pieces) == text and len(pieces) == 8 and pieces[2] == "now,  " and replay_pieces("") == []
+
+
+def test_target_fingerprint_changes_with_the_artifact(tmp_path):
+    v = tmp_path / "tinylm" / "1"
+    v.mkdir(parents=True)
+    (v / "model.onnx").write_bytes(b"weights")
+    (v / "vocab.json").write_text("{}")
+    first = target_fingerprint(v)
+    assert first is not None and target_fingerprint(v) == first
+    (v / "model.onnx").write_bytes(b"weights, retrained")
+    assert target_fingerprint(v) != first
+    assert target_fingerprint(tmp_path / "nothing") is None
