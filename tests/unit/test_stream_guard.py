@@ -286,3 +286,24 @@ def test_target_fingerprint_changes_with_the_artifact(tmp_path):
     (v / "model.onnx").write_bytes(b"weights, retrained")
     assert target_fingerprint(v) != first
     assert target_fingerprint(tmp_path / "nothing") is None
+
+
+def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
+    """docs/stream-guard.md names its parameters in backticks: each one loads with a valid value
+    (a misspelt or removed key in the doc fails here, as the batch guard's keys do in
+    test_export_merge.py)."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "stream-guard.md").read_text()
+    keys = set(re.findall(r"`((?:validation|redaction|tenancy|tokens|cache)\.[a-z_]+)`", doc))
+    values = {"validation.max_prompt_chars": "100", "validation.max_tokens": "64", "validation.max_temperature": "1",
+              "redaction.holdback_chars": "32", "redaction.model_sees_redacted": "false",
+              "tokens.per_minute": "600", "tokens.max_in_flight": "2", "cache.enabled": "true"}
+    assert {"redaction.holdback_chars", "tokens.per_minute", "validation.max_tokens"} <= keys, keys
+    assert keys <= set(values), keys - set(values)
+    for key in keys:
+        parse_settings({"target": "t", key: values[key]})
+    with pytest.raises(ConfigError, match="'tokens.per_minut'"):
+        parse_settings({"target": "t", "tokens.per_minut": "1"})
+
