@@ -249,6 +249,15 @@ def run_tracing(args: argparse.Namespace, workdir: Path) -> dict:
     return result
 
 
+def run_stream(args: argparse.Namespace, workdir: Path) -> dict:
+    """The decoupled guard in front of tinylm vs tinylm raw (perf/stream_bench.py)."""
+    from perf import stream_bench
+
+    result = stream_bench.run(workdir, rounds=args.rounds)
+    stream_bench.print_result(result)
+    return result
+
+
 def run_rollout(args: argparse.Namespace, workdir: Path) -> dict:
     """Time to full promotion, user-visible errors and throughput during vs before (perf/rollout_bench.py)."""
     from perf import rollout_bench
@@ -303,6 +312,8 @@ def run_only(args: argparse.Namespace) -> int:
         result = run_privacy(args, workdir)
     elif args.only == "tracing":
         result = run_tracing(args, workdir)
+    elif args.only == "stream":
+        result = run_stream(args, workdir)
     else:
         from perf import canary
 
@@ -334,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="`exporter tune minilm` timed, its choice vs the shipped defaults (≤10 min)")
     ap.add_argument("--tracing", action=argparse.BooleanOptionalAction, default=True,
                     help="digits guard with tracing off / 1 %% sampled / ratio 0, alternating (~3 min)")
-    ap.add_argument("--only", choices=["canary", "privacy", "rollout", "tracing", "tune"],
+    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                    help="the decoupled guard in front of tinylm vs raw, c=1 and 8, gRPC streaming (~3 min)")
+    ap.add_argument("--only", choices=["canary", "privacy", "rollout", "stream", "tracing", "tune"],
                     help="run just this scenario (skips the guarded/raw sweep)")
     args = ap.parse_args(argv)
     if args.only:
@@ -376,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     tracing = run_tracing(args, workdir) if args.tracing and "digits" in args.models else None
     rollout = run_rollout(args, workdir) if args.rollout and "digits" in args.models else None
     tuned = run_tune(args, workdir) if args.tune and "minilm" in args.models else None
+    stream = run_stream(args, workdir) if args.stream else None
     report = {
-        "privacy": privacy, "tracing": tracing, "rollout": rollout, "tune": tuned,
+        "privacy": privacy, "tracing": tracing, "rollout": rollout, "tune": tuned, "stream": stream,
         "timestamp": stamp, "machine": {"cpus": os.cpu_count()},
         "settings": {"window_ms": args.window_ms, "trials": args.trials, "rounds": args.rounds, "protocol": "http"},
         "measurements": [asdict(m) for m in results], "ratios": rows, "canary": canary_rows,
@@ -396,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
                                ("p99 added", r["meets_p99"] if r["concurrency"] == 16 else None)) if ok is False]
     if tracing is not None and not tracing["meets_target"]:
         missed.append(f"tracing at 1 %: {tracing['on_1pct_over_off']:.3f} of tracing off")
+    if stream is not None and not stream["meets_target"]:
+        missed.append("stream guard: " + ", ".join(
+            f"c={c} TTFT {p['ttft_added_ms']:+.1f} ms, tokens/s {p['tokens_ratio']:.2f} of raw"
+            for c, p in stream["points"].items()))
     if tuned is not None and not tuned["ok"]:
         missed.append(f"tune {tuned['model']}: {tuned.get('error') or 'slower than the defaults or over time'}")
     if missed:

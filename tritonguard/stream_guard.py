@@ -510,9 +510,12 @@ _END = object()
 
 
 def watched(responses: Any, idle_s: float, name: str = "") -> Any:
-    """The target's responses, read on a thread of their own, each waited for at most
-    ``idle_s`` (else :class:`TargetStalled`). The reader thread of a stalled stream stays
-    blocked in python_backend's iterator (it has no timeout); it is a daemon and holds no lock."""
+    """The target's responses, read on a thread of their own, in lists: each list is the next
+    response (waited for at most ``idle_s``, else :class:`TargetStalled`) and every one that had
+    arrived behind it. A worker that falls behind its target then forwards several tokens as one
+    piece (one client response instead of several), and one that keeps up forwards them one by
+    one. The reader thread of a stalled stream stays blocked in python_backend's iterator (it has
+    no timeout); it is a daemon and holds no lock."""
     q: queue.Queue = queue.Queue()
 
     def read() -> None:
@@ -525,16 +528,30 @@ def watched(responses: Any, idle_s: float, name: str = "") -> Any:
             q.put(_END)
 
     threading.Thread(target=read, name=f"bls-read-{name}", daemon=True).start()
+    pending: Any = None
     while True:
-        try:
-            item = q.get(timeout=idle_s)
-        except queue.Empty:
-            raise TargetStalled(f"no response for {idle_s:g} s") from None
+        if pending is not None:
+            item, pending = pending, None
+        else:
+            try:
+                item = q.get(timeout=idle_s)
+            except queue.Empty:
+                raise TargetStalled(f"no response for {idle_s:g} s") from None
         if item is _END:
             return
         if isinstance(item, Exception):
             raise item
-        yield item
+        batch = [item]
+        while True:
+            try:
+                nxt = q.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is _END or isinstance(nxt, Exception):
+                pending = nxt  # after this batch
+                break
+            batch.append(nxt)
+        yield batch
 
 
 def _safe(fn: Callable[..., Any], *args: Any) -> Any:
@@ -792,35 +809,41 @@ class StreamGuardModel:
         sender, request = gen.sender, gen.request
         tokens, next_poll, whole = 0, 0.0, []
         max_tokens = gen.params.max_tokens
-        for resp in it:
-            if resp.has_error():
-                err = resp.error()
-                code = _CODE_NAMES.get(err.code(), "INTERNAL") if hasattr(err, "code") else "INTERNAL"
+        for batch in it:
+            texts: list[str] = []
+            failed = None
+            for resp in batch:
+                if resp.has_error():
+                    failed = resp.error()
+                    break
+                tensor = triton.pb().get_output_tensor_by_name(resp, OUTPUT)
+                if tensor is not None:
+                    texts.append(b"".join(bytes(x) for x in tensor.as_numpy().reshape(-1)).decode("utf-8", "replace"))
+            if gen.stream:
+                tokens += len(texts)
+                piece = "".join(texts)
+                if out is not None and piece:
+                    piece = out.feed(piece)
+                if piece:
+                    sender.piece(piece)
+                    self._sent(gen)
+                    if gen.cache_key is not None:
+                        gen.sent.append(piece)
+            else:
+                whole.extend(texts)
+            if failed is not None:
+                code = _CODE_NAMES.get(failed.code(), "INTERNAL") if hasattr(failed, "code") else "INTERNAL"
                 self._outcome(gen, "target_error")
                 self._charge(gen, tokens)
                 log.warning("stream guard %s: target %s failed after %d tokens: %s", self.name, self.target,
-                            tokens, err.message())
-                _safe(sender.fail, f"target '{self.target}' failed: {err.message()}", code)
+                            tokens, failed.message())
+                _safe(sender.fail, f"target '{self.target}' failed: {failed.message()}", code)
                 try:
                     for _ in it:  # nothing should follow an error; do not leave it half read
                         pass
                 except TargetStalled:
                     pass
                 return
-            tensor = triton.pb().get_output_tensor_by_name(resp, OUTPUT)
-            if tensor is not None:
-                piece = b"".join(bytes(x) for x in tensor.as_numpy().reshape(-1)).decode("utf-8", "replace")
-                if gen.stream:
-                    tokens += 1
-                    if out is not None:
-                        piece = out.feed(piece)
-                    if piece:
-                        sender.piece(piece)
-                        self._sent(gen)
-                        if gen.cache_key is not None:
-                            gen.sent.append(piece)
-                else:
-                    whole.append(piece)
             now = time.monotonic()
             if now >= next_poll:
                 next_poll = now + self.cancel_poll_s
