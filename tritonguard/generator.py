@@ -91,6 +91,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    given: tuple[str, ...] = field(default=(), compare=False)  # the keys the request set
 
     @property
     def greedy(self) -> bool:
@@ -178,7 +179,7 @@ def parse_sampling(raw: str | bytes | None, *, max_tokens_cap: int, default_max_
         if not 0 <= s < SEED_LIMIT:
             raise _bad("seed", rule, obj["seed"])
         kw["seed"] = s
-    return SamplingParams(**{**default.__dict__, **kw})
+    return SamplingParams(**{**default.__dict__, **kw, "given": tuple(k for k in SAMPLING_KEYS if k in kw)})
 
 
 def pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, banned: int) -> int:
@@ -379,7 +380,7 @@ class Engine:
             self.queue.put_nowait(seq)
         except queue.Full:
             self.metrics.inc("gen_requests", outcome="rejected")
-            _safe(seq.sink.fail, "the generator's queue is full; retry later", "UNAVAILABLE")
+            safe_send(seq.sink.fail, "the generator's queue is full; retry later", "UNAVAILABLE")
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -393,7 +394,7 @@ class Engine:
         for seq in pending:
             if not seq.ended:
                 self._ended(seq, "error")
-                _safe(seq.sink.fail, "the model is unloading", "UNAVAILABLE")
+                safe_send(seq.sink.fail, "the model is unloading", "UNAVAILABLE")
 
     def _ended(self, seq: Sequence, outcome: str) -> None:
         """Per-request accounting at its end (one inc per family, no per-token IPC)."""
@@ -421,7 +422,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - one bad prompt must not stop the loop
                 log.exception("prefill failed")
                 self._ended(seq, "error")
-                _safe(seq.sink.fail, f"generation failed: {type(exc).__name__}", "INTERNAL")
+                safe_send(seq.sink.fail, f"generation failed: {type(exc).__name__}", "INTERNAL")
                 continue
             self.metrics.inc("gen_tokens", len(seq.prompt), direction="in")
             self.active.append(seq)
@@ -430,7 +431,7 @@ class Engine:
         if now - seq.last_cancel_check < self.cancel_poll_s:
             return False
         seq.last_cancel_check = now
-        return bool(_safe(seq.sink.cancelled))
+        return bool(safe_send(seq.sink.cancelled))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -444,26 +445,26 @@ class Engine:
                     if self._cancelled(seq, now):
                         log.info("request cancelled after %d tokens: decoding stopped", len(seq.pieces))
                         self._ended(seq, "cancelled")
-                        _safe(seq.sink.fail, "the request was cancelled", "CANCELLED")
+                        safe_send(seq.sink.fail, "the request was cancelled", "CANCELLED")
                     else:
                         live.append(seq)
                 for seq, piece in self.decoder.advance(live):
                     if piece is not None:
                         self.tokens += 1
                         if seq.stream:
-                            _safe(seq.sink.piece, piece)
+                            safe_send(seq.sink.piece, piece)
                         self._token_timing(seq)
                     if seq.done:
                         text = None if seq.stream else (seq.prompt if seq.prepend_prompt else "") + seq.text
                         self._ended(seq, "ok")
-                        _safe(seq.sink.finish, text)
+                        safe_send(seq.sink.finish, text)
                 self.active = [s for s in live if not s.done]
             except Exception:  # noqa: BLE001 - fail what is in flight, keep serving
                 log.exception("decode step failed")
                 for seq in self.active:
                     if not seq.ended:
                         self._ended(seq, "error")
-                        _safe(seq.sink.fail, "generation failed: internal error", "INTERNAL")
+                        safe_send(seq.sink.fail, "generation failed: internal error", "INTERNAL")
                 self.active = []
 
     def _token_timing(self, seq: Sequence) -> None:
@@ -478,7 +479,7 @@ class Engine:
         seq.last_token_at = t
 
 
-def _safe(fn: Callable[..., Any], *args: Any) -> Any:
+def safe_send(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     except Exception:  # noqa: BLE001 - a client gone mid-stream is not the loop's problem
@@ -512,11 +513,14 @@ class GeneratorConfig:
 
 
 class TritonSink:
-    """Responses of one decoupled request."""
+    """Responses of one decoupled request (the generator's, and the stream guard's to its
+    client). ``finish(None)`` ends a stream with a flags-only final response; ``finish(text)``
+    sends the text with the final flag (a non-streamed answer: exactly one response)."""
 
     def __init__(self, request: Any, sender: Any) -> None:
         self.request, self.sender = request, sender
         self.final = triton.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self.closed = False  # a final response was sent
 
     def _text(self, text: str) -> Any:
         return triton.response({OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_)})
@@ -525,30 +529,35 @@ class TritonSink:
         self.sender.send(self._text(text))
 
     def finish(self, text: str | None) -> None:
+        self.closed = True
         if text is None:
             self.sender.send(flags=self.final)
         else:
             self.sender.send(self._text(text), flags=self.final)
 
     def fail(self, message: str, code: str) -> None:
+        self.closed = True
         self.sender.send(triton.error(message, code), flags=self.final)
 
     def cancelled(self) -> bool:
         return bool(self.request.is_cancelled())
 
 
-def _one(arr: np.ndarray, name: str) -> Any:
+def one_element(arr: np.ndarray, name: str) -> Any:
     flat = arr.reshape(-1)
     if flat.size != 1:
         raise InvalidInput(name, "shape [1]", f"expected one element, got shape {list(arr.shape)}")
     return flat[0]
 
 
-def parse_request(inputs: Mapping[str, np.ndarray], cfg: GeneratorConfig) -> Sequence:
-    """The request's inputs -> a :class:`Sequence`; any rule broken raises InvalidInput."""
+def read_contract(inputs: Mapping[str, np.ndarray], *, max_prompt_chars: int,
+                  limit_name: str = "max_prompt_chars") -> tuple[str, bool, bool | None, Any]:
+    """The vLLM contract's inputs -> (prompt, stream, exclude_input_in_output or None when
+    absent, the raw sampling_parameters or None); any rule broken raises InvalidInput naming the
+    input. Shared by the generator and the guard in front of one (tritonguard.stream_guard)."""
     if "text_input" not in inputs:
         raise InvalidInput("text_input", "presence", "the input is required")
-    raw = _one(inputs["text_input"], "text_input")
+    raw = one_element(inputs["text_input"], "text_input")
     if isinstance(raw, bytes):
         try:
             prompt = raw.decode("utf-8")
@@ -558,24 +567,24 @@ def parse_request(inputs: Mapping[str, np.ndarray], cfg: GeneratorConfig) -> Seq
         prompt = str(raw)
     if not prompt:
         raise InvalidInput("text_input", "non-empty", "the prompt is empty")
-    if len(prompt) > cfg.max_prompt_chars:
-        raise InvalidInput("text_input", f"at most {cfg.max_prompt_chars} characters (max_prompt_chars)",
-                           f"got {len(prompt)}")
-    stream = bool(_one(inputs["stream"], "stream")) if "stream" in inputs else False
+    if len(prompt) > max_prompt_chars:
+        raise InvalidInput("text_input", f"at most {max_prompt_chars} characters ({limit_name})", f"got {len(prompt)}")
+    stream = bool(one_element(inputs["stream"], "stream")) if "stream" in inputs else False
+    exclude = (bool(one_element(inputs["exclude_input_in_output"], "exclude_input_in_output"))
+               if "exclude_input_in_output" in inputs else None)
+    if stream and exclude is False:
+        # as the vLLM backend: a stream carries only new text
+        raise InvalidInput("exclude_input_in_output", "false only without stream",
+                           "streamed responses never repeat the prompt")
     sp = inputs.get("sampling_parameters")
-    params = parse_sampling(None if sp is None else _one(sp, "sampling_parameters"),
-                            max_tokens_cap=cfg.max_tokens_cap, default_max_tokens=cfg.default_max_tokens)
-    exclude = inputs.get("exclude_input_in_output")
-    if exclude is not None:
-        exclude_flag = bool(_one(exclude, "exclude_input_in_output"))
-        if stream and not exclude_flag:
-            # as the vLLM backend: a stream carries only new text
-            raise InvalidInput("exclude_input_in_output", "false only without stream",
-                               "streamed responses never repeat the prompt")
-        prepend = not exclude_flag
-    else:
-        prepend = not stream
-    return Sequence(prompt, params, stream=stream, prepend_prompt=prepend)
+    return prompt, stream, exclude, None if sp is None else one_element(sp, "sampling_parameters")
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], cfg: GeneratorConfig) -> Sequence:
+    """The request's inputs -> a :class:`Sequence`; any rule broken raises InvalidInput."""
+    prompt, stream, exclude, raw_sp = read_contract(inputs, max_prompt_chars=cfg.max_prompt_chars)
+    params = parse_sampling(raw_sp, max_tokens_cap=cfg.max_tokens_cap, default_max_tokens=cfg.default_max_tokens)
+    return Sequence(prompt, params, stream=stream, prepend_prompt=not stream if exclude is None else not exclude)
 
 
 class GeneratorModel:
@@ -610,12 +619,12 @@ class GeneratorModel:
                 seq = parse_request(triton.request_inputs(request, INPUTS), self.config)
             except TritonGuardError as exc:
                 self.metrics.inc("gen_requests", outcome="rejected")
-                _safe(sink.fail, str(exc), exc.code)
+                safe_send(sink.fail, str(exc), exc.code)
                 continue
             except Exception as exc:  # noqa: BLE001 - never let a traceback reach clients
                 log.exception("generator %s: request rejected", self.name)
                 self.metrics.inc("gen_requests", outcome="rejected")
-                _safe(sink.fail, f"model '{self.name}' cannot read the request: {type(exc).__name__}", "INTERNAL")
+                safe_send(sink.fail, f"model '{self.name}' cannot read the request: {type(exc).__name__}", "INTERNAL")
                 continue
             seq.sink, seq.received = sink, received
             self.engine.submit(seq)

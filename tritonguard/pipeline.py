@@ -141,9 +141,6 @@ class Pipeline:
         if failed is not None:
             raise failed
 
-    def stage(self, name: str) -> Stage | None:
-        return next((s for s in self.stages if s.name == name), None)
-
     def names(self) -> list[str]:
         return [s.name for s in self.stages]
 

@@ -55,7 +55,10 @@ from .generator import (
     OUTPUT,
     SAMPLING_KEYS,
     SamplingParams,
+    TritonSink,
     parse_sampling,
+    read_contract,
+    safe_send,
 )
 from .redaction import RedactionConfig, Redactor
 from .tenancy import QuotaManager, TenancyConfig, TenantLabels, TenantResolver
@@ -416,49 +419,21 @@ class Generation:
     sent: list[str] = field(default_factory=list)  # pieces sent, kept only to fill the cache
 
 
-def _one(arr: np.ndarray, name: str) -> Any:
-    flat = arr.reshape(-1)
-    if flat.size != 1:
-        raise InvalidInput(name, "shape [1]", f"expected one element, got shape {list(arr.shape)}")
-    return flat[0]
-
-
 def parse_generation(inputs: Mapping[str, np.ndarray], cfg: StreamValidationConfig) -> Generation:
     """Inputs -> :class:`Generation` (prompt not redacted yet); every broken rule raises
     :class:`InvalidInput` naming the input and the rule."""
-    if "text_input" not in inputs:
-        raise InvalidInput("text_input", "presence", "the input is required")
-    raw = _one(inputs["text_input"], "text_input")
-    if isinstance(raw, bytes):
-        try:
-            prompt = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidInput("text_input", "UTF-8", f"invalid byte at offset {exc.start}") from None
-    else:
-        prompt = str(raw)
+    prompt, stream, exclude, raw_sp = read_contract(inputs, max_prompt_chars=cfg.max_prompt_chars,
+                                                    limit_name="validation.max_prompt_chars")
     if not prompt.strip():
-        raise InvalidInput("text_input", "non-empty", "the prompt is empty")
-    if len(prompt) > cfg.max_prompt_chars:
-        raise InvalidInput("text_input", f"at most {cfg.max_prompt_chars} characters (validation.max_prompt_chars)",
-                           f"got {len(prompt)}")
-    stream = bool(_one(inputs["stream"], "stream")) if "stream" in inputs else False
-    exclude = bool(_one(inputs["exclude_input_in_output"], "exclude_input_in_output")) \
-        if "exclude_input_in_output" in inputs else None
-    if stream and exclude is False:
-        raise InvalidInput("exclude_input_in_output", "false only without stream",
-                           "streamed responses never repeat the prompt")
-    raw_sp = _one(inputs["sampling_parameters"], "sampling_parameters") if "sampling_parameters" in inputs else None
+        raise InvalidInput("text_input", "non-empty", "the prompt is only white space")
     params = parse_sampling(raw_sp, max_tokens_cap=cfg.max_tokens, default_max_tokens=cfg.default_max_tokens,
                             cap_name="the guard's validation.max_tokens")
-    keys: tuple[str, ...] = ()
-    if raw_sp is not None:
-        obj = json.loads(raw_sp) if (raw_sp.strip() if isinstance(raw_sp, (str, bytes)) else raw_sp) else {}
-        keys = tuple(k for k in SAMPLING_KEYS if obj.get(k) is not None)
-        refused = [k for k in keys if k not in cfg.sampling_keys]
-        if refused:
-            raise InvalidInput("sampling_parameters", "allowed keys",
-                               f"key '{refused[0]}' is not allowed here (validation.sampling_keys: "
-                               f"{', '.join(cfg.sampling_keys) or 'none'})")
+    keys = params.given
+    refused = [k for k in keys if k not in cfg.sampling_keys]
+    if refused:
+        raise InvalidInput("sampling_parameters", "allowed keys",
+                           f"key '{refused[0]}' is not allowed here (validation.sampling_keys: "
+                           f"{', '.join(cfg.sampling_keys) or 'none'})")
     if params.temperature > cfg.max_temperature:
         raise InvalidInput("sampling_parameters", "key 'temperature'",
                            f"must be at most {cfg.max_temperature:g} (validation.max_temperature), "
@@ -477,31 +452,6 @@ def target_sampling(gen: Generation) -> str:
 
 
 # -- the Triton model ---------------------------------------------------------------------------
-class _Sender:
-    """Responses of one decoupled request to the client."""
-
-    def __init__(self, sender: Any) -> None:
-        p = triton.pb()
-        self.sender, self.final = sender, p.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        self.closed = False
-
-    def piece(self, text: str) -> None:
-        if text:
-            self.sender.send(triton.response({OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_)}))
-
-    def finish(self, text: str) -> None:
-        if text:
-            self.sender.send(triton.response({OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_)}),
-                             flags=self.final)
-        else:
-            self.sender.send(flags=self.final)
-        self.closed = True
-
-    def fail(self, message: str, code: str) -> None:
-        self.sender.send(triton.error(message, code), flags=self.final)
-        self.closed = True
-
-
 class TargetStalled(Exception):
     """The target sent nothing for ``target_idle_timeout_s``."""
 
@@ -554,14 +504,6 @@ def watched(responses: Any, idle_s: float, name: str = "") -> Any:
         yield batch
 
 
-def _safe(fn: Callable[..., Any], *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception:  # noqa: BLE001 - a client gone mid-stream is not the guard's problem
-        log.warning("response to one request failed", exc_info=True)
-        return None
-
-
 class StreamGuardModel:
     """``initialize`` / ``execute`` / ``finalize`` of a decoupled guard (see the module doc)."""
 
@@ -591,7 +533,6 @@ class StreamGuardModel:
         self.stats = {"requests": 0, "rejected": 0, "ok": 0, "cancelled": 0, "target_errors": 0,
                       "errors": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0,
                       "cache_hits": 0}
-        self._cancel_supported: bool | None = None
         self.cache: TieredCache | None = None
         self.fingerprint: str | None = None
         if s.cache.enabled:
@@ -626,7 +567,7 @@ class StreamGuardModel:
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             try:
-                sender = _Sender(request.get_response_sender())
+                sender = TritonSink(request, request.get_response_sender())
             except Exception:  # noqa: BLE001
                 log.exception("stream guard %s: no response sender", self.name)
                 continue
@@ -635,19 +576,19 @@ class StreamGuardModel:
                 gen = self._admit(request)
             except TritonGuardError as exc:
                 self._outcome(None, "rejected")
-                _safe(sender.fail, str(exc), exc.code)
+                safe_send(sender.fail, str(exc), exc.code)
                 continue
             except Exception as exc:  # noqa: BLE001 - never a traceback to the client
                 log.exception("stream guard %s: request rejected", self.name)
                 self._outcome(None, "rejected")
-                _safe(sender.fail, f"model '{self.name}' cannot read the request: {type(exc).__name__}", "INTERNAL")
+                safe_send(sender.fail, f"model '{self.name}' cannot read the request: {type(exc).__name__}", "INTERNAL")
                 continue
             gen.request, gen.sender = request, sender
             try:
                 self.pool.submit(self._run, gen)
             except Exception:  # noqa: BLE001 - pool shut down (unloading)
                 self._done(gen)
-                _safe(sender.fail, f"model '{self.name}' is unloading", "UNAVAILABLE")
+                safe_send(sender.fail, f"model '{self.name}' is unloading", "UNAVAILABLE")
         return None
 
     def _admit(self, request: Any) -> Generation:
@@ -740,7 +681,7 @@ class StreamGuardModel:
             log.exception("stream guard %s: generation failed", self.name)
             self._outcome(gen, "error")
             if not gen.sender.closed:
-                _safe(gen.sender.fail, f"model '{self.name}': generation failed ({type(exc).__name__})", "INTERNAL")
+                safe_send(gen.sender.fail, f"model '{self.name}': generation failed ({type(exc).__name__})", "INTERNAL")
         finally:
             self._done(gen)
 
@@ -750,7 +691,7 @@ class StreamGuardModel:
             for piece in replay_pieces(text):
                 gen.sender.piece(piece)
                 self._sent(gen)
-            gen.sender.finish("")
+            gen.sender.finish(None)
         else:
             gen.sender.finish(text)
             self._sent(gen)
@@ -799,7 +740,7 @@ class StreamGuardModel:
         except TargetStalled as exc:
             self._outcome(gen, "target_error")
             log.warning("stream guard %s: target %s %s (stalled, or failed mid-stream)", self.name, self.target, exc)
-            _safe(gen.sender.fail, f"target '{self.target}' sent nothing for "
+            safe_send(gen.sender.fail, f"target '{self.target}' sent nothing for "
                   f"{self.settings.guard.target_idle_timeout_s:g} s (it stalled or failed mid-stream); retry later",
                   "UNAVAILABLE")
 
@@ -837,7 +778,7 @@ class StreamGuardModel:
                 self._charge(gen, tokens)
                 log.warning("stream guard %s: target %s failed after %d tokens: %s", self.name, self.target,
                             tokens, failed.message())
-                _safe(sender.fail, f"target '{self.target}' failed: {failed.message()}", code)
+                safe_send(sender.fail, f"target '{self.target}' failed: {failed.message()}", code)
                 try:
                     for _ in it:  # nothing should follow an error; do not leave it half read
                         pass
@@ -851,7 +792,7 @@ class StreamGuardModel:
                     self._outcome(gen, "cancelled")
                     self._charge(gen, tokens)
                     log.info("stream guard %s: client cancelled after %d tokens", self.name, tokens)
-                    _safe(sender.fail, "the request was cancelled", "CANCELLED")
+                    safe_send(sender.fail, "the request was cancelled", "CANCELLED")
                     self._stop_target(responses, it, "client cancelled")
                     return
             if gen.stream and tokens >= max_tokens:
@@ -873,7 +814,7 @@ class StreamGuardModel:
         self.stats["redacted_out"] += redacted
         self.stats["tokens"] += tokens
         self._charge(gen, tokens)
-        sender.finish(rest)
+        sender.finish(rest if rest or not gen.stream else None)  # non-streamed: exactly one response
         if rest:
             self._sent(gen)
         self._outcome(gen, "ok")

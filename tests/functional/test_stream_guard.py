@@ -7,23 +7,20 @@ from __future__ import annotations
 
 import json
 import queue
-import statistics
 import time
 import urllib.error
 import urllib.request
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from examples import generator as example
+from tests.functional.test_generator import GREEDY, PROMPT, grpc_inputs, post
 from tritonguard.repository import write_config
 from tritonguard.server import Server
 
 pytestmark = pytest.mark.functional
 
-PROMPT = "Return the"
-GREEDY = {"max_tokens": 64, "temperature": 0}
 PII = "Call me at (555) 867-5309 or mail john.smith@example.com, thanks."
 REDACTED = "Call me at [PHONE] or mail [EMAIL], thanks."
 
@@ -116,16 +113,6 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def post(srv, path: str, body: dict, timeout: float = 30) -> tuple[int, bytes]:
-    req = urllib.request.Request(f"http://{srv.http_url}{path}", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
-
-
 def generate(srv, model: str, prompt: str = PROMPT, params: dict | None = None, **inputs) -> tuple[int, dict]:
     body = {"text_input": prompt, "sampling_parameters": json.dumps(params or GREEDY), **inputs}
     status, raw = post(srv, f"/v2/models/{model}/generate", body)
@@ -137,17 +124,6 @@ def sse(srv, model: str, prompt: str, params: dict | None = None) -> list[dict]:
                        {"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(params or GREEDY)})
     assert status == 200, raw
     return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith(b"data: ")]
-
-
-def grpc_inputs(prompt: bytes, stream: bool, params: dict) -> list:
-    out = []
-    for name, arr, dtype in (("text_input", np.array([prompt], dtype=object), "BYTES"),
-                             ("stream", np.array([stream]), "BOOL"),
-                             ("sampling_parameters", np.array([json.dumps(params).encode()], dtype=object), "BYTES")):
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
 
 
 def grpc_stream(client, results, model: str, prompt: str, params: dict) -> tuple[list[str], float]:
@@ -197,7 +173,7 @@ def test_output_redaction_across_single_character_tokens_over_sse(server):
     assert status == 200 and body["text_output"] == REDACTED
 
 
-def test_grpc_streaming_redaction_and_ttft(server):
+def test_grpc_streaming_redaction(server):
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
@@ -207,12 +183,6 @@ def test_grpc_streaming_redaction_and_ttft(server):
         assert "".join(pieces) == REDACTED + tail and not any("@" in p for p in pieces)
         # released as it goes, a word or a few short words behind, not in one piece at the end
         assert len(pieces) >= 6 and pieces[-1] == "window.", pieces
-        ttft = {}
-        for model in ("tinylm", "tinylm_guard", "tinylm", "tinylm_guard"):
-            runs = [grpc_stream(client, results, model, PROMPT, {"max_tokens": 128, "temperature": 0}) for _ in range(5)]
-            ttft.setdefault(model, []).extend(t for _, t in runs)
-        raw, guarded = (statistics.median(ttft[m]) * 1000 for m in ("tinylm", "tinylm_guard"))
-        print(f"TTFT c=1 gRPC median of 10: raw {raw:.1f} ms, guarded {guarded:.1f} ms (holdback 64 chars)")
     finally:
         client.stop_stream()
         client.close()
@@ -323,12 +293,6 @@ def test_grpc_cancel_stops_the_guarded_stream(server):
     assert generate(server, "tinylm_guard")[0] == 200
 
 
-def _scrape(srv, family: str) -> dict[str, float]:
-    text = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith(family) and 'model="echo_metrics"' in line}
-
-
 def test_metrics_count_requests_tokens_and_time_to_first_piece(server):
     """Two streamed answers, one non-streamed, one refusal: Triton's /metrics has them by outcome,
     the tokens out are the characters the clients got, and TTFT / ITL have one sample per
@@ -343,7 +307,7 @@ def test_metrics_count_requests_tokens_and_time_to_first_piece(server):
     want_out = sum(map(len, prompts)) + len("whole")
     deadline = time.monotonic() + 10  # flushed every second
     while True:
-        req, tok = _scrape(server, "tritonguard_stream_requests_total"), _scrape(server, "tritonguard_stream_tokens_total")
+        req, tok = _scrape_model(server, "tritonguard_stream_requests_total", "echo_metrics"), _scrape_model(server, "tritonguard_stream_tokens_total", "echo_metrics")
         ok = sum(v for k, v in req.items() if 'outcome="ok"' in k)
         out = sum(v for k, v in tok.items() if 'direction="out"' in k)
         if (ok == 3 and out == want_out) or time.monotonic() > deadline:
@@ -352,8 +316,8 @@ def test_metrics_count_requests_tokens_and_time_to_first_piece(server):
     assert ok == 3 and out == want_out, (req, tok)
     assert sum(v for k, v in req.items() if 'outcome="rejected"' in k) == 1, req
     assert sum(v for k, v in tok.items() if 'direction="in"' in k) == sum(map(len, prompts)) + len("whole"), tok
-    ttft = _scrape(server, "tritonguard_stream_ttft_seconds_count")
-    itl = _scrape(server, "tritonguard_stream_itl_seconds_count")
+    ttft = _scrape_model(server, "tritonguard_stream_ttft_seconds_count", "echo_metrics")
+    itl = _scrape_model(server, "tritonguard_stream_itl_seconds_count", "echo_metrics")
     assert sum(ttft.values()) == 3 and sum(itl.values()) == 2, (ttft, itl)
 
 

@@ -4,11 +4,14 @@ are queued for the writer thread: never blocking, drops counted."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..errors import QuotaExceeded
 from ..pipeline import Batch, Stage
 from .tenancy import quota_reason
+
+log = logging.getLogger(__name__)
 
 
 class AuditStage(Stage):
@@ -34,9 +37,7 @@ class AuditStage(Stage):
                 self.metrics.inc("audit_drops", self.audit.dropped - self._dropped)
                 self._dropped = self.audit.dropped
         except Exception:  # noqa: BLE001 - bookkeeping must never fail a served batch
-            import logging  # noqa: PLC0415
-
-            logging.getLogger(__name__).exception("guard %s: audit failed", self.guard)
+            log.exception("guard %s: audit failed", self.guard)
 
     def _state_change(self) -> None:
         state = getattr(self.router, "state", None)

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..pipeline import Batch, Stage
+from ..pipeline import Batch, Stage, starts_of
 from ..tensors import concat
 
 log = logging.getLogger(__name__)
@@ -124,9 +124,7 @@ class CacheFillStage(Stage):
         if routed is None or not b.lookup_keys:
             return
         good = [k for k in range(len(b.route)) if routed.errors[k] is None]
-        starts = [0]
-        for k in good:
-            starts.append(starts[-1] + b.sizes[k])
+        starts = starts_of([b.sizes[k] for k in good])
         items = []
         for j, k in enumerate(good):
             i = b.route[k]
