@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tritonguard.server import free_port
+
 
 @pytest.fixture(autouse=True)
 def _root_log_handlers():
@@ -29,10 +31,7 @@ def _root_log_handlers():
 REDIS_SERVER = "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else shutil.which("redis-server")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # one picker per process: its ports never collide with the servers'
 
 
 def _ping(port: int) -> bool:

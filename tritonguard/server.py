@@ -18,11 +18,21 @@ from pathlib import Path
 
 from . import triton_http
 
+_HANDED_OUT: set[int] = set()  # ports this process has handed out (each server takes three)
+
 
 def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and not handed out before by this process: the kernel may give
+    a port just closed to the next bind(0), and two servers set up back to back (replicas) then
+    got the same port and one of them could never start (seen in CI: "already in use")."""
+    for _ in range(100):
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no loopback port left that this process has not handed out already")
 
 
 def tritonserver_command() -> list[str]:

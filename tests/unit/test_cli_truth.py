@@ -6,7 +6,6 @@ warning about its request size limit."""
 from __future__ import annotations
 
 import io
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from tritonguard import repository
 from tritonguard.config import layered_parameters, model_parameters
 from tritonguard.guard import GuardConfig
 from tritonguard.privacy import security_findings
+from tritonguard.server import free_port
 from tritonguard.tensors import ModelSignature
 from tritonguard.validation import BatchValidator
 
@@ -32,10 +32,7 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # one picker per process: its ports never collide with the servers'
 
 
 # -- 1. duplicates --------------------------------------------------------------------------------
