@@ -182,6 +182,9 @@ def parse_sampling(raw: str | bytes | None, *, max_tokens_cap: int, default_max_
     return SamplingParams(**{**default.__dict__, **kw, "given": tuple(k for k in SAMPLING_KEYS if k in kw)})
 
 
+NON_FINITE_LOGITS = "non-finite logits"  # the error's wording, which the stream guard's breaker reads
+
+
 def pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, banned: int) -> int:
     """Next token from one row of logits: argmax at temperature 0, else nucleus sampling."""
     z = logits.astype(np.float64)
@@ -241,6 +244,7 @@ class Sequence:
     logits: np.ndarray | None = None
     state: np.ndarray | None = None
     done: bool = False
+    error: str | None = None  # why decoding stopped early (non-finite logits); the request fails
     last_cancel_check: float = 0.0
     received: float = field(default_factory=time.perf_counter)  # when execute() got the request
     first_token_at: float | None = None  # first token sent (stream) / decided (whole text)
@@ -274,6 +278,13 @@ class Decoder:
         out: list[tuple[Sequence, str | None]] = []
         going: list[tuple[Sequence, int]] = []
         for seq in seqs:
+            if not np.isfinite(seq.logits).all():  # type: ignore[arg-type]
+                # a broken checkpoint: nothing sensible can be sampled from NaN/Inf, and argmax
+                # would quietly pick token 0; this request fails, its neighbours go on
+                seq.done = True
+                seq.error = f"{NON_FINITE_LOGITS} after {len(seq.pieces)} tokens"
+                out.append((seq, None))
+                continue
             token = pick(seq.logits, seq.params, seq.rng, self.tok.unk)  # type: ignore[arg-type]
             if token == self.tok.eos:
                 seq.done = True
@@ -300,6 +311,8 @@ class Decoder:
         self.prefill(seq)
         while not seq.done:
             self.advance([seq])
+        if seq.error is not None:
+            raise ValueError(seq.error)
         return seq.text
 
 
@@ -454,7 +467,11 @@ class Engine:
                         if seq.stream:
                             safe_send(seq.sink.piece, piece)
                         self._token_timing(seq)
-                    if seq.done:
+                    if seq.done and seq.error is not None:
+                        log.warning("generation stopped: %s", seq.error)
+                        self._ended(seq, "error")
+                        safe_send(seq.sink.fail, f"generation failed: the model produced {seq.error}", "INTERNAL")
+                    elif seq.done:
                         text = None if seq.stream else (seq.prompt if seq.prepend_prompt else "") + seq.text
                         self._ended(seq, "ok")
                         safe_send(seq.sink.finish, text)
