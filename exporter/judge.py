@@ -58,6 +58,8 @@ class OfflineJudgement:
     upper: float | None = None
     max_regression: float = 0.005
     reason: str = ""
+    # generation (exporter.generation): bits per char on the eval texts, "primary" / "candidate"
+    bits_per_char: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,8 +71,14 @@ class OfflineJudgement:
                    f"{self.accuracy['primary']:.2%} (difference {self.difference:+.2%}, 95 % bounds "
                    f"{self.lower:+.2%} .. {self.upper:+.2%}, margin -{self.max_regression:.2%})")
         cos = f"; cosine floor {self.cosine_floor:.4f}" if self.cosine_floor is not None else ""
+        bpc = ""
+        if self.bits_per_char:
+            bpc = (f"; bits/char candidate {self.bits_per_char['candidate']:.4f} vs primary "
+                   f"{self.bits_per_char['primary']:.4f}")
+            if self.judge == "task":
+                bpc += f" (margin +{self.max_regression:.1%} relative)"
         return (f"offline {self.judge} judgement {self.verdict} on {self.data}: disagreement "
-                f"{self.disagreement:.2%} (upper {self.expected_disagreement:.2%}){cos}{acc}"
+                f"{self.disagreement:.2%} (upper {self.expected_disagreement:.2%}){cos}{acc}{bpc}"
                 + (f" — {self.reason}" if self.reason else ""))
 
 

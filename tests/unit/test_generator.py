@@ -163,7 +163,8 @@ def test_config_parameters_are_checked():
 # -- the built model and decoding ----------------------------------------------------------------
 def test_builder_writes_a_small_decoupled_model(built):
     folder, figures = built
-    assert sorted(p.name for p in (folder / "1").iterdir()) == ["model.onnx", "vocab.json"]
+    assert sorted(p.name for p in (folder / "1").iterdir()) == ["eval.json", "goldens.json", "manifest.json",
+                                                           "model.onnx", "vocab.json"]
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     assert size < 2_000_000
     config = (folder / "config.pbtxt").read_text()
