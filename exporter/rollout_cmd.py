@@ -140,8 +140,9 @@ def promote(
     judge: Annotated[str | None, typer.Option("--judge", help="task (a new model: judged on the task, "
                      "non-inferiority) or equivalence (the same weights: numerical tolerances); default: what "
                      "the version's manifest says.")] = None,
-    max_regression: Annotated[str, typer.Option("--max-regression", help="Task judge: accuracy the candidate "
-                              "may lose against the primary, e.g. 0.5pp.")] = "0.5pp",
+    max_regression: Annotated[str | None, typer.Option("--max-regression", help="Task judge: accuracy the "
+                              "candidate may lose against the primary, e.g. 0.5pp (default); for a generative "
+                              "model, the relative bits per char it may add, e.g. 3% (default).")] = None,
     max_cost_increase: Annotated[str | None, typer.Option("--max-cost-increase", help="Cost gate: roll back a "
                                  "candidate that costs more than this per request than the primary (guards' cost "
                                  "meter), e.g. 10% or 0.1; judged from the 50 % step. Default: no cost gate.")] = None,
@@ -182,7 +183,7 @@ def promote(
         config = None
         if judge is not None and judge not in JUDGES:
             raise ValueError(f"--judge must be one of {', '.join(JUDGES)}, got {judge!r}")
-        margin = parse_margin(max_regression)
+        margin = parse_margin(max_regression or "0.5pp")
         cost_limit = None if max_cost_increase is None else parse_increase(max_cost_increase)
         if to == "production" and rollout:
             config = RolloutConfig(steps=tuple(float(s) for s in steps.split(",")), mode=mode, arms=arm_weights,
@@ -249,7 +250,8 @@ def promote(
             _purge(repository, model, "promote")
             out.print(f"[bold]{model}[/] v{version}: PRODUCTION and primary (no gradual rollout)")
             return
-        judged = _judge_before_traffic(repository, model, target, version, primary or serving, judge, config)
+        judged = _judge_before_traffic(repository, model, target, version, primary or serving, judge, config,
+                                       None if max_regression is None else margin)
         if judged is not None and judged.verdict == "FAIL":
             on_stop = reg.stage(model, version)
             if on_stop in ("DRAFT", "STAGING"):
@@ -271,7 +273,7 @@ def promote(
 
 
 def _judge_before_traffic(repository: Path, model: str, target: str, version: int, primary: int,
-                          judge: str | None, config):
+                          judge: str | None, config, margin: float | None = None):
     """Decide how the rollout compares ``version`` with ``primary`` and run both on the
     evaluation data (:mod:`exporter.judge`); sets the gates in ``config``. None when there is no
     gated rollout or nothing to compare against (then the live gates alone decide, said loudly)."""
@@ -284,6 +286,8 @@ def _judge_before_traffic(repository: Path, model: str, target: str, version: in
     name = judge or manifest_judge(repository, target, version)
     config.gates.judge = name
     manifest = read_manifest(repository / target / str(version)) or {}
+    if manifest.get("task") == "generation":
+        return _judge_generation(repository, model, target, version, primary, name, config, margin)
     outputs = manifest.get("outputs") or [{}]
     if primary is None or primary < 1 or not outputs[0].get("name"):
         err.print(f"[yellow]![/] {model} v{version}: no offline judgement (no primary or no manifest outputs); "
@@ -298,6 +302,31 @@ def _judge_before_traffic(repository: Path, model: str, target: str, version: in
         return None
     config.gates.expected_disagreement = judged.expected_disagreement
     config.gates.cosine_floor = judged.cosine_floor
+    config.offline = judged.to_dict()
+    err.print(f"[bold]judge[/] {model} v{version} vs v{primary}: {judged.summary()}")
+    return judged
+
+
+def _judge_generation(repository: Path, model: str, target: str, version: int, primary: int, name: str,
+                      config, margin: float | None):
+    """A generative version (``task: generation``): greedy texts and bits per char of both
+    versions on the evaluation texts (:mod:`exporter.generation`)."""
+    from .generation import MAX_REGRESSION, judge_generation  # noqa: PLC0415
+    from .judge import JudgeError  # noqa: PLC0415
+
+    if primary is None or primary < 1:
+        err.print(f"[yellow]![/] {model} v{version}: no offline judgement (no primary); judged live ({name})")
+        return None
+    try:
+        judged = judge_generation(repository, target, primary, version, judge=name,
+                                  max_regression=MAX_REGRESSION if margin is None else margin,
+                                  min_agreement=config.gates.min_agreement or 0.99)
+    except JudgeError as exc:
+        err.print(f"[yellow]![/] {model} v{version}: no offline judgement ({exc}); judged live ({name})")
+        return None
+    # live, the canary compares greedy and seeded texts: equal for a re-export, and for another
+    # training run as different as they were offline
+    config.gates.expected_disagreement = judged.expected_disagreement
     config.offline = judged.to_dict()
     err.print(f"[bold]judge[/] {model} v{version} vs v{primary}: {judged.summary()}")
     return judged

@@ -24,6 +24,7 @@ from .cost import cost_meter
 from .engines import EngineConfig, load_engine
 from .errors import ConfigError, InvalidInput, TargetError
 from .guard_config import SERVED_BY, GuardConfig, TargetConfig
+from .latency import recorder_for
 from .pipeline import Batch, Pipeline
 from .privacy import PrivacyStage, audit_file, enforce_security, security_findings
 from .routing import Router
@@ -190,7 +191,7 @@ class GuardModel:
             output_names=self.output_names, store=open_store(self.name, repo), config=self.config.routing,
             validator=self.config.validator, registry=ValidatorRegistry.from_config(self.config.validator),
             breaker=self.config.breaker, metrics=self.privacy.wrap_metrics(self.metrics), pin=tcfg.target_version,
-            ready=ready, max_batch=self.signature.max_batch_size, latency=_latency_recorder(self.name, repo),
+            ready=ready, max_batch=self.signature.max_batch_size, latency=recorder_for(self.name, repo),
         )
         self.privacy.attach(self.router)
         # compute and cost per answered request (tritonguard.cost): fed once per batch, below
@@ -278,19 +279,6 @@ class GuardModel:
             self.tracer.close()
         self.privacy.close()
         self.metrics.close()
-
-
-def _latency_recorder(guard: str, repo: Path) -> Any:
-    """Exact per-call latencies of each target version, flushed by the router's reconciler to
-    the state's store for the rollout's latency gate. None (logged) when no log can be opened:
-    serving never depends on it."""
-    try:
-        from .latency import LatencyRecorder, open_latency_log  # noqa: PLC0415
-
-        return LatencyRecorder(open_latency_log(guard, repo))
-    except Exception as exc:  # noqa: BLE001 - e.g. a bad TRITONGUARD_STATE_URL: say so, serve on
-        log.warning("guard %s: latency samples not kept (%s: %s)", guard, type(exc).__name__, exc)
-        return None
 
 
 def _with_source(message: str, params: Any) -> str:

@@ -420,3 +420,14 @@ class LatencyRecorder:
             self._thread.join(timeout)
             self._thread = None
         self.flush()
+
+
+def recorder_for(guard: str, repo: str | os.PathLike) -> LatencyRecorder | None:
+    """Exact per-call latencies of each target version of ``guard``, flushed by its router's
+    reconciler to the state's store for the rollout's latency gate. None (logged) when no log
+    can be opened: serving never depends on it."""
+    try:
+        return LatencyRecorder(open_latency_log(guard, repo))
+    except Exception as exc:  # noqa: BLE001 - e.g. a bad TRITONGUARD_STATE_URL: say so, serve on
+        log.warning("guard %s: latency samples not kept (%s: %s)", guard, type(exc).__name__, exc)
+        return None

@@ -29,6 +29,7 @@ and the histograms ``tritonguard_stream_ttft_seconds`` (hold-back included) and
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -46,9 +47,10 @@ from typing import Any
 import numpy as np
 
 from . import triton
+from .breaker import BreakerConfig
 from .cache import CacheConfig, TieredCache
 from .config import from_params, model_parameters, split_parameters
-from .errors import ConfigError, InvalidInput, QuotaExceeded, TritonGuardError
+from .errors import ConfigError, InvalidInput, QuotaExceeded, TargetError, TritonGuardError
 from .generator import (
     GENERATION_BUCKETS,
     INPUTS,
@@ -60,7 +62,12 @@ from .generator import (
     read_contract,
     safe_send,
 )
+from .latency import recorder_for
 from .redaction import RedactionConfig, Redactor
+from .routing import RoutingConfig
+from .semantic_cache import SemanticCache, SemanticCacheConfig
+from .state import open_store
+from .stream_routing import NON_FINITE, StreamRouter
 from .tenancy import QuotaManager, TenancyConfig, TenantLabels, TenantResolver
 
 log = logging.getLogger(__name__)
@@ -68,7 +75,7 @@ log = logging.getLogger(__name__)
 # pb_utils.TritonError integer codes -> names (python_backend pb_error.h order)
 _CODE_NAMES = {0: "UNKNOWN", 1: "INTERNAL", 2: "NOT_FOUND", 3: "INVALID_ARG", 4: "UNAVAILABLE",
                5: "UNSUPPORTED", 6: "ALREADY_EXISTS", 7: "CANCELLED"}
-SECTIONS = ("", "validation", "redaction", "tenancy", "tokens", "cache")
+SECTIONS = ("", "validation", "redaction", "tenancy", "tokens", "cache", "semantic_cache", "routing", "breaker")
 # Long enough for every built-in at its usual length: an IPv6 with an embedded IPv4 (45), an
 # IBAN with spaces (42), an international phone number (<= 40), and e-mails up to 64 characters.
 DEFAULT_HOLDBACK = 64
@@ -83,6 +90,9 @@ COUNTERS = {
     "stream_redactions": ("tritonguard_stream_redactions_total", "PII spans a stream guard redacted, by direction"),
     "stream_cache": ("tritonguard_stream_cache_lookups_total",
                      "Response cache lookups of deterministic generations, by result (hit, miss) and tenant"),
+    "stream_semantic": ("tritonguard_stream_semantic_cache_lookups_total",
+                        "Semantic cache lookups (semantic_cache.*), by result (hit, miss, skipped: prompt too long "
+                        "or not deterministic under deterministic_only; error: the embedding failed) and tenant"),
 }
 HISTOGRAMS = {
     "stream_ttft": ("tritonguard_stream_ttft_seconds",
@@ -163,6 +173,9 @@ class StreamGuardSettings:
     tenancy: TenancyConfig
     tokens: TokenBudgetConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
+    semantic: SemanticCacheConfig = field(default_factory=SemanticCacheConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
 
 def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuardSettings:
@@ -187,6 +200,9 @@ def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuar
         tenancy=from_params(TenancyConfig, groups["tenancy"], section="tenancy", model=model),
         tokens=from_params(TokenBudgetConfig, groups["tokens"], section="tokens", model=model),
         cache=from_params(CacheConfig, groups["cache"], section="cache", model=model),
+        semantic=from_params(SemanticCacheConfig, groups["semantic_cache"], section="semantic_cache", model=model),
+        routing=from_params(RoutingConfig, groups["routing"], section="routing", model=model),
+        breaker=from_params(BreakerConfig, groups["breaker"], section="breaker", model=model),
     )
 
 
@@ -416,7 +432,8 @@ class Generation:
     last_sent: float | None = None
     pieces_sent: int = 0
     cache_key: bytes | None = None  # a deterministic generation's response-cache key
-    sent: list[str] = field(default_factory=list)  # pieces sent, kept only to fill the cache
+    sent: list[str] = field(default_factory=list)  # pieces sent, kept only to fill the caches
+    semantic: tuple[str, Any] | None = None  # (params key, prompt embedding) of a semantic-cache miss
 
 
 def parse_generation(inputs: Mapping[str, np.ndarray], cfg: StreamValidationConfig) -> Generation:
@@ -457,6 +474,7 @@ class TargetStalled(Exception):
 
 
 _END = object()
+RETIRE_S = 5.0  # how long a finished BLS response iterator is kept (StreamGuardModel._retire)
 
 
 def watched(responses: Any, idle_s: float, name: str = "") -> Any:
@@ -504,6 +522,20 @@ def watched(responses: Any, idle_s: float, name: str = "") -> Any:
         yield batch
 
 
+class _TargetFailed(Exception):
+    """The target failed or stalled on one generation (nothing of it sent to the client)."""
+
+    def __init__(self, code: str, message: str, client_message: str, first_response_s: float | None,
+                 tokens: int, *, stalled: bool = False) -> None:
+        super().__init__(message)
+        self.code, self.message, self.client_message = code, message, client_message
+        self.first_response_s, self.tokens, self.stalled = first_response_s, tokens, stalled
+
+
+def _text_of(tensor: Any) -> str:
+    return b"".join(bytes(x) for x in tensor.as_numpy().reshape(-1)).decode("utf-8", "replace")
+
+
 class StreamGuardModel:
     """``initialize`` / ``execute`` / ``finalize`` of a decoupled guard (see the module doc)."""
 
@@ -533,38 +565,74 @@ class StreamGuardModel:
         self.stats = {"requests": 0, "rejected": 0, "ok": 0, "cancelled": 0, "target_errors": 0,
                       "errors": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0,
                       "cache_hits": 0}
+        self.repo = repo = Path(args["model_repository"]).parent
         self.cache: TieredCache | None = None
-        self.fingerprint: str | None = None
+        self._fingerprints: dict[int, str | None] = {}  # target version -> its artifact's SHA-256
         if s.cache.enabled:
-            self._open_cache(Path(args["model_repository"]).parent, s.cache)
+            self.cache = cache = TieredCache(s.cache)
+            if not cache.enabled:
+                self.cache = None
         # counters and histograms go through the in-process Metrics (flushed by its own thread):
-        # no IPC on a worker's per-token path
+        # no IPC on a worker's per-token path. The rollout families are the batch guard's, so the
+        # rollout's gates read a stream guard as they read any guard
         self.label = TenantLabels()
-        self.metrics = triton.Metrics(self.name, args.get("model_version", "1"), counters=COUNTERS, gauges={},
-                                      histograms=HISTOGRAMS,
-                                      zero_at_load=[("stream_requests", {"outcome": o, "tenant": s.tenancy.default})
-                                                    for o in OUTCOMES])
+        self.metrics = triton.Metrics(
+            self.name, args.get("model_version", "1"), counters={**triton.Metrics.FAMILIES, **COUNTERS},
+            gauges=triton.Metrics.GAUGES,
+            histograms={"latency": ("tritonguard_target_latency_seconds",
+                                    "Time from a generation's target call to the target's first response",
+                                    GENERATION_BUCKETS), **HISTOGRAMS},
+            zero_at_load=[*(("stream_requests", {"outcome": o, "tenant": s.tenancy.default}) for o in OUTCOMES),
+                          "state_errors", "compare_drops"])
+        self.semantic: SemanticCache | None = None
+        if s.semantic.enabled:
+            if s.semantic.model in (self.name, self.target):
+                raise ConfigError(f"model '{self.name}': parameter 'semantic_cache.model' must name an embedding "
+                                  f"model, not '{s.semantic.model}'")
+            self.semantic = SemanticCache(s.semantic, self._embed)
+        self._retired: collections.deque = collections.deque(maxlen=65536)
+        self._retired_lock = threading.Lock()
+        self._served = False  # goldens over BLS wait for the first request (none in initialize())
+        # version choice, goldens, breakers, fallback, canary and shadow: the rollout state in the
+        # store that `exporter route/promote/rollback` write (tritonguard.stream_routing)
+        self.router = StreamRouter(guard=self.name, repo=repo, target=self.target, run_text=self._run_text,
+                                   store=open_store(self.name, repo), config=s.routing, breaker=s.breaker,
+                                   metrics=self.metrics, pin=self.version, ready=lambda _v: self._served,
+                                   latency=recorder_for(self.name, repo))
         log.info("stream guard %s -> %s: max_tokens %d, holdback %d chars, redaction %s, max_in_flight %d",
                  self.name, self.target, s.validation.max_tokens, s.holdback_chars,
                  "on" if self.redactor.active else "off", s.guard.max_in_flight)
 
-    def _open_cache(self, repo: Path, config: CacheConfig) -> None:
-        target_dir = repo / self.target
-        versions = sorted(int(d.name) for d in target_dir.iterdir() if d.is_dir() and d.name.isdigit()) \
-            if target_dir.is_dir() else []
-        version = self.version if self.version > 0 else (versions[-1] if versions else -1)
-        self.fingerprint = target_fingerprint(target_dir / str(version)) if version > 0 else None
-        if self.fingerprint is None:
-            log.warning("stream guard %s: target %s is not in %s: its answers are not cached (the cache keys on "
-                        "the target's artifact)", self.name, self.target, repo)
-            return
-        cache = TieredCache(config)
-        self.cache = cache if cache.enabled else None
-        log.info("stream guard %s: caching deterministic answers of %s v%d (artifact %s…)", self.name, self.target,
-                 version, self.fingerprint[:12])
+    def _fingerprint(self, version: int) -> str | None:
+        """The artifact fingerprint the cache keys ``version``'s answers on (None: not cached,
+        e.g. a target outside this repository)."""
+        if version not in self._fingerprints:
+            fp = target_fingerprint(self.repo / self.target / str(version)) if version > 0 else None
+            if fp is None:
+                log.warning("stream guard %s: %s v%d is not in %s: its answers are not cached (the cache keys "
+                            "on the target's artifact)", self.name, self.target, version, self.repo)
+            self._fingerprints[version] = fp
+        return self._fingerprints[version]
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        """Sentence embeddings of ``texts`` from ``semantic_cache.model`` (BLS, not decoupled)."""
+        cfg = self.settings.semantic
+        p = triton.pb()
+        data = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
+        resp = p.InferenceRequest(model_name=cfg.model, inputs=[p.Tensor(cfg.input, data)],
+                                  requested_output_names=[cfg.output]).exec()
+        if resp.has_error():
+            raise TargetError(f"embedding model '{cfg.model}': {resp.error().message()}")
+        return p.get_output_tensor_by_name(resp, cfg.output).as_numpy()
+
+    def _semantic_key(self, gen: Generation, version: int) -> str:
+        """What a semantic hit must share with the request: the artifact answering, the shape of
+        the answer and the sampling parameters the target got."""
+        return json.dumps([self._fingerprint(version), gen.stream, bool(gen.exclude), target_sampling(gen)])
 
     # -- execute thread: checks only -------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
+        self._served = True
         for request in requests:
             try:
                 sender = TritonSink(request, request.get_response_sender())
@@ -659,20 +727,55 @@ class StreamGuardModel:
         self._release_admission(gen)
 
     # -- worker threads: one generation each -----------------------------------------------
-    def _bls(self, gen: Generation) -> Any:
+    def _bls(self, version: int, prompt: str, stream: bool, sampling: str, exclude: bool | None,
+             request: Any = None) -> Any:
         p = triton.pb()
-        tensors = [p.Tensor("text_input", np.array([gen.prompt.encode("utf-8")], dtype=np.object_)),
-                   p.Tensor("stream", np.array([gen.stream], dtype=bool)),
-                   p.Tensor("sampling_parameters", np.array([target_sampling(gen).encode()], dtype=np.object_))]
-        if gen.exclude is not None:
-            tensors.append(p.Tensor("exclude_input_in_output", np.array([gen.exclude], dtype=bool)))
-        kwargs: dict[str, Any] = {"model_name": self.target, "model_version": int(self.version),
+        tensors = [p.Tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_)),
+                   p.Tensor("stream", np.array([stream], dtype=bool)),
+                   p.Tensor("sampling_parameters", np.array([sampling.encode()], dtype=np.object_))]
+        if exclude is not None:
+            tensors.append(p.Tensor("exclude_input_in_output", np.array([exclude], dtype=bool)))
+        kwargs: dict[str, Any] = {"model_name": self.target, "model_version": int(version),
                                   "inputs": tensors, "requested_output_names": [OUTPUT]}
-        try:
-            kwargs["trace"] = gen.request.trace()
-        except Exception:  # noqa: BLE001 - tracing is optional
-            pass
+        if request is not None:
+            try:
+                kwargs["trace"] = request.trace()
+            except Exception:  # noqa: BLE001 - tracing is optional
+                pass
         return p.InferenceRequest(**kwargs).exec(decoupled=True)
+
+    def _retire(self, responses: Any) -> None:
+        """Keep a finished BLS response iterator alive for ``RETIRE_S`` more seconds before it is
+        freed. python_backend 24.10 frees an iterator's native state while its stub may still be
+        handling that stream's last message: under concurrent BLS streams (measured: a shadow or
+        canary call next to live traffic) the guard's stub, or tritonserver, then died within
+        about 10 s ('double free or corruption', 'malloc(): unaligned fastbin chunk'); with
+        retired iterators kept a few seconds, none did in 60 s runs of the same traffic."""
+        now = time.monotonic()
+        with self._retired_lock:
+            self._retired.append((now, responses))
+            while self._retired and now - self._retired[0][0] > RETIRE_S:
+                self._retired.popleft()
+
+    def _run_text(self, version: int, prompt: str, sampling: str) -> str:
+        """``version``'s whole answer, prompt excluded (goldens, canary and shadow runs)."""
+        responses = self._bls(version, prompt, False, sampling, True)
+        texts: list[str] = []
+        try:
+            for batch in watched(responses, self.settings.guard.target_idle_timeout_s, self.name):
+                for resp in batch:
+                    if resp.has_error():
+                        err = resp.error()
+                        code = _CODE_NAMES.get(err.code(), "INTERNAL") if hasattr(err, "code") else "INTERNAL"
+                        raise TargetError(err.message(), code)
+                    tensor = triton.pb().get_output_tensor_by_name(resp, OUTPUT)
+                    if tensor is not None:
+                        texts.append(_text_of(tensor))
+        except TargetStalled as exc:
+            raise TargetError(f"target '{self.target}' v{version}: {exc}", "UNAVAILABLE") from None
+        finally:
+            self._retire(responses)
+        return "".join(texts)
 
     def _run(self, gen: Generation) -> None:
         try:
@@ -720,7 +823,16 @@ class StreamGuardModel:
                      "responses in %.0f ms", self.name, why, dropped, (time.perf_counter() - t0) * 1000)
 
     def _generate(self, gen: Generation) -> None:
-        key = cache_key(self.name, self.fingerprint, gen) if self.cache is not None and self.fingerprint else None
+        version, role, draw = self.router.pick()
+        if version is None:
+            self._outcome(gen, "target_error")
+            safe_send(gen.sender.fail, f"no healthy version of '{self.target}' can answer (breakers open or "
+                      "goldens failed); retry later", "UNAVAILABLE")
+            return
+        key = None
+        if self.cache is not None and role == "primary":  # a canary's answers are not the ones cached
+            fp = self._fingerprint(version)
+            key = cache_key(self.name, fp, gen) if fp else None
         if key is not None:
             try:
                 hit = self.cache.get_many([key])[0]  # type: ignore[union-attr]
@@ -733,84 +845,136 @@ class StreamGuardModel:
                 self._replay(gen, bytes(hit[OUTPUT].reshape(-1)[0]).decode("utf-8"))
                 return
         gen.cache_key = key
-        responses = self._bls(gen)
-        it = watched(responses, self.settings.guard.target_idle_timeout_s, self.name)
-        try:
-            self._forward(gen, responses, it)
-        except TargetStalled as exc:
-            self._outcome(gen, "target_error")
-            log.warning("stream guard %s: target %s %s (stalled, or failed mid-stream)", self.name, self.target, exc)
-            safe_send(gen.sender.fail, f"target '{self.target}' sent nothing for "
-                  f"{self.settings.guard.target_idle_timeout_s:g} s (it stalled or failed mid-stream); retry later",
-                  "UNAVAILABLE")
+        if self.semantic is not None and role == "primary" and self._semantic_lookup(gen, version):
+            return
+        sampling = target_sampling(gen)
+        tried: set[int] = set()
+        while True:
+            tried.add(version)
+            t0 = time.perf_counter()
+            responses = self._bls(version, gen.prompt, gen.stream, sampling, gen.exclude, gen.request)
+            it = watched(responses, self.settings.guard.target_idle_timeout_s, self.name)
+            try:
+                done = self._forward(gen, version, responses, it, t0)
+            except _TargetFailed as failed:
+                client_error = failed.code == "INVALID_ARG"  # the request's fault, not the version's
+                if not client_error:
+                    self.router.record(version, ok=False, first_response_s=failed.first_response_s,
+                                       non_finite=NON_FINITE in failed.message, code=failed.code)
+                if not client_error and gen.pieces_sent == 0:
+                    # nothing reached the client yet: the next version down the chain answers
+                    nxt = self.router.next_version(tried)
+                    if nxt is not None:
+                        log.warning("stream guard %s: %s v%d failed before the first token (%s); falling back "
+                                    "to v%d", self.name, self.target, version, failed.message, nxt)
+                        self.router.fallback("stall" if failed.stalled else "error")
+                        version, role, gen.cache_key, gen.semantic = nxt, "fallback", None, None
+                        continue
+                self._outcome(gen, "target_error")
+                self._charge(gen, failed.tokens)
+                safe_send(gen.sender.fail, failed.client_message, failed.code)
+                return
+            finally:
+                self._retire(responses)
+            break
+        if done is None:
+            return  # cancelled by the client
+        text, first_response_s = done
+        self.router.record(version, ok=True, first_response_s=first_response_s)
+        if text is not None:
+            self.router.after_served(version, draw, gen.prompt, sampling, text,
+                                     deterministic=gen.params.greedy or gen.params.seed is not None)
 
-    def _forward(self, gen: Generation, responses: Any, it: Any) -> None:
+    def _forward(self, gen: Generation, version: int, responses: Any, it: Any,
+                 t0: float) -> tuple[str | None, float | None] | None:
+        """Forward ``version``'s answer to the client. Returns (its generated text unredacted, or
+        None when no comparison wants it; seconds to its first response), None when the client
+        cancelled; raises :class:`_TargetFailed` when the target failed or stalled (nothing sent
+        to the client for it: the caller decides between a fallback and the client's error)."""
         out = StreamRedactor(self.redactor, self.settings.holdback_chars) if (
             self.redactor.active and self.settings.redaction.redact_outputs) else None
         sender, request = gen.sender, gen.request
         tokens, next_poll, whole = 0, 0.0, []
+        keep = self.router.experimenting  # the raw text, for a canary or shadow comparison
+        raw: list[str] = []
+        first: float | None = None
         max_tokens = gen.params.max_tokens
-        for batch in it:
-            texts: list[str] = []
-            failed = None
-            for resp in batch:
-                if resp.has_error():
-                    failed = resp.error()
-                    break
-                tensor = triton.pb().get_output_tensor_by_name(resp, OUTPUT)
-                if tensor is not None:
-                    texts.append(b"".join(bytes(x) for x in tensor.as_numpy().reshape(-1)).decode("utf-8", "replace"))
-            if gen.stream:
-                tokens += len(texts)
-                piece = "".join(texts)
-                if out is not None and piece:
-                    piece = out.feed(piece)
-                if piece:
-                    sender.piece(piece)
-                    self._sent(gen)
-                    if gen.cache_key is not None:
-                        gen.sent.append(piece)
-            else:
-                whole.extend(texts)
-            if failed is not None:
-                code = _CODE_NAMES.get(failed.code(), "INTERNAL") if hasattr(failed, "code") else "INTERNAL"
-                self._outcome(gen, "target_error")
-                self._charge(gen, tokens)
-                log.warning("stream guard %s: target %s failed after %d tokens: %s", self.name, self.target,
-                            tokens, failed.message())
-                safe_send(sender.fail, f"target '{self.target}' failed: {failed.message()}", code)
-                try:
-                    for _ in it:  # nothing should follow an error; do not leave it half read
+        try:
+            for batch in it:
+                if first is None:
+                    first = time.perf_counter() - t0
+                texts: list[str] = []
+                failed = None
+                for resp in batch:
+                    if resp.has_error():
+                        failed = resp.error()
+                        break
+                    tensor = triton.pb().get_output_tensor_by_name(resp, OUTPUT)
+                    if tensor is not None:
+                        texts.append(_text_of(tensor))
+                if gen.stream:
+                    tokens += len(texts)
+                    piece = "".join(texts)
+                    if keep:
+                        raw.append(piece)
+                    if out is not None and piece:
+                        piece = out.feed(piece)
+                    if piece:
+                        sender.piece(piece)
+                        self._sent(gen)
+                        if gen.cache_key is not None or gen.semantic is not None:
+                            gen.sent.append(piece)
+                else:
+                    whole.extend(texts)
+                if failed is not None:
+                    code = _CODE_NAMES.get(failed.code(), "INTERNAL") if hasattr(failed, "code") else "INTERNAL"
+                    log.warning("stream guard %s: target %s v%d failed after %d tokens: %s", self.name,
+                                self.target, version, tokens, failed.message())
+                    try:
+                        for _ in it:  # nothing should follow an error; do not leave it half read
+                            pass
+                    except TargetStalled:
                         pass
-                except TargetStalled:
-                    pass
-                return
-            now = time.monotonic()
-            if now >= next_poll:
-                next_poll = now + self.cancel_poll_s
-                if request.is_cancelled():
-                    self._outcome(gen, "cancelled")
-                    self._charge(gen, tokens)
-                    log.info("stream guard %s: client cancelled after %d tokens", self.name, tokens)
-                    safe_send(sender.fail, "the request was cancelled", "CANCELLED")
-                    self._stop_target(responses, it, "client cancelled")
-                    return
-            if gen.stream and tokens >= max_tokens:
-                # a target that ignores max_tokens: stop here
-                self._stop_target(responses, it, f"max_tokens {max_tokens} reached")
-                break
+                    raise _TargetFailed(code, failed.message(), f"target '{self.target}' failed: {failed.message()}",
+                                        first, tokens)
+                now = time.monotonic()
+                if now >= next_poll:
+                    next_poll = now + self.cancel_poll_s
+                    if request.is_cancelled():
+                        self._outcome(gen, "cancelled")
+                        self._charge(gen, tokens)
+                        log.info("stream guard %s: client cancelled after %d tokens", self.name, tokens)
+                        safe_send(sender.fail, "the request was cancelled", "CANCELLED")
+                        self._stop_target(responses, it, "client cancelled")
+                        return None
+                if gen.stream and tokens >= max_tokens:
+                    # a target that ignores max_tokens: stop here
+                    self._stop_target(responses, it, f"max_tokens {max_tokens} reached")
+                    break
+        except TargetStalled as exc:
+            idle = self.settings.guard.target_idle_timeout_s
+            log.warning("stream guard %s: target %s v%d %s (stalled, or failed mid-stream)", self.name, self.target,
+                        version, exc)
+            raise _TargetFailed("UNAVAILABLE", f"stalled: {exc}", f"target '{self.target}' sent nothing for {idle:g} s "
+                                "(it stalled or failed mid-stream); retry later", first, tokens, stalled=True) from None
         redacted = 0
+        generated: str | None = None
         if gen.stream:
             rest = out.flush() if out is not None else ""
             redacted = sum(out.counts.values()) if out is not None else 0
+            if keep:
+                generated = "".join(raw)
         else:
             text = "".join(whole)
-            generated = len(text) - (0 if gen.exclude else len(gen.prompt))  # the prompt comes first unless excluded
-            tokens = max(0, generated)  # one token per character: exact for tinylm, an estimate otherwise
+            prompt_first = not gen.exclude and text.startswith(gen.prompt)  # the prompt comes first unless excluded
+            generated = text[len(gen.prompt):] if prompt_first else text
+            tokens = len(generated)  # one token per character: exact for tinylm, an estimate otherwise
             if out is not None:
                 (text,), counts = self.redactor.redact_batch([text])
                 redacted = sum(counts.values())
             rest = text
+            if not keep:
+                generated = None
         self.stats["redacted_out"] += redacted
         self.stats["tokens"] += tokens
         self._charge(gen, tokens)
@@ -824,10 +988,46 @@ class StreamGuardModel:
                 self.cache.put_many([(gen.cache_key, {OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_)})])
             except Exception:  # noqa: BLE001 - never fails the request it comes after
                 log.exception("stream guard %s: cache fill failed", self.name)
+        if gen.semantic is not None and self.semantic is not None:
+            if gen.stream or gen.exclude:
+                answer = "".join(gen.sent) + rest if gen.stream else rest
+            else:  # stored without this prompt: a hit puts its own prompt first
+                answer = rest[len(gen.prompt):] if rest.startswith(gen.prompt) else rest
+            pkey, vec = gen.semantic
+            self.semantic.store(gen.tenant, gen.prompt, pkey, answer, embedding=vec,
+                                deterministic=gen.params.greedy or gen.params.seed is not None)
         if redacted:
             self.metrics.inc("stream_redactions", redacted, direction="output")
+        return generated, first
+
+    def _semantic_lookup(self, gen: Generation, version: int) -> bool:
+        """Answer ``gen`` from the semantic cache if a close enough prompt of its tenant was
+        answered under the same parameters (True); else remember its embedding for the store."""
+        sem = self.semantic
+        assert sem is not None
+        deterministic = gen.params.greedy or gen.params.seed is not None
+        eligible = len(gen.prompt) <= sem.config.max_prompt_chars and (
+            deterministic or not sem.config.deterministic_only)
+        hit, vec, result = None, None, "skipped"
+        if eligible:
+            pkey = self._semantic_key(gen, version)
+            vec = sem.embed(gen.prompt)
+            if vec is None:
+                result = "error"
+            else:
+                hit = sem.lookup(gen.tenant, gen.prompt, pkey, embedding=vec, deterministic=deterministic)
+                result = "miss" if hit is None else "hit"
+        self.metrics.inc("stream_semantic", 1, result=result, tenant=self.label(gen.tenant))
+        if hit is None:
+            gen.semantic = (pkey, vec) if result == "miss" else None
+            return False
+        log.debug("stream guard %s: semantic hit (cosine %.3f) for tenant %s", self.name, hit.cosine, gen.tenant)
+        prompt_first = not gen.stream and not gen.exclude
+        self._replay(gen, gen.prompt + hit.text if prompt_first else hit.text)
+        return True
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.router.close()
         self.metrics.close()
         log.info("stream guard %s: %s", self.name, json.dumps(self.stats))

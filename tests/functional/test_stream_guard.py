@@ -80,8 +80,10 @@ def _params(**kw: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, exported_repo):
     repo = tmp_path_factory.mktemp("streamrepo")
+    for name in ("minilm_raw", "minilm_tokenizer", "minilm_encoder"):  # the semantic cache's embedder
+        (repo / name).symlink_to((exported_repo / name).resolve(), target_is_directory=True)
     example.build(repo, "tinylm", steps=40)
     write_config(repo / "tinylm", example.triton_config("tinylm", max_tokens_cap=5000))
     io = {k: v for k, v in example.triton_config("x").items() if k in ("input", "output", "max_batch_size",
@@ -104,11 +106,13 @@ def server(tmp_path_factory):
     guard("echo_budget", target="echo", tokens__per_minute="60", validation__max_tokens="512")
     guard("echo_metrics", target="echo", validation__max_tokens="512")  # only test_metrics sends to it
     guard("echo_cached", target="echo", validation__max_tokens="512", cache__enabled="true")
+    guard("echo_semantic", target="echo", validation__max_tokens="512", semantic_cache__enabled="true",
+          semantic_cache__threshold="0.9")
     guard("misspelt_stream", target="echo", tokens__per_minut="60")
     logs = tmp_path_factory.mktemp("streamlogs")
     srv = Server(repository=repo, log_path=logs / "tritonserver.log")
     srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "echo_guard", "echo_out", "echo_budget",
-                           "echo_metrics", "echo_cached"))
+                           "echo_metrics", "echo_cached", "echo_semantic", "minilm_raw"))
     yield srv
     srv.stop()
 
@@ -348,6 +352,38 @@ def test_a_deterministic_answer_is_cached_and_replayed_as_a_stream(server):
     assert server.tail(2000).count("echo saw: never cached") == 2
     lookups = _scrape_model(server, "tritonguard_stream_cache_lookups_total", "echo_cached")
     assert sum(lookups.values()) == 3, lookups  # no lookup for a sampled request
+
+
+def test_semantic_cache_answers_a_near_duplicate_of_the_same_tenant(server):
+    """semantic_cache on (the real minilm_raw embeds the prompts): a near duplicate of an answered
+    prompt gets the stored answer after its own prompt (the echo never sees it), another tenant
+    and an unrelated prompt go to the target; the lookups are on /metrics by result."""
+    params = {"max_tokens": 12, "temperature": 0}
+    status, first = generate(server, "echo_semantic", "Return the list of all open files", params)
+    assert status == 200 and first["text_output"] == "Return the list of all open files" + "Return the l", first
+    status, near = generate(server, "echo_semantic", "return the list of all open files.", params)
+    assert status == 200, near
+    # the echo would have answered "return the l": the stored continuation came back instead
+    assert near["text_output"] == "return the list of all open files." + "Return the l", near
+    status, other = generate(server, "echo_semantic", "return the list of all open files.", params,
+                             parameters={"tenant": "other"})
+    assert status == 200 and other["text_output"].endswith("return the l"), other  # its own answer
+    status, unrelated = generate(server, "echo_semantic", "Compute the checksum of a zip archive", params)
+    assert status == 200 and unrelated["text_output"].endswith("Compute the "), unrelated
+    # streams have entries of their own (another output shape), replayed as a stream
+    # (minilm is uncased: the two prompts embed the same; "Open the file named data" and the same
+    # with a full stop score only 0.82, "files" and "files." 0.97)
+    first_stream = sse(server, "echo_semantic", "Read the whole configuration file", params)
+    assert "".join(e["text_output"] for e in first_stream) == "Read the who"
+    replayed = sse(server, "echo_semantic", "read the whole configuration file", params)
+    assert "".join(e["text_output"] for e in replayed) == "Read the who"  # the echo would send "read the who"
+    time.sleep(1.5)
+    log = server.tail(4000)
+    assert log.count("echo saw: return the list of all open files.") == 1  # the other tenant's only
+    assert "echo saw: read the whole configuration file" not in log
+    lookups = _scrape_model(server, "tritonguard_stream_semantic_cache_lookups_total", "echo_semantic")
+    assert sum(v for k, v in lookups.items() if 'result="hit"' in k) == 2, lookups
+    assert sum(v for k, v in lookups.items() if 'result="miss"' in k) == 4, lookups
 
 
 def _scrape_model(srv, family: str, model: str) -> dict[str, float]:

@@ -1,0 +1,277 @@
+"""``exporter promote`` for a generative model behind a stream guard, on a real tritonserver under
+live generation traffic (HTTP /generate and SSE /generate_stream, greedy and sampled).
+
+The repository holds ``tinylm_raw`` (the ``generator`` backend) and its decoupled guard
+``tinylm``:
+
+- v1: the base checkpoint (200 training steps, seed 0), primary;
+- v2: a degraded checkpoint, the same recipe stopped after 40 steps;
+- v3: v1 re-exported (the same seed and steps: byte-identical ONNX, judged for equivalence);
+- v4: an honest retrain (seed 1), judged on the task;
+- v5: v1 whose logits turn NaN when one character is in its input, a character no golden prompt
+  and no evaluation text holds: it passes every offline check and the goldens on the server, and
+  fails on live prompts that contain it (a fault the breaker must catch).
+
+Each rollout runs as ``python -m exporter promote`` (as a user runs it) while traffic threads keep
+generations in flight; the tests run in file order and share the server.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from examples import generator as example
+from tritonguard.repository import atomic_write, write_config
+from tritonguard.server import Server
+
+pytestmark = pytest.mark.functional
+
+ROOT = Path(__file__).resolve().parents[2]
+GATES = ["--dwell-s", "2", "--interval-s", "1", "--min-requests", "60", "--max-error-rate", "0.05",
+         "--min-compared", "40", "--min-latency-samples", "30", "--max-step-s", "120"]
+WORDS = ("Return the", "Create a new", "If the", "This module", "The default", "Raise an", "A list of",
+         "Open the", "Set the", "Read the", "Write a", "Call the", "Get the", "When the", "Convert a")
+
+
+def poison(repo: Path, src: int, dest: int, char: str) -> None:
+    """Version ``dest``: version ``src`` whose logits turn NaN whenever ``char`` is among the
+    tokens of the call (a prompt holding it, or a step that writes it): a numerical fault on rare
+    inputs. (NaN weights would not do: onnxruntime's GRU clamps its gate inputs, NaN included.)"""
+    import hashlib
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from tritonguard.generator import CharTokenizer
+
+    s, d = repo / "tinylm_raw" / str(src), repo / "tinylm_raw" / str(dest)
+    d.mkdir(parents=True)
+    tok = CharTokenizer.from_dict(json.loads((s / "vocab.json").read_text()))
+    token = tok.encode(char)[0]
+    model = onnx.load(str(s / "model.onnx"))
+    g = model.graph
+    for node in g.node:  # the node that writes LOGITS now writes LOGITS_clean
+        node.output[:] = ["LOGITS_clean" if o == "LOGITS" else o for o in node.output]
+    opset = max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    g.initializer.extend([helper.make_tensor("poison_token", TensorProto.INT64, [], [token]),
+                          helper.make_tensor("poison_nan", TensorProto.FLOAT, [], [float("nan")]),
+                          helper.make_tensor("poison_zero", TensorProto.FLOAT, [], [0.0])])
+    reduce = (helper.make_node("ReduceMax", ["poison_f"], ["poison_any"], axes=[1], keepdims=1) if opset < 18 else
+              helper.make_node("ReduceMax", ["poison_f", "poison_axes"], ["poison_any"], keepdims=1))
+    if opset >= 18:
+        g.initializer.append(helper.make_tensor("poison_axes", TensorProto.INT64, [1], [1]))
+    g.node.extend([
+        helper.make_node("Equal", ["TOKENS", "poison_token"], ["poison_eq"]),
+        helper.make_node("Cast", ["poison_eq"], ["poison_f"], to=TensorProto.FLOAT),
+        reduce,
+        helper.make_node("Cast", ["poison_any"], ["poison_b"], to=TensorProto.BOOL),
+        helper.make_node("Where", ["poison_b", "poison_nan", "poison_zero"], ["poison_add"]),
+        helper.make_node("Add", ["LOGITS_clean", "poison_add"], ["LOGITS"]),
+    ])
+    onnx.checker.check_model(model)
+    data = model.SerializeToString()
+    (d / "model.onnx").write_bytes(data)
+    for name in ("vocab.json", "goldens.json", "eval.json"):
+        shutil.copy(s / name, d / name)
+    manifest = json.loads((s / "manifest.json").read_text())
+    manifest.update(version=dest, sha256=hashlib.sha256(data).hexdigest(), judge="task",
+                    source="tests: v1 with NaN logits on one character")
+    manifest.pop("equivalent_to", None)
+    atomic_write(d / "manifest.json", json.dumps(manifest, indent=1))
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    base = tmp_path_factory.mktemp("genrollout")
+    repo = base / "repo"
+    figures = {1: example.build(repo, "tinylm_raw", version=1, guard="tinylm")}
+    figures[2] = example.build(repo, "tinylm_raw", version=2, steps=40)
+    figures[3] = example.build(repo, "tinylm_raw", version=3)
+    figures[4] = example.build(repo, "tinylm_raw", version=4, seed=1)
+    # the poison: a character of the vocabulary that no golden prompt and no evaluation text holds
+    tested = "".join(c["prompt"] for c in json.loads((repo / "tinylm_raw" / "1" / "goldens.json").read_text())["cases"])
+    tested += "".join(json.loads((repo / "tinylm_raw" / "1" / "eval.json").read_text())["texts"]) + "".join(WORDS)
+    char = next(c for c in "~^`|@#$%&" if c not in tested)
+    poison(repo, 1, 5, char)
+    write_config(repo / "tinylm", example.stream_guard_config(
+        "tinylm", "tinylm_raw", target_version="1", validation__max_tokens="256",
+        routing__poll_interval_s="0.2", routing__reconcile_interval_s="0.5",
+        breaker__window="200", breaker__min_requests="20", breaker__min_compared="20",
+        breaker__max_error_rate="0.05", breaker__max_nan_rate="0.0", breaker__min_off_s="300"))
+    server = Server(repository=repo, log_path=base / "logs" / "tritonserver.log")
+    server.start(wait_models=["tinylm", "tinylm_raw"])
+    yield {"repo": repo, "server": server, "figures": figures, "poison": char}
+    server.stop()
+
+
+def cli(ctx, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exporter", *args, "--repository", str(ctx["repo"])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def server_args(ctx) -> list[str]:
+    return ["--server", ctx["server"].http_url, "--metrics-url", ctx["server"].metrics_url]
+
+
+def state(ctx) -> dict:
+    return json.loads((ctx["repo"] / "tinylm" / "rollout_state.json").read_text())
+
+
+def metrics_url(ctx) -> str:
+    url = ctx["server"].metrics_url
+    return url if "://" in url else f"http://{url}"
+
+
+def served_total(ctx) -> dict[str, float]:
+    text = urllib.request.urlopen(metrics_url(ctx), timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tritonguard_served_total{") and 'model="tinylm"' in line:
+            who = line.split('served_by="', 1)[1].split('"', 1)[0]
+            out[who] = out.get(who, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class Traffic:
+    """Generations until stopped: 3 threads, each request a fresh prompt (no cache can answer
+    it), greedy 3 in 4, streamed 1 in 3; ``poison_share`` of the prompts hold the poison."""
+
+    def __init__(self, ctx, *, seed: int, poison_share: float = 0.0, max_s: float = 300.0):
+        self.ctx, self.seed, self.poison_share, self.max_s = ctx, seed, poison_share, max_s
+        self.sent = self.ok = 0
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(k,), daemon=True) for k in range(3)]
+
+    def __enter__(self) -> Traffic:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+            assert not t.is_alive(), "traffic thread did not stop"
+
+    def _loop(self, k: int) -> None:
+        rng = np.random.default_rng([self.seed, k])
+        base = f"http://{self.ctx['server'].http_url}"
+        deadline = time.monotonic() + self.max_s
+        n = 0
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            n += 1
+            prompt = f"{WORDS[rng.integers(len(WORDS))]} {rng.integers(10**6)} "
+            if rng.random() < self.poison_share:
+                prompt += self.ctx["poison"]
+            sampling = {"max_tokens": int(rng.integers(8, 24)), "temperature": 0}
+            if rng.random() < 0.25:
+                sampling.update(temperature=0.8, top_p=0.95)
+            stream = rng.random() < 0.33
+            body = json.dumps({"text_input": prompt, "sampling_parameters": json.dumps(sampling)}).encode()
+            url = f"{base}/v2/models/tinylm/generate" + ("_stream" if stream else "")
+            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    raw = resp.read().decode()
+                ok = ('"error"' not in raw) and ("text_output" in raw)
+                err = raw[:200]
+            except urllib.error.HTTPError as exc:
+                ok, err = False, f"HTTP {exc.code}: {exc.read()[:200]!r}"
+            except OSError as exc:
+                ok, err = False, f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self.sent += 1
+                if ok:
+                    self.ok += 1
+                else:
+                    self.errors.append(err)
+            if not ok:
+                time.sleep(0.05)  # a broken server must not turn this loop into a busy one
+
+    def report(self) -> dict:
+        return {"sent": self.sent, "ok": self.ok, "errors": len(self.errors), "first_errors": self.errors[:3]}
+
+
+# -- tests (in order) -------------------------------------------------------------------------------
+def test_the_builds_are_what_the_tests_assume(ctx):
+    m = {v: json.loads((ctx["repo"] / "tinylm_raw" / str(v) / "manifest.json").read_text()) for v in range(1, 6)}
+    assert m[3]["sha256"] == m[1]["sha256"] and m[3]["judge"] == "equivalence"
+    assert m[2]["judge"] == m[4]["judge"] == "task"
+    bpc = {v: m[v]["evaluation"]["value"] for v in (1, 2, 4)}
+    print(f"bits per char: {bpc}")
+    assert bpc[2] > bpc[1] * 1.03, "the degraded checkpoint should be clearly worse"
+    assert abs(bpc[4] - bpc[1]) < 0.03 * bpc[1], "an honest retrain should be about as good"
+
+
+def test_degraded_checkpoint_is_rolled_back_before_any_traffic(ctx):
+    r = cli(ctx, "promote", "tinylm", "--version", "2", "--steps", "10,50,100", *GATES, *server_args(ctx))
+    print(r.stdout, r.stderr)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "rolled_back" in r.stdout and "before any traffic" in r.stdout
+    assert "bits/char" in r.stdout + r.stderr
+    st = state(ctx)
+    assert st["primary"]["version"] == 1 and st["candidate"] is None
+
+
+def test_reexport_is_promoted_under_live_generation_traffic(ctx):
+    """v3 (v1 re-exported) walks 10 -> 50 -> 100 % judged for equivalence: the canary's greedy
+    texts match the primary's; no client sees an error; both versions served."""
+    before = served_total(ctx)
+    with Traffic(ctx, seed=3) as traffic:
+        r = cli(ctx, "promote", "tinylm", "--version", "3", "--steps", "10,50,100", *GATES, *server_args(ctx))
+    print(r.stdout, r.stderr, traffic.report())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "done" in r.stdout
+    st = state(ctx)
+    assert st["primary"]["version"] == 3 and st["candidate"] is None
+    assert st["goldens"]["3"]["verdict"] == "PASS"
+    assert not traffic.errors, traffic.report()
+    after = served_total(ctx)
+    for v in (1, 3):
+        assert after.get(f"tinylm_raw:{v}", 0) > before.get(f"tinylm_raw:{v}", 0), (before, after)
+    status = cli(ctx, "rollout", "status", "tinylm")
+    assert status.returncode == 0 and "tinylm v3" in status.stdout, status.stdout + status.stderr
+
+
+def test_honest_retrain_is_promoted_on_the_task(ctx):
+    """v4 (seed 1) writes other text than v3: judged on the task (bits per char within 3 %),
+    its live disagreement is expected, and it is promoted."""
+    with Traffic(ctx, seed=4) as traffic:
+        r = cli(ctx, "promote", "tinylm", "--version", "4", "--steps", "10,100", *GATES, *server_args(ctx))
+    print(r.stdout, r.stderr, traffic.report())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "task" in r.stderr
+    assert state(ctx)["primary"]["version"] == 4
+    assert not traffic.errors, traffic.report()
+
+
+def test_nan_on_live_prompts_trips_the_breaker_and_falls_back(ctx):
+    """v5 passes every offline check and its goldens; live prompts holding the poisoned character
+    make it fail with non-finite logits before its first token: each such request is answered
+    by the primary instead (fallback), the breaker trips, and the rollout rolls it back."""
+    with Traffic(ctx, seed=5, poison_share=0.3) as traffic:
+        r = cli(ctx, "promote", "tinylm", "--version", "5", "--steps", "10,50,100", *GATES, *server_args(ctx))
+    print(r.stdout, r.stderr, traffic.report())
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "rolled_back" in r.stdout
+    st = state(ctx)
+    assert st["primary"]["version"] == 4 and st["candidate"] is None
+    assert not traffic.errors, traffic.report()  # every failure of v5 was answered by v4
+    text = urllib.request.urlopen(metrics_url(ctx), timeout=10).read().decode()
+    assert any(line.startswith("tritonguard_breaker_trips_total{") and 'target_version="5"' in line
+               and 'reason="non_finite"' in line and not line.endswith(" 0") for line in text.splitlines()), text[-2000:]
+    assert any(line.startswith("tritonguard_fallbacks_total{") and 'model="tinylm"' in line
+               and not line.endswith(" 0") for line in text.splitlines())
