@@ -126,7 +126,9 @@ class StreamRouter(Router):
         primary = self.primary()
         if self.routable(primary, now):
             return primary, "primary", u
-        return self.next_version({primary}), "fallback", u
+        # down the chain; with nothing healthy left the primary still answers (unless its goldens
+        # failed): an open breaker on it degrades service, it does not end it
+        return self.next_version(set()), "fallback", u
 
     def next_version(self, tried: set[int]) -> int | None:
         """The next version down the fallback chain not yet ``tried``, or None."""

@@ -161,6 +161,16 @@ def test_non_finite_logits_trip_at_once(tmp_path):
         router.close()
 
 
+def test_an_open_primary_breaker_degrades_service_it_does_not_end_it(tmp_path):
+    router, *_ = make(tmp_path, {1: echo})
+    try:
+        router.breaker(1).trip(time.time(), "manual")
+        assert not router.routable(1, time.time())
+        assert router.pick()[:2] == (1, "fallback")  # the last resort: nothing else can answer
+    finally:
+        router.close()
+
+
 def test_fallback_goes_down_the_chain(tmp_path):
     router, *_ = make(tmp_path, {1: echo, 2: echo}, candidate=2)
     try:
