@@ -30,6 +30,7 @@ and the histograms ``tritonguard_stream_ttft_seconds`` (hold-back included) and
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
@@ -47,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from . import triton
+from .audit import AuditConfig, AuditLog, digest, load_audit_key, open_anchor_store
 from .breaker import BreakerConfig
 from .cache import CacheConfig, TieredCache
 from .config import from_params, model_parameters, split_parameters
@@ -63,6 +65,7 @@ from .generator import (
     safe_send,
 )
 from .latency import recorder_for
+from .privacy import AuditedMetrics, audit_file
 from .redaction import RedactionConfig, Redactor
 from .routing import RoutingConfig
 from .semantic_cache import SemanticCache, SemanticCacheConfig
@@ -75,7 +78,8 @@ log = logging.getLogger(__name__)
 # pb_utils.TritonError integer codes -> names (python_backend pb_error.h order)
 _CODE_NAMES = {0: "UNKNOWN", 1: "INTERNAL", 2: "NOT_FOUND", 3: "INVALID_ARG", 4: "UNAVAILABLE",
                5: "UNSUPPORTED", 6: "ALREADY_EXISTS", 7: "CANCELLED"}
-SECTIONS = ("", "validation", "redaction", "tenancy", "tokens", "cache", "semantic_cache", "routing", "breaker")
+SECTIONS = ("", "validation", "redaction", "tenancy", "tokens", "cache", "semantic_cache", "routing", "breaker",
+            "audit")
 # Long enough for every built-in at its usual length: an IPv6 with an embedded IPv4 (45), an
 # IBAN with spaces (42), an international phone number (<= 40), and e-mails up to 64 characters.
 DEFAULT_HOLDBACK = 64
@@ -176,6 +180,7 @@ class StreamGuardSettings:
     semantic: SemanticCacheConfig = field(default_factory=SemanticCacheConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
 
 def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuardSettings:
@@ -203,6 +208,7 @@ def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuar
         semantic=from_params(SemanticCacheConfig, groups["semantic_cache"], section="semantic_cache", model=model),
         routing=from_params(RoutingConfig, groups["routing"], section="routing", model=model),
         breaker=from_params(BreakerConfig, groups["breaker"], section="breaker", model=model),
+        audit=from_params(AuditConfig, groups["audit"], section="audit", model=model),
     )
 
 
@@ -434,6 +440,11 @@ class Generation:
     cache_key: bytes | None = None  # a deterministic generation's response-cache key
     sent: list[str] = field(default_factory=list)  # pieces sent, kept only to fill the caches
     semantic: tuple[str, Any] | None = None  # (params key, prompt embedding) of a semantic-cache miss
+    served_by: str = ""  # "<target>:<version>", "cache" or "semantic_cache" (the audit record)
+    redacted_in: int = 0
+    redacted_out: int = 0
+    fallback: bool = False
+    tokens_out: int = 0
 
 
 def parse_generation(inputs: Mapping[str, np.ndarray], cfg: StreamValidationConfig) -> Generation:
@@ -592,12 +603,23 @@ class StreamGuardModel:
             self.semantic = SemanticCache(s.semantic, self._embed)
         self._retired: collections.deque = collections.deque(maxlen=65536)
         self._retired_lock = threading.Lock()
+        # one record per request (refusals included) on a hash-chained log, written off the path
+        instances = sum(int(g.get("count", 1)) for g in cfg.get("instance_group") or [{}]) or 1
+        path = audit_file(s.audit.path, model=self.name, instance=args.get("model_instance_name", self.name),
+                          instances=instances)
+        self.audit: AuditLog | None = None
+        self._audit_key: bytes | None = None
+        self._audit_dropped = 0
+        if path:
+            self.audit = AuditLog(dataclasses.replace(s.audit, path=path), anchors=open_anchor_store(self.name, repo))
+            self._audit_key = load_audit_key(s.audit.key_env)
         self._served = False  # goldens over BLS wait for the first request (none in initialize())
         # version choice, goldens, breakers, fallback, canary and shadow: the rollout state in the
         # store that `exporter route/promote/rollback` write (tritonguard.stream_routing)
         self.router = StreamRouter(guard=self.name, repo=repo, target=self.target, run_text=self._run_text,
                                    store=open_store(self.name, repo), config=s.routing, breaker=s.breaker,
-                                   metrics=self.metrics, pin=self.version, ready=lambda _v: self._served,
+                                   metrics=AuditedMetrics(self.metrics, self.audit, self.name) if self.audit
+                                   else self.metrics, pin=self.version, ready=lambda _v: self._served,
                                    latency=recorder_for(self.name, repo))
         log.info("stream guard %s -> %s: max_tokens %d, holdback %d chars, redaction %s, max_in_flight %d",
                  self.name, self.target, s.validation.max_tokens, s.holdback_chars,
@@ -644,6 +666,7 @@ class StreamGuardModel:
                 gen = self._admit(request)
             except TritonGuardError as exc:
                 self._outcome(None, "rejected")
+                self._audit_refusal(exc)
                 safe_send(sender.fail, str(exc), exc.code)
                 continue
             except Exception as exc:  # noqa: BLE001 - never a traceback to the client
@@ -686,7 +709,8 @@ class StreamGuardModel:
             (red,), counts = self.redactor.redact_batch([gen.prompt])
             if counts:
                 gen.prompt = red
-                self.stats["redacted_in"] += sum(counts.values())
+                gen.redacted_in = sum(counts.values())
+                self.stats["redacted_in"] += gen.redacted_in
                 self.metrics.inc("stream_redactions", sum(counts.values()), direction="input")
         self.metrics.inc("stream_tokens", len(gen.prompt), direction="in", tenant=self.label(gen.tenant))
         return gen
@@ -704,12 +728,40 @@ class StreamGuardModel:
         self.stats[key] += 1
         tenant = gen.tenant if gen is not None else self.settings.tenancy.default
         self.metrics.inc("stream_requests", 1, outcome=outcome, tenant=self.label(tenant))
+        if gen is not None and self.audit is not None:
+            self._audit_generation(gen, outcome)
         if gen is not None and gen.first_sent is not None:
             self.metrics.observe("stream_ttft", gen.first_sent - gen.received)
             if gen.pieces_sent >= 2 and gen.last_sent is not None:
                 self.metrics.observe("stream_itl", (gen.last_sent - gen.first_sent) / (gen.pieces_sent - 1))
 
+    def _audit_refusal(self, exc: TritonGuardError) -> None:
+        if self.audit is None:
+            return
+        if isinstance(exc, QuotaExceeded):
+            self.audit.record("quota_reject", model=self.name, reason=str(exc)[:200])
+        else:
+            self.audit.record("reject", model=self.name, rule=getattr(exc, "rule", type(exc).__name__),
+                              input=getattr(exc, "input_name", ""))
+        self._audit_drops()
+
+    def _audit_generation(self, gen: Generation, outcome: str) -> None:
+        """One record per generation that was admitted: who answered, how it ended, what it cost;
+        the prompt only as a digest (keyed with the audit key when one is set) of its redacted form."""
+        assert self.audit is not None
+        self.audit.record("generation", tenant=gen.tenant, model=self.name,
+                          request=digest(gen.prompt, self._audit_key), served_by=gen.served_by, status=outcome,
+                          stream=gen.stream, tokens_out=gen.tokens_out, redacted_in=gen.redacted_in,
+                          redacted_out=gen.redacted_out, fallback=gen.fallback)
+        self._audit_drops()
+
+    def _audit_drops(self) -> None:
+        if self.audit is not None and self.audit.dropped > self._audit_dropped:
+            self.metrics.inc("audit_drops", self.audit.dropped - self._audit_dropped)
+            self._audit_dropped = self.audit.dropped
+
     def _charge(self, gen: Generation, tokens: int) -> None:
+        gen.tokens_out += tokens
         self.budget.charge(gen.tenant, tokens)
         if tokens:
             self.metrics.inc("stream_tokens", tokens, direction="out", tenant=self.label(gen.tenant))
@@ -799,6 +851,7 @@ class StreamGuardModel:
             gen.sender.finish(text)
             self._sent(gen)
         self.stats["cache_hits"] += 1
+        gen.served_by = gen.served_by or "cache"
         self._outcome(gen, "ok")
 
     def _stop_target(self, responses: Any, it: Any, why: str) -> None:
@@ -851,6 +904,7 @@ class StreamGuardModel:
         tried: set[int] = set()
         while True:
             tried.add(version)
+            gen.served_by = f"{self.target}:{version}"
             t0 = time.perf_counter()
             responses = self._bls(version, gen.prompt, gen.stream, sampling, gen.exclude, gen.request)
             it = watched(responses, self.settings.guard.target_idle_timeout_s, self.name)
@@ -869,6 +923,7 @@ class StreamGuardModel:
                                     "to v%d", self.name, self.target, version, failed.message, nxt)
                         self.router.fallback("stall" if failed.stalled else "error")
                         version, role, gen.cache_key, gen.semantic = nxt, "fallback", None, None
+                        gen.fallback = True
                         continue
                 self._outcome(gen, "target_error")
                 self._charge(gen, failed.tokens)
@@ -976,6 +1031,7 @@ class StreamGuardModel:
             if not keep:
                 generated = None
         self.stats["redacted_out"] += redacted
+        gen.redacted_out = redacted
         self.stats["tokens"] += tokens
         self._charge(gen, tokens)
         sender.finish(rest if rest or not gen.stream else None)  # non-streamed: exactly one response
@@ -1023,11 +1079,14 @@ class StreamGuardModel:
             return False
         log.debug("stream guard %s: semantic hit (cosine %.3f) for tenant %s", self.name, hit.cosine, gen.tenant)
         prompt_first = not gen.stream and not gen.exclude
+        gen.served_by = "semantic_cache"
         self._replay(gen, gen.prompt + hit.text if prompt_first else hit.text)
         return True
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.router.close()
+        if self.audit is not None:
+            self.audit.close()
         self.metrics.close()
         log.info("stream guard %s: %s", self.name, json.dumps(self.stats))

@@ -110,9 +110,12 @@ def server(tmp_path_factory, exported_repo):
           semantic_cache__threshold="0.9")
     guard("misspelt_stream", target="echo", tokens__per_minut="60")
     logs = tmp_path_factory.mktemp("streamlogs")
+    guard("echo_audited", target="echo", validation__max_tokens="512", audit__path=str(logs / "stream_audit.jsonl"))
     srv = Server(repository=repo, log_path=logs / "tritonserver.log")
     srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "echo_guard", "echo_out", "echo_budget",
-                           "echo_metrics", "echo_cached", "echo_semantic", "minilm_raw"))
+                           "echo_metrics", "echo_cached", "echo_semantic", "echo_audited",
+                           "minilm_raw"))
+    srv.logs = logs
     yield srv
     srv.stop()
 
@@ -384,6 +387,35 @@ def test_semantic_cache_answers_a_near_duplicate_of_the_same_tenant(server):
     lookups = _scrape_model(server, "tritonguard_stream_semantic_cache_lookups_total", "echo_semantic")
     assert sum(v for k, v in lookups.items() if 'result="hit"' in k) == 2, lookups
     assert sum(v for k, v in lookups.items() if 'result="miss"' in k) == 4, lookups
+
+
+def test_every_generation_and_refusal_is_audited_on_a_verifiable_chain(server):
+    """audit.path set: one 'generation' record per admitted request (who served it, status,
+    tokens out, PII redacted in and out, the prompt only as a digest) and one 'reject' per
+    refusal, on a hash chain that verifies; no PII in the file."""
+    from tritonguard.audit import verify
+
+    path = server.logs / "stream_audit.jsonl"
+    text = "".join(e["text_output"] for e in sse(server, "echo_audited", PII, {"max_tokens": 200}))
+    assert text == REDACTED
+    status, _ = generate(server, "echo_audited", "", {"max_tokens": 5})
+    assert status == 400
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        if sum(r.get("type") in ("generation", "reject") for r in recs) >= 2:
+            break
+        time.sleep(0.3)
+    gens = [r for r in recs if r.get("type") == "generation"]
+    rejects = [r for r in recs if r.get("type") == "reject"]
+    assert len(gens) == 1 and len(rejects) == 1, recs
+    g = gens[0]
+    assert g["served_by"] == "echo:1" and g["status"] == "ok" and g["stream"] is True, g
+    assert g["tokens_out"] == len(REDACTED) and g["redacted_in"] == 2 and g["fallback"] is False, g
+    assert len(g["request"]) == 64 and rejects[0]["input"] == "text_input", rejects
+    raw = path.read_text()
+    assert "867-5309" not in raw and "john.smith@example.com" not in raw
+    assert verify(path).ok
 
 
 def _scrape_model(srv, family: str, model: str) -> dict[str, float]:

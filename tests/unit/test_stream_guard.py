@@ -297,7 +297,7 @@ def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
 
     docs = Path(__file__).resolve().parents[2] / "docs"
     doc = (docs / "stream-guard.md").read_text() + (docs / "generation.md").read_text()
-    keys = set(re.findall(r"`((?:validation|redaction|tenancy|tokens|cache|semantic_cache|routing|breaker)"
+    keys = set(re.findall(r"`((?:validation|redaction|tenancy|tokens|cache|semantic_cache|routing|breaker|audit)"
                           r"\.[a-z_]+)`", doc))
     values = {"validation.max_prompt_chars": "100", "validation.max_tokens": "64", "validation.max_temperature": "1",
               "redaction.holdback_chars": "32", "redaction.model_sees_redacted": "false",
@@ -305,7 +305,8 @@ def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
               "semantic_cache.enabled": "true", "semantic_cache.model": "mini", "semantic_cache.threshold": "0.8",
               "semantic_cache.max_entries_per_tenant": "10", "semantic_cache.ttl_s": "60",
               "semantic_cache.max_prompt_chars": "100", "semantic_cache.deterministic_only": "true",
-              "routing.canary_compare": "false", "routing.compare_queue": "8", "breaker.max_nan_rate": "0.1"}
+              "routing.canary_compare": "false", "routing.compare_queue": "8", "breaker.max_nan_rate": "0.1",
+              "audit.path": "/tmp/stream_audit.jsonl"}
     assert {"redaction.holdback_chars", "tokens.per_minute", "validation.max_tokens",
             "semantic_cache.threshold", "breaker.max_nan_rate"} <= keys, keys
     assert keys <= set(values), keys - set(values)
