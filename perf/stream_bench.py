@@ -27,7 +27,7 @@ from tritonguard.server import Server
 
 TTFT_ADDED_MS = 5.0
 TOKENS_RATIO = 0.95
-MODELS = ("tinylm", "tinylm_guard", "tinylm_guard_plain")
+MODELS = ("tinylm", "tinylm_guard", "tinylm_guard_plain", "tinylm_guard_inprocess")
 
 
 def build(repo: Path) -> None:
@@ -36,7 +36,8 @@ def build(repo: Path) -> None:
     example.build(repo, "tinylm")
     io = {k: v for k, v in example.triton_config("x").items()
           if k in ("input", "output", "max_batch_size", "model_transaction_policy")}
-    for name, extra in (("tinylm_guard", {}), ("tinylm_guard_plain", {"redaction.redact_outputs": "false"})):
+    for name, extra in (("tinylm_guard", {}), ("tinylm_guard_plain", {"redaction.redact_outputs": "false"}),
+                        ("tinylm_guard_inprocess", {"placement": "inprocess"})):
         params = {"target": "tinylm", "validation.max_tokens": "256", **extra}
         write_config(repo / name, {"name": name, "backend": "guard", **io,
                                    "parameters": {k: {"string_value": v} for k, v in params.items()},
@@ -126,15 +127,24 @@ def run(workdir: Path, *, rounds: int = 3, concurrency: tuple[int, ...] = (1, 8)
                     sys.stderr.write(f"stream c={c} round {rnd + 1} {m}: {runs[m][-1]}\n")
             med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
             raw, guard, plain = med["tinylm"], med["tinylm_guard"], med["tinylm_guard_plain"]
+            local = med["tinylm_guard_inprocess"]
             points[str(c)] = {
                 "median": med,
                 "ttft_added_ms": guard["ttft_p50_ms"] - raw["ttft_p50_ms"],
                 "ttft_added_ms_without_output_redaction": plain["ttft_p50_ms"] - raw["ttft_p50_ms"],
                 "holdback_ms": guard["ttft_p50_ms"] - plain["ttft_p50_ms"],
                 "tokens_ratio": guard["tokens_per_s"] / raw["tokens_per_s"],
+                "inprocess_ttft_added_ms": local["ttft_p50_ms"] - raw["ttft_p50_ms"],
+                "inprocess_tokens_ratio": local["tokens_per_s"] / raw["tokens_per_s"],
             }
-    ok = all(p["ttft_added_ms"] <= TTFT_ADDED_MS and p["tokens_ratio"] >= TOKENS_RATIO for p in points.values())
-    return {"points": points, "meets_target": ok, "tokens": tokens, "requests": requests, "rounds": rounds}
+
+    def met(p: dict[str, float], prefix: str = "") -> bool:
+        return p[f"{prefix}ttft_added_ms"] <= TTFT_ADDED_MS and p[f"{prefix}tokens_ratio"] >= TOKENS_RATIO
+
+    ok = all(met(p) for p in points.values())
+    ok_inprocess = all(met(p, "inprocess_") for p in points.values())
+    return {"points": points, "meets_target": ok, "meets_target_inprocess": ok_inprocess, "tokens": tokens,
+            "requests": requests, "rounds": rounds}
 
 
 def print_result(result: dict[str, Any]) -> None:
@@ -143,14 +153,17 @@ def print_result(result: dict[str, Any]) -> None:
 
     table = Table(title=f"stream guard vs raw tinylm (gRPC streaming, greedy, {result['tokens']} tokens, "
                         f"p50 of {result['requests']} requests, median of {result['rounds']} rounds)")
-    for col in ("c", "TTFT raw", "TTFT guarded", "added", "of which hold-back", "tokens/s raw", "guarded/raw"):
+    for col in ("c", "TTFT raw", "TTFT guarded", "added", "of which hold-back", "tokens/s raw", "guarded/raw",
+                "in-process: added", "in-process: /raw"):
         table.add_column(col, justify="right")
     for c, p in result["points"].items():
         m = p["median"]
         table.add_row(c, f"{m['tinylm']['ttft_p50_ms']:.1f} ms", f"{m['tinylm_guard']['ttft_p50_ms']:.1f} ms",
                       f"{p['ttft_added_ms']:+.1f} ms", f"{p['holdback_ms']:+.1f} ms",
-                      f"{m['tinylm']['tokens_per_s']:,.0f}", f"{p['tokens_ratio']:.2f}")
+                      f"{m['tinylm']['tokens_per_s']:,.0f}", f"{p['tokens_ratio']:.2f}",
+                      f"{p['inprocess_ttft_added_ms']:+.1f} ms", f"{p['inprocess_tokens_ratio']:.2f}")
     console = Console()
     console.print(table)
-    console.print(f"targets: TTFT added <= {TTFT_ADDED_MS} ms, tokens/s >= {TOKENS_RATIO} of raw: "
-                  f"{'met' if result['meets_target'] else 'NOT met'}")
+    for label, key in (("BLS placement", "meets_target"), ("in-process placement", "meets_target_inprocess")):
+        console.print(f"targets ({label}): TTFT added <= {TTFT_ADDED_MS} ms, tokens/s >= {TOKENS_RATIO} of raw: "
+                      f"{'met' if result[key] else 'NOT met'}")

@@ -65,6 +65,7 @@ from .generator import (
     safe_send,
 )
 from .latency import recorder_for
+from .local_generator import CODE_NUMBERS, LocalGenerator, LocalResponse, LocalStream
 from .privacy import AuditedMetrics, audit_file
 from .redaction import RedactionConfig, Redactor
 from .routing import RoutingConfig
@@ -76,8 +77,7 @@ from .tenancy import QuotaManager, TenancyConfig, TenantLabels, TenantResolver
 log = logging.getLogger(__name__)
 
 # pb_utils.TritonError integer codes -> names (python_backend pb_error.h order)
-_CODE_NAMES = {0: "UNKNOWN", 1: "INTERNAL", 2: "NOT_FOUND", 3: "INVALID_ARG", 4: "UNAVAILABLE",
-               5: "UNSUPPORTED", 6: "ALREADY_EXISTS", 7: "CANCELLED"}
+_CODE_NAMES = {number: name for name, number in CODE_NUMBERS.items()}
 SECTIONS = ("", "validation", "redaction", "tenancy", "tokens", "cache", "semantic_cache", "routing", "breaker",
             "audit")
 # Long enough for every built-in at its usual length: an IPv6 with an embedded IPv4 (45), an
@@ -114,6 +114,10 @@ class StreamGuardConfig:
 
     target: str = ""
     target_version: int = -1
+    # bls: the target is called through Triton (any decoupled model: vLLM, TensorRT-LLM, ...);
+    # inprocess: a `generator`-backend target's versions run in this process (no second hop per
+    # token; tritonguard.local_generator)
+    placement: str = "bls"
     max_in_flight: int = 32  # generations in flight in this instance (worker threads)
     cancel_poll_ms: int = 50
     # the longest wait for the target's next response; past it the client gets UNAVAILABLE (a
@@ -128,6 +132,8 @@ class StreamGuardConfig:
             raise ValueError(f"parameter 'max_in_flight' must be >= 1, got {self.max_in_flight}")
         if self.cancel_poll_ms < 0:
             raise ValueError(f"parameter 'cancel_poll_ms' must be >= 0, got {self.cancel_poll_ms}")
+        if self.placement not in ("bls", "inprocess"):
+            raise ValueError(f"parameter 'placement' must be bls or inprocess, got {self.placement!r}")
         if not self.target_idle_timeout_s > 0:
             raise ValueError(f"parameter 'target_idle_timeout_s' must be > 0, got {self.target_idle_timeout_s}")
 
@@ -547,6 +553,14 @@ def _text_of(tensor: Any) -> str:
     return b"".join(bytes(x) for x in tensor.as_numpy().reshape(-1)).decode("utf-8", "replace")
 
 
+def _response_text(resp: Any) -> str | None:
+    """The text of one target response (a BLS response's ``text_output``, or an in-process one's)."""
+    if isinstance(resp, LocalResponse):
+        return resp.text
+    tensor = triton.pb().get_output_tensor_by_name(resp, OUTPUT)
+    return None if tensor is None else _text_of(tensor)
+
+
 class StreamGuardModel:
     """``initialize`` / ``execute`` / ``finalize`` of a decoupled guard (see the module doc)."""
 
@@ -577,6 +591,7 @@ class StreamGuardModel:
                       "errors": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0,
                       "cache_hits": 0}
         self.repo = repo = Path(args["model_repository"]).parent
+        self.local = LocalGenerator(repo, self.target, guard=self.name) if s.guard.placement == "inprocess" else None
         self.cache: TieredCache | None = None
         self._fingerprints: dict[int, str | None] = {}  # target version -> its artifact's SHA-256
         if s.cache.enabled:
@@ -781,6 +796,8 @@ class StreamGuardModel:
     # -- worker threads: one generation each -----------------------------------------------
     def _bls(self, version: int, prompt: str, stream: bool, sampling: str, exclude: bool | None,
              request: Any = None) -> Any:
+        if self.local is not None:
+            return self.local.open(version, prompt, stream, sampling, exclude)
         p = triton.pb()
         tensors = [p.Tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_)),
                    p.Tensor("stream", np.array([stream], dtype=bool)),
@@ -796,6 +813,12 @@ class StreamGuardModel:
                 pass
         return p.InferenceRequest(**kwargs).exec(decoupled=True)
 
+    def _batches(self, responses: Any) -> Any:
+        idle = self.settings.guard.target_idle_timeout_s
+        if isinstance(responses, LocalStream):
+            return responses.batches(idle, TargetStalled)
+        return watched(responses, idle, self.name)
+
     def _retire(self, responses: Any) -> None:
         """Keep a finished BLS response iterator alive for ``RETIRE_S`` more seconds before it is
         freed. python_backend 24.10 frees an iterator's native state while its stub may still be
@@ -803,6 +826,8 @@ class StreamGuardModel:
         canary call next to live traffic) the guard's stub, or tritonserver, then died within
         about 10 s ('double free or corruption', 'malloc(): unaligned fastbin chunk'); with
         retired iterators kept a few seconds, none did in 60 s runs of the same traffic."""
+        if isinstance(responses, LocalStream):
+            return  # nothing of python_backend's in it
         now = time.monotonic()
         with self._retired_lock:
             self._retired.append((now, responses))
@@ -814,15 +839,15 @@ class StreamGuardModel:
         responses = self._bls(version, prompt, False, sampling, True)
         texts: list[str] = []
         try:
-            for batch in watched(responses, self.settings.guard.target_idle_timeout_s, self.name):
+            for batch in self._batches(responses):
                 for resp in batch:
                     if resp.has_error():
                         err = resp.error()
                         code = _CODE_NAMES.get(err.code(), "INTERNAL") if hasattr(err, "code") else "INTERNAL"
                         raise TargetError(err.message(), code)
-                    tensor = triton.pb().get_output_tensor_by_name(resp, OUTPUT)
-                    if tensor is not None:
-                        texts.append(_text_of(tensor))
+                    text = _response_text(resp)
+                    if text is not None:
+                        texts.append(text)
         except TargetStalled as exc:
             raise TargetError(f"target '{self.target}' v{version}: {exc}", "UNAVAILABLE") from None
         finally:
@@ -856,6 +881,10 @@ class StreamGuardModel:
 
     def _stop_target(self, responses: Any, it: Any, why: str) -> None:
         """Cancel the BLS stream where python_backend can; else read and drop the rest."""
+        if isinstance(responses, LocalStream):
+            responses.cancel()  # the engine stops decoding it within its cancel_poll_ms
+            log.debug("stream guard %s: %s; in-process generation stopped", self.name, why)
+            return
         cancel = getattr(responses, "cancel", None)
         if cancel is not None:
             try:
@@ -907,7 +936,7 @@ class StreamGuardModel:
             gen.served_by = f"{self.target}:{version}"
             t0 = time.perf_counter()
             responses = self._bls(version, gen.prompt, gen.stream, sampling, gen.exclude, gen.request)
-            it = watched(responses, self.settings.guard.target_idle_timeout_s, self.name)
+            it = self._batches(responses)
             try:
                 done = self._forward(gen, version, responses, it, t0)
             except _TargetFailed as failed:
@@ -964,9 +993,9 @@ class StreamGuardModel:
                     if resp.has_error():
                         failed = resp.error()
                         break
-                    tensor = triton.pb().get_output_tensor_by_name(resp, OUTPUT)
-                    if tensor is not None:
-                        texts.append(_text_of(tensor))
+                    text = _response_text(resp)
+                    if text is not None:
+                        texts.append(text)
                 if gen.stream:
                     tokens += len(texts)
                     piece = "".join(texts)
@@ -1086,6 +1115,8 @@ class StreamGuardModel:
     def finalize(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.router.close()
+        if self.local is not None:
+            self.local.close()
         if self.audit is not None:
             self.audit.close()
         self.metrics.close()

@@ -99,6 +99,8 @@ def server(tmp_path_factory, exported_repo):
         (repo / name / "1").mkdir()
 
     guard("tinylm_guard", target="tinylm", validation__max_tokens="5000", validation__max_temperature="1.5")
+    # tinylm's versions run inside the guard (placement inprocess): no second hop per token
+    guard("tinylm_local", target="tinylm", placement="inprocess", validation__max_tokens="5000")
     guard("echo_guard", target="echo", validation__max_tokens="512")  # the echo sees the redacted prompt
     # the echo sees the original prompt: only the way out redacts
     guard("echo_out", target="echo", validation__max_tokens="512", redaction__model_sees_redacted="false",
@@ -112,7 +114,7 @@ def server(tmp_path_factory, exported_repo):
     logs = tmp_path_factory.mktemp("streamlogs")
     guard("echo_audited", target="echo", validation__max_tokens="512", audit__path=str(logs / "stream_audit.jsonl"))
     srv = Server(repository=repo, log_path=logs / "tritonserver.log")
-    srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "echo_guard", "echo_out", "echo_budget",
+    srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "tinylm_local", "echo_guard", "echo_out", "echo_budget",
                            "echo_metrics", "echo_cached", "echo_semantic", "echo_audited",
                            "minilm_raw"))
     srv.logs = logs
@@ -156,14 +158,24 @@ def wait_log(srv, needle: str, timeout: float = 10) -> bool:
     return needle in srv.tail(400)
 
 
-def test_guarded_tinylm_answers_what_the_raw_model_answers(server):
+@pytest.mark.parametrize("guard", ["tinylm_guard", "tinylm_local"])
+def test_guarded_tinylm_answers_what_the_raw_model_answers(server, guard):
     status, raw = generate(server, "tinylm")
     assert status == 200
-    status, guarded = generate(server, "tinylm_guard")
+    status, guarded = generate(server, guard)
     assert status == 200 and guarded["text_output"] == raw["text_output"]
-    events = sse(server, "tinylm_guard", PROMPT)
+    events = sse(server, guard, PROMPT)
     assert all("error" not in e for e in events), events
     assert PROMPT + "".join(e["text_output"] for e in events) == raw["text_output"]
+    seeded = {"max_tokens": 40, "temperature": 0.9, "seed": 11}
+    assert generate(server, guard, params=seeded)[1]["text_output"] == generate(server, "tinylm", params=seeded)[1][
+        "text_output"]
+
+
+def test_inprocess_placement_refuses_a_bad_sampling_key_and_serves_on(server):
+    status, body = generate(server, "tinylm_local", params={"max_tokens": 5, "top_k": 3})
+    assert status == 400 and "top_k" in body["error"], body
+    assert generate(server, "tinylm_local")[0] == 200
 
 
 def test_output_redaction_across_single_character_tokens_over_sse(server):
@@ -294,8 +306,10 @@ def test_grpc_cancel_stops_the_guarded_stream(server):
     assert wait_log(server, "stream guard tinylm_guard: client cancelled after")
     # python_backend >= r25.01 cancels the BLS stream (the generator logs it); 24.10 cannot, and
     # the guard drains the target's rest (bounded by the max_tokens it forwarded)
-    assert wait_log(server, "target stream cancelled") or wait_log(server, "cannot cancel a BLS stream, drained")
-    if "target stream cancelled" in server.tail(400):
+    cancelled = "stream guard tinylm_guard: client cancelled; target stream cancelled"
+    assert wait_log(server, cancelled) or wait_log(server, "stream guard tinylm_guard: client cancelled; this "
+                                                           "python_backend cannot cancel a BLS stream, drained")
+    if cancelled in server.tail(400):
         assert wait_log(server, "request cancelled after")
     assert generate(server, "tinylm_guard")[0] == 200
 
