@@ -84,18 +84,10 @@ def greedy_texts(onnx: Path, tokenizer: Any, prompts: list[str], max_tokens: int
     """Greedy continuations of ``prompts``: prefilled one by one, advanced as one batch (the
     served model's way; a row's result does not depend on its neighbours)."""
     from examples.generator import decoder  # noqa: PLC0415
-    from tritonguard.generator import SamplingParams, Sequence  # noqa: PLC0415
+    from tritonguard.generator import SamplingParams  # noqa: PLC0415
 
-    dec = decoder(onnx, tokenizer)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    seqs = [Sequence(p, params) for p in prompts]
-    for seq in seqs:
-        dec.prefill(seq)
-    active = seqs
-    while active:
-        dec.advance(active)
-        active = [s for s in active if not s.done]
-    return [s.text for s in seqs]
+    return decoder(onnx, tokenizer).generate_many(prompts, [params] * len(prompts))
 
 
 def _short(text: str, n: int = 60) -> str:

@@ -305,6 +305,18 @@ class Decoder:
                 s.logits, s.state = logits[i], state[:, i:i + 1]
         return out
 
+    def generate_many(self, prompts: list[str], params: list[SamplingParams]) -> list[str]:
+        """Several sequences decoded together, as the engine batches them (each prefilled alone,
+        then advanced as one batch); a row's text does not depend on its neighbours."""
+        seqs = [Sequence(p, q) for p, q in zip(prompts, params, strict=True)]
+        for seq in seqs:
+            self.prefill(seq)
+        active = seqs
+        while active:
+            self.advance(active)
+            active = [s for s in active if not s.done]
+        return [s.text for s in seqs]
+
     def generate(self, prompt: str, params: SamplingParams) -> str:
         """One sequence alone, start to end (tests and offline use)."""
         seq = Sequence(prompt, params)

@@ -172,7 +172,7 @@ class GuardModel:
             def ready(_version: int) -> bool:
                 return self._served
 
-        instances = sum(int(g.get("count", 1)) for g in cfg.get("instance_group") or [{}]) or 1
+        instances = triton.instance_count(cfg)
         # startup security check: hard failures refuse the load, the rest are logged warnings
         enforce_security(self.name, security_findings(self.config, self.signature, params, instances=instances))
         self.validator = BatchValidator(self.signature, self.config.validation)

@@ -553,6 +553,11 @@ def _text_of(tensor: Any) -> str:
     return b"".join(bytes(x) for x in tensor.as_numpy().reshape(-1)).decode("utf-8", "replace")
 
 
+def _code_name(err: Any) -> str:
+    """A target error's status name (a pb_utils.TritonError or an in-process one)."""
+    return _CODE_NAMES.get(err.code(), "INTERNAL") if hasattr(err, "code") else "INTERNAL"
+
+
 def _response_text(resp: Any) -> str | None:
     """The text of one target response (a BLS response's ``text_output``, or an in-process one's)."""
     if isinstance(resp, LocalResponse):
@@ -619,9 +624,8 @@ class StreamGuardModel:
         self._retired: collections.deque = collections.deque(maxlen=65536)
         self._retired_lock = threading.Lock()
         # one record per request (refusals included) on a hash-chained log, written off the path
-        instances = sum(int(g.get("count", 1)) for g in cfg.get("instance_group") or [{}]) or 1
         path = audit_file(s.audit.path, model=self.name, instance=args.get("model_instance_name", self.name),
-                          instances=instances)
+                          instances=triton.instance_count(cfg))
         self.audit: AuditLog | None = None
         self._audit_key: bytes | None = None
         self._audit_dropped = 0
@@ -662,10 +666,10 @@ class StreamGuardModel:
             raise TargetError(f"embedding model '{cfg.model}': {resp.error().message()}")
         return p.get_output_tensor_by_name(resp, cfg.output).as_numpy()
 
-    def _semantic_key(self, gen: Generation, version: int) -> str:
+    def _semantic_key(self, gen: Generation, version: int, sampling: str) -> str:
         """What a semantic hit must share with the request: the artifact answering, the shape of
-        the answer and the sampling parameters the target got."""
-        return json.dumps([self._fingerprint(version), gen.stream, bool(gen.exclude), target_sampling(gen)])
+        the answer and the sampling parameters the target gets (``sampling``)."""
+        return json.dumps([self._fingerprint(version), gen.stream, bool(gen.exclude), sampling])
 
     # -- execute thread: checks only -------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
@@ -843,8 +847,7 @@ class StreamGuardModel:
                 for resp in batch:
                     if resp.has_error():
                         err = resp.error()
-                        code = _CODE_NAMES.get(err.code(), "INTERNAL") if hasattr(err, "code") else "INTERNAL"
-                        raise TargetError(err.message(), code)
+                        raise TargetError(err.message(), _code_name(err))
                     text = _response_text(resp)
                     if text is not None:
                         texts.append(text)
@@ -927,9 +930,9 @@ class StreamGuardModel:
                 self._replay(gen, bytes(hit[OUTPUT].reshape(-1)[0]).decode("utf-8"))
                 return
         gen.cache_key = key
-        if self.semantic is not None and role == "primary" and self._semantic_lookup(gen, version):
-            return
         sampling = target_sampling(gen)
+        if self.semantic is not None and role == "primary" and self._semantic_lookup(gen, version, sampling):
+            return
         tried: set[int] = set()
         while True:
             tried.add(version)
@@ -1011,7 +1014,7 @@ class StreamGuardModel:
                 else:
                     whole.extend(texts)
                 if failed is not None:
-                    code = _CODE_NAMES.get(failed.code(), "INTERNAL") if hasattr(failed, "code") else "INTERNAL"
+                    code = _code_name(failed)
                     log.warning("stream guard %s: target %s v%d failed after %d tokens: %s", self.name,
                                 self.target, version, tokens, failed.message())
                     try:
@@ -1085,7 +1088,7 @@ class StreamGuardModel:
             self.metrics.inc("stream_redactions", redacted, direction="output")
         return generated, first
 
-    def _semantic_lookup(self, gen: Generation, version: int) -> bool:
+    def _semantic_lookup(self, gen: Generation, version: int, sampling: str) -> bool:
         """Answer ``gen`` from the semantic cache if a close enough prompt of its tenant was
         answered under the same parameters (True); else remember its embedding for the store."""
         sem = self.semantic
@@ -1095,7 +1098,7 @@ class StreamGuardModel:
             deterministic or not sem.config.deterministic_only)
         hit, vec, result = None, None, "skipped"
         if eligible:
-            pkey = self._semantic_key(gen, version)
+            pkey = self._semantic_key(gen, version, sampling)
             vec = sem.embed(gen.prompt)
             if vec is None:
                 result = "error"

@@ -137,6 +137,11 @@ def bls(
     return result
 
 
+def instance_count(config: Mapping[str, Any]) -> int:
+    """Model instances a ``config.pbtxt`` asks for (its instance groups summed; 1 without any)."""
+    return sum(int(g.get("count", 1)) for g in config.get("instance_group") or [{}]) or 1
+
+
 class Metrics:
     """Triton custom metrics for one model, kept off the serving path.
 

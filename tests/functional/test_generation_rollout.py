@@ -205,6 +205,14 @@ class Traffic:
         return {"sent": self.sent, "ok": self.ok, "errors": len(self.errors), "first_errors": self.errors[:3]}
 
 
+def promote_under_traffic(ctx, version: int, steps: str, **traffic) -> tuple[subprocess.CompletedProcess, Traffic]:
+    """`exporter promote tinylm --version V` as a user runs it, while generation traffic flows."""
+    with Traffic(ctx, **traffic) as t:
+        r = cli(ctx, "promote", "tinylm", "--version", str(version), "--steps", steps, *GATES, *server_args(ctx))
+    print(r.stdout, r.stderr, t.report())
+    return r, t
+
+
 # -- tests (in order) -------------------------------------------------------------------------------
 def test_the_builds_are_what_the_tests_assume(ctx):
     m = {v: json.loads((ctx["repo"] / "tinylm_raw" / str(v) / "manifest.json").read_text()) for v in range(1, 6)}
@@ -230,9 +238,7 @@ def test_reexport_is_promoted_under_live_generation_traffic(ctx):
     """v3 (v1 re-exported) walks 10 -> 50 -> 100 % judged for equivalence: the canary's greedy
     texts match the primary's; no client sees an error; both versions served."""
     before = served_total(ctx)
-    with Traffic(ctx, seed=3) as traffic:
-        r = cli(ctx, "promote", "tinylm", "--version", "3", "--steps", "10,50,100", *GATES, *server_args(ctx))
-    print(r.stdout, r.stderr, traffic.report())
+    r, traffic = promote_under_traffic(ctx, 3, "10,50,100", seed=3)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "done" in r.stdout
     st = state(ctx)
@@ -249,9 +255,7 @@ def test_reexport_is_promoted_under_live_generation_traffic(ctx):
 def test_honest_retrain_is_promoted_on_the_task(ctx):
     """v4 (seed 1) writes other text than v3: judged on the task (bits per char within 3 %),
     its live disagreement is expected, and it is promoted."""
-    with Traffic(ctx, seed=4) as traffic:
-        r = cli(ctx, "promote", "tinylm", "--version", "4", "--steps", "10,100", *GATES, *server_args(ctx))
-    print(r.stdout, r.stderr, traffic.report())
+    r, traffic = promote_under_traffic(ctx, 4, "10,100", seed=4)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "task" in r.stderr
     assert state(ctx)["primary"]["version"] == 4
@@ -262,9 +266,7 @@ def test_nan_on_live_prompts_trips_the_breaker_and_falls_back(ctx):
     """v5 passes every offline check and its goldens; live prompts holding the poisoned character
     make it fail with non-finite logits before its first token: each such request is answered
     by the primary instead (fallback), the breaker trips, and the rollout rolls it back."""
-    with Traffic(ctx, seed=5, poison_share=0.3) as traffic:
-        r = cli(ctx, "promote", "tinylm", "--version", "5", "--steps", "10,50,100", *GATES, *server_args(ctx))
-    print(r.stdout, r.stderr, traffic.report())
+    r, traffic = promote_under_traffic(ctx, 5, "10,50,100", seed=5, poison_share=0.3)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "rolled_back" in r.stdout
     st = state(ctx)

@@ -193,14 +193,7 @@ def test_batched_decode_matches_decoding_alone(decoder):
     params = [SamplingParams(max_tokens=50 + 7 * i, temperature=t, seed=i)
               for i, t in enumerate([0, 0.7, 1.0, 0, 1.3, 0.5])]
     alone = [decoder.generate(p, q) for p, q in zip(prompts, params, strict=True)]
-    seqs = [Sequence(p, q) for p, q in zip(prompts, params, strict=True)]
-    for s in seqs:
-        decoder.prefill(s)
-    active = seqs
-    while active:
-        decoder.advance(active)
-        active = [s for s in active if not s.done]
-    assert [s.text for s in seqs] == alone
+    assert decoder.generate_many(prompts, params) == alone
 
 
 # -- the engine (the decode thread) ---------------------------------------------------------------
