@@ -69,7 +69,7 @@ def repo(tmp_path):
 
 
 def make(repo, targets, *, primary=1, candidate=None, share=1.0, judge=None, max_batch=0, goldens=None,
-         latency=None, **breaker):
+         latency=None, routing=None, **breaker):
     store = open_store("g", repo)
 
     def setup(s):
@@ -89,7 +89,7 @@ def make(repo, targets, *, primary=1, candidate=None, share=1.0, judge=None, max
             np.savez(d / repository.GOLDENS, in__X=x, out__P=targets[v].infer({"X": x})["P"])
     metrics = Metrics()
     router = Router(guard="g", repo=repo, target="t", make_target=lambda v: targets[v], output_names=["P"],
-                    store=store, config=RoutingConfig(reconcile_interval_s=0, poll_interval_s=0),
+                    store=store, config=RoutingConfig(**{"reconcile_interval_s": 0, "poll_interval_s": 0, **(routing or {})}),
                     validator=ValidatorConfig(), registry=ValidatorRegistry(),
                     breaker=BreakerConfig(**{"min_requests": 20, "window": 200, **breaker}),
                     metrics=metrics, seed=0, max_batch=max_batch, latency=latency)
@@ -351,3 +351,37 @@ def test_a_stale_breaker_write_does_not_erase_another_processs_newer_trip(repo):
     router._store_breaker(2, stale.to_dict())
     assert router.store.load().breakers["2"]["state"] == "closed"
     router.close()
+
+
+class Slow(Linear):
+    """The same answers, ``extra_s`` slower per call."""
+
+    def __init__(self, w, extra_s):
+        super().__init__(w)
+        self.extra_s = extra_s
+
+    def infer(self, inputs):
+        time.sleep(self.extra_s)
+        return super().infer(inputs)
+
+
+@pytest.mark.parametrize("share,tripped", [(0.1, False), (0.5, True)])
+def test_latency_ratio_judges_a_version_only_at_a_share_that_keeps_it_warm(repo, share, tripped):
+    """routing.latency_ratio trips a candidate slower than the primary, but not while it gets
+    under routing.latency_min_share of the calls: a rarely called version runs cache-cold (an
+    identical copy measured 2.1x the primary's p95 at a 15 % share), the rollout gate's rule too."""
+    router, metrics = make(repo, {1: Linear(W1), 2: Slow(W1, 0.004)}, candidate=2, share=share,
+                           routing={"latency_ratio": 2.0, "canary_compare": False})
+    assert router.call_share(2) == pytest.approx(share) and router.call_share(1) == 1.0
+    served = 0
+    for k in range(120):  # 1 or 5 requests a batch on the candidate: >= 50 latencies each way
+        served += router.infer({"X": rows(10, seed=k)}, [1] * 10).served_by.count("t:2")
+        if router.breaker(2).state != "closed":
+            break
+    router.close()
+    assert served >= 50, served  # enough samples that the ratio could have been judged
+    trips = [dict(k[1:]) for k in metrics.counts if k[0] == "trips"]
+    if tripped:
+        assert router.breaker(2).state == "open" and trips == [{"reason": "latency", "target_version": "2"}], trips
+    else:
+        assert router.breaker(2).state == "closed" and trips == [], trips
