@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -71,7 +72,7 @@ from .redaction import RedactionConfig, Redactor
 from .routing import RoutingConfig
 from .semantic_cache import SemanticCache, SemanticCacheConfig
 from .state import open_store
-from .stream_routing import NON_FINITE, StreamRouter
+from .stream_routing import NON_FINITE, StreamRouter, embedding_similarity
 from .tenancy import QuotaManager, TenancyConfig, TenantLabels, TenantResolver
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ log = logging.getLogger(__name__)
 # pb_utils.TritonError integer codes -> names (python_backend pb_error.h order)
 _CODE_NAMES = {number: name for name, number in CODE_NUMBERS.items()}
 SECTIONS = ("", "validation", "redaction", "tenancy", "tokens", "cache", "semantic_cache", "routing", "breaker",
-            "audit")
+            "audit", "similarity")
 # Long enough for every built-in at its usual length: an IPv6 with an embedded IPv4 (45), an
 # IBAN with spaces (42), an international phone number (<= 40), and e-mails up to 64 characters.
 DEFAULT_HOLDBACK = 64
@@ -97,6 +98,9 @@ COUNTERS = {
     "stream_semantic": ("tritonguard_stream_semantic_cache_lookups_total",
                         "Semantic cache lookups (semantic_cache.*), by result (hit, miss, skipped: prompt too long "
                         "or not deterministic under deterministic_only; error: the embedding failed) and tenant"),
+    "similarity_errors": ("tritonguard_stream_similarity_errors_total",
+                          "Sampled canary/shadow comparisons whose similarity.model embedding failed (the "
+                          "sampled_similarity figure was then the character-trigram cosine)"),
 }
 HISTOGRAMS = {
     "stream_ttft": ("tritonguard_stream_ttft_seconds",
@@ -174,6 +178,22 @@ class TokenBudgetConfig:
             raise ValueError("parameters 'tokens.per_minute' and 'tokens.max_in_flight' must be >= 0")
 
 
+@dataclass(kw_only=True)
+class SimilarityConfig:
+    """``similarity.*``: how two sampled texts of a canary/shadow comparison are compared (the
+    ``sampled_similarity`` figure)."""
+
+    model: str = ""  # an embedding model called through BLS (e.g. minilm_raw); "": character-trigram cosine
+    input: str = "TEXT"  # its BYTES input [n, 1]
+    output: str = "EMBEDDING"  # its FP32 output [n, dim]
+
+    def __post_init__(self) -> None:
+        self.model = self.model.strip()
+        for name in ("input", "output"):
+            if not str(getattr(self, name)).strip():
+                raise ValueError(f"parameter 'similarity.{name}' must not be empty")
+
+
 @dataclass
 class StreamGuardSettings:
     guard: StreamGuardConfig
@@ -187,6 +207,7 @@ class StreamGuardSettings:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    similarity: SimilarityConfig = field(default_factory=SimilarityConfig)
 
 
 def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuardSettings:
@@ -215,6 +236,7 @@ def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuar
         routing=from_params(RoutingConfig, groups["routing"], section="routing", model=model),
         breaker=from_params(BreakerConfig, groups["breaker"], section="breaker", model=model),
         audit=from_params(AuditConfig, groups["audit"], section="audit", model=model),
+        similarity=from_params(SimilarityConfig, groups["similarity"], section="similarity", model=model),
     )
 
 
@@ -614,13 +636,19 @@ class StreamGuardModel:
                                     "Time from a generation's target call to the target's first response",
                                     GENERATION_BUCKETS), **HISTOGRAMS},
             zero_at_load=[*(("stream_requests", {"outcome": o, "tenant": s.tenancy.default}) for o in OUTCOMES),
-                          "state_errors", "compare_drops"])
+                          "state_errors", "compare_drops", *(["similarity_errors"] if s.similarity.model else [])])
         self.semantic: SemanticCache | None = None
         if s.semantic.enabled:
             if s.semantic.model in (self.name, self.target):
                 raise ConfigError(f"model '{self.name}': parameter 'semantic_cache.model' must name an embedding "
                                   f"model, not '{s.semantic.model}'")
             self.semantic = SemanticCache(s.semantic, self._embed)
+        similarity = None  # sampled_similarity of canary/shadow texts: the trigram cosine
+        if s.similarity.model:
+            if s.similarity.model in (self.name, self.target):
+                raise ConfigError(f"model '{self.name}': parameter 'similarity.model' must name an embedding "
+                                  f"model, not '{s.similarity.model}'")
+            similarity = embedding_similarity(functools.partial(self._embed, cfg=s.similarity))
         self._retired: collections.deque = collections.deque(maxlen=65536)
         self._retired_lock = threading.Lock()
         # one record per request (refusals included) on a hash-chained log, written off the path
@@ -639,7 +667,7 @@ class StreamGuardModel:
                                    store=open_store(self.name, repo), config=s.routing, breaker=s.breaker,
                                    metrics=AuditedMetrics(self.metrics, self.audit, self.name) if self.audit
                                    else self.metrics, pin=self.version, ready=lambda _v: self._served,
-                                   latency=recorder_for(self.name, repo))
+                                   latency=recorder_for(self.name, repo), similarity=similarity)
         log.info("stream guard %s -> %s: max_tokens %d, holdback %d chars, redaction %s, max_in_flight %d",
                  self.name, self.target, s.validation.max_tokens, s.holdback_chars,
                  "on" if self.redactor.active else "off", s.guard.max_in_flight)
@@ -655,9 +683,10 @@ class StreamGuardModel:
             self._fingerprints[version] = fp
         return self._fingerprints[version]
 
-    def _embed(self, texts: list[str]) -> np.ndarray:
-        """Sentence embeddings of ``texts`` from ``semantic_cache.model`` (BLS, not decoupled)."""
-        cfg = self.settings.semantic
+    def _embed(self, texts: list[str], cfg: SemanticCacheConfig | SimilarityConfig | None = None) -> np.ndarray:
+        """Sentence embeddings of ``texts`` [n, dim] from ``cfg.model`` (its ``cfg.input`` BYTES
+        [n, 1] -> ``cfg.output``; BLS, not decoupled); by default ``semantic_cache.model``."""
+        cfg = self.settings.semantic if cfg is None else cfg
         p = triton.pb()
         data = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
         resp = p.InferenceRequest(model_name=cfg.model, inputs=[p.Tensor(cfg.input, data)],

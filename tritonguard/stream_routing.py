@@ -22,8 +22,11 @@ a generative model unchanged) with what differs for generations:
   ``generation`` validator (exact match; MARGINAL on a long common prefix) when the candidate is
   judged for equivalence, or counted AGREE / DISAGREE when it is judged on the task (another
   training run writes other text). A sampled request cannot be compared text for text: its
-  shadow still runs (errors count against the candidate) and the character-trigram cosine of
-  the two texts is published as the ``sampled_similarity`` figure, never as a verdict.
+  shadow still runs (errors count against the candidate) and a similarity of the two texts is
+  published as the ``sampled_similarity`` figure, never as a verdict: the cosine of their
+  sentence embeddings when the router is given ``similarity`` (the stream guard's
+  ``similarity.model``, :func:`embedding_similarity`), else (and for a comparison whose
+  embedding failed: ``similarity_errors``) the character-trigram cosine.
 """
 
 from __future__ import annotations
@@ -76,6 +79,33 @@ def trigram_cosine(a: str, b: str) -> float:
     return dot / (na * nb) if na and nb else 0.0
 
 
+_MIN_NORM = 1e-12  # an embedding shorter than this has no direction: its cosine is 0.0
+SIMILARITY_WARN_EVERY_S = 60.0  # at most one warning about failing similarity embeddings a minute
+
+
+def embedding_similarity(embed: Callable[[list[str]], Any]) -> Callable[[str, str], float]:
+    """``similarity(a, b)``: the cosine of the two texts' embeddings, ``embed(list[str]) -> [n,
+    dim]`` called once with both texts (a batch of 2), clipped to [-1, 1]; a zero vector scores
+    0.0. Two empty texts score 1.0 and one empty text 0.0, without calling ``embed``. A wrong
+    shape or a non-finite embedding raises ValueError (the router then falls back to
+    :func:`trigram_cosine`)."""
+
+    def similarity(a: str, b: str) -> float:
+        if not a or not b:
+            return 1.0 if a == b else 0.0
+        vecs = np.asarray(embed([a, b]), dtype=np.float64)
+        if vecs.ndim != 2 or vecs.shape[0] != 2:
+            raise ValueError(f"embedding of 2 texts has shape {vecs.shape}, expected [2, dim]")
+        if not np.isfinite(vecs).all():
+            raise ValueError("embedding is not finite")
+        na, nb = np.linalg.norm(vecs, axis=1)
+        if na < _MIN_NORM or nb < _MIN_NORM:
+            return 0.0
+        return float(np.clip(vecs[0] @ vecs[1] / (na * nb), -1.0, 1.0))
+
+    return similarity
+
+
 def load_generation_goldens(path: Path) -> list[dict[str, Any]]:
     """The cases of a ``goldens.json``: ``{"prompt", "sampling", "text"}`` each; ValueError
     naming what is wrong otherwise."""
@@ -94,8 +124,13 @@ class StreamRouter(Router):
     def __init__(self, *, guard: str, repo: Path, target: str, run_text: RunText, store: StateStore,
                  config: RoutingConfig, breaker: BreakerConfig, metrics: Any, pin: int = -1,
                  ready: Callable[[int], bool] | None = None, clock: Callable[[], float] = time.time,
-                 seed: int | None = None, latency: Any = None) -> None:
+                 seed: int | None = None, latency: Any = None,
+                 similarity: Callable[[str, str], float] | None = None) -> None:
+        """``similarity(a, b)``: the ``sampled_similarity`` figure of two sampled texts (e.g.
+        :func:`embedding_similarity`); None: :func:`trigram_cosine`."""
         validator = ValidatorConfig(workload="generation")
+        self.similarity = similarity
+        self._similarity_warned = -math.inf  # time.monotonic() of the last warning
         super().__init__(guard=guard, repo=repo, target=target,
                          make_target=lambda v: _TextTarget(run_text, v), output_names=["text_output"],
                          store=store, config=config, validator=validator,
@@ -216,6 +251,24 @@ class StreamRouter(Router):
         return {"verdict": verdict, "metrics": figures, "checked_at": now}
 
     # -- comparisons (the router's worker thread) ------------------------------------------
+    def _sampled_similarity(self, a: str, b: str) -> float:
+        """``similarity(a, b)`` when given and it answers, else the trigram cosine (a failed
+        embedding is counted in ``similarity_errors`` and warned about at most once a minute)."""
+        if self.similarity is not None:
+            try:
+                value = float(self.similarity(a, b))
+                if not math.isfinite(value):
+                    raise ValueError(f"similarity is {value}")
+                return value
+            except Exception as exc:  # noqa: BLE001 - a figure off the serving path: fall back
+                self.metrics.inc("similarity_errors", 1)
+                now = time.monotonic()
+                if now - self._similarity_warned >= SIMILARITY_WARN_EVERY_S:
+                    self._similarity_warned = now
+                    log.warning("stream guard %s: sampled similarity by embedding failed (%s); character-trigram "
+                                "cosine instead (warned at most once a minute)", self.guard, exc)
+        return trigram_cosine(a, b)
+
     def _compare(self, kind: str, other: int, served_v: int, inputs: Any, served_out: Any) -> str | None:
         """canary: ``served_out`` came from the candidate and ``other`` is the primary; shadow:
         ``served_out`` came from the primary and ``other`` is the candidate."""
@@ -240,8 +293,8 @@ class StreamRouter(Router):
             return "ERROR"
         cand_text, ref_text = (served_out, other_text) if kind == "canary" else (other_text, served_out)
         if not deterministic:
-            self.metrics.set("validator_score", trigram_cosine(cand_text, ref_text), target_version=str(cand),
-                             kind=kind, figure="sampled_similarity")
+            self.metrics.set("validator_score", self._sampled_similarity(cand_text, ref_text),
+                             target_version=str(cand), kind=kind, figure="sampled_similarity")
             with self._lock:
                 b = self.breaker(cand)
                 trip = b.record_batch(now, 1) if kind == "shadow" else None  # an answer, no verdict

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -18,6 +22,8 @@ from examples import generator as example
 from tests.functional.test_generator import GREEDY, PROMPT, grpc_inputs, post
 from tritonguard.repository import write_config
 from tritonguard.server import Server
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.functional
 
@@ -111,12 +117,17 @@ def server(tmp_path_factory, exported_repo):
     guard("echo_semantic", target="echo", validation__max_tokens="512", semantic_cache__enabled="true",
           semantic_cache__threshold="0.9")
     guard("misspelt_stream", target="echo", tokens__per_minut="60")
+    # two versions of the same checkpoint behind a guard whose sampled comparisons embed with minilm
+    for v in (1, 2):
+        shutil.copytree(repo / "tinylm" / "1", repo / "tinylm_ab" / str(v))
+    write_config(repo / "tinylm_ab", example.triton_config("tinylm_ab"))
+    guard("tinylm_similar", target="tinylm_ab", similarity__model="minilm_raw", routing__poll_interval_s="0.2")
     logs = tmp_path_factory.mktemp("streamlogs")
     guard("echo_audited", target="echo", validation__max_tokens="512", audit__path=str(logs / "stream_audit.jsonl"))
     srv = Server(repository=repo, log_path=logs / "tritonserver.log")
     srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "tinylm_local", "echo_guard", "echo_out", "echo_budget",
                            "echo_metrics", "echo_cached", "echo_semantic", "echo_audited",
-                           "minilm_raw"))
+                           "minilm_raw", "tinylm_ab", "tinylm_similar"))
     srv.logs = logs
     yield srv
     srv.stop()
@@ -437,3 +448,31 @@ def _scrape_model(srv, family: str, model: str) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith(family) and f'model="{model}"' in line}
 
+
+
+def test_sampled_shadow_comparisons_are_scored_by_minilm(server):
+    """similarity.model=minilm_raw: a shadow of sampled requests (the candidate's stream consumed
+    off the path) gets a sampled_similarity figure from the real embedding model, in [-1, 1], and
+    no embedding failed (each failure would count and fall back to character trigrams)."""
+    repo = Path(server.repository)
+    r = subprocess.run([sys.executable, "-m", "exporter", "route", "tinylm_similar", "--repository", str(repo),
+                        "--primary", "1", "--candidate", "2", "--share", "0", "--shadow", "1.0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    time.sleep(0.5)  # > routing.poll_interval_s
+    params = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.95}
+    for k in range(6):
+        status, body = generate(server, "tinylm_similar", f"Return the {k} open files", params)
+        assert status == 200, body
+    deadline = time.monotonic() + 30
+    scores: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        scores = {k: v for k, v in _scrape_model(server, "tritonguard_validator_score", "tinylm_similar").items()
+                  if 'figure="sampled_similarity"' in k and 'kind="shadow"' in k}
+        if scores:
+            break
+        time.sleep(0.5)
+    assert scores, "no sampled_similarity figure was published"
+    assert all(-1.0 <= v <= 1.0 for v in scores.values()), scores
+    errors = _scrape_model(server, "tritonguard_stream_similarity_errors_total", "tinylm_similar")
+    assert errors and all(v == 0 for v in errors.values()), errors

@@ -180,11 +180,20 @@ def test_settings_defaults_and_sections():
     assert parse_settings({"target": "t"}).holdback_chars == DEFAULT_HOLDBACK
 
 
+def test_similarity_is_trigrams_unless_a_model_is_named():
+    default = parse_settings({"target": "t"}).similarity
+    assert (default.model, default.input, default.output) == ("", "TEXT", "EMBEDDING")
+    s = parse_settings({"target": "t", "similarity.model": "minilm_raw", "similarity.output": "VEC"}).similarity
+    assert (s.model, s.input, s.output) == ("minilm_raw", "TEXT", "VEC")
+
+
 @pytest.mark.parametrize(("params", "needle"), [
     ({"target": "t", "validation.max_tokenz": "5"}, "'validation.max_tokenz'"),
     ({"target": "t", "tokens.per_second": "5"}, "'tokens.per_second'"),
     ({"target": "t", "bogus": "1"}, "'bogus'"),
     ({"target": "t", "cache.semantic": "true"}, "'cache.semantic'"),
+    ({"target": "t", "similarity.modle": "minilm_raw"}, "'similarity.modle'"),
+    ({"target": "t", "similarity.output": " "}, "'similarity.output'"),
     ({"target": "t", "redaction.holdback_chars": "lots"}, "'redaction.holdback_chars'"),
     ({"target": "t", "redaction.holdback_chars": "-1"}, "'redaction.holdback_chars'"),
     ({"target": "t", "redaction.recognizers": "EMAIL,PASSPORT"}, "PASSPORT"),
@@ -297,7 +306,8 @@ def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
 
     docs = Path(__file__).resolve().parents[2] / "docs"
     doc = (docs / "stream-guard.md").read_text() + (docs / "generation.md").read_text()
-    keys = set(re.findall(r"`((?:validation|redaction|tenancy|tokens|cache|semantic_cache|routing|breaker|audit)"
+    keys = set(re.findall(r"`((?:validation|redaction|tenancy|tokens|cache|semantic_cache|routing|breaker|audit"
+                          r"|similarity)"
                           r"\.[a-z_]+)`", doc))
     values = {"validation.max_prompt_chars": "100", "validation.max_tokens": "64", "validation.max_temperature": "1",
               "redaction.holdback_chars": "32", "redaction.model_sees_redacted": "false",
@@ -306,9 +316,10 @@ def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
               "semantic_cache.max_entries_per_tenant": "10", "semantic_cache.ttl_s": "60",
               "semantic_cache.max_prompt_chars": "100", "semantic_cache.deterministic_only": "true",
               "routing.canary_compare": "false", "routing.compare_queue": "8", "breaker.max_nan_rate": "0.1",
-              "audit.path": "/tmp/stream_audit.jsonl"}
+              "audit.path": "/tmp/stream_audit.jsonl", "similarity.model": "minilm_raw",
+              "similarity.input": "TEXT", "breaker.latency_budget_ms": "500", "routing.latency_ratio": "2"}
     assert {"redaction.holdback_chars", "tokens.per_minute", "validation.max_tokens",
-            "semantic_cache.threshold", "breaker.max_nan_rate"} <= keys, keys
+            "semantic_cache.threshold", "breaker.max_nan_rate", "similarity.model"} <= keys, keys
     assert keys <= set(values), keys - set(values)
     for key in keys:
         parse_settings({"target": "t", key: values[key]})

@@ -3,15 +3,23 @@ canary/shadow comparisons, over a real rollout state file and text functions sta
 the versions (the served path is tests/functional/test_generation_rollout.py)."""
 
 import json
+import logging
 import time
+import zlib
 
+import numpy as np
 import pytest
 
 from tritonguard.breaker import BreakerConfig
 from tritonguard.errors import TargetError
 from tritonguard.routing import RoutingConfig
 from tritonguard.state import Candidate, open_store
-from tritonguard.stream_routing import StreamRouter, load_generation_goldens, trigram_cosine
+from tritonguard.stream_routing import (
+    StreamRouter,
+    embedding_similarity,
+    load_generation_goldens,
+    trigram_cosine,
+)
 
 from .test_router_judge import Metrics
 
@@ -21,7 +29,7 @@ def echo(prompt, sampling):
     return prompt[::-1] + "|" + str(json.loads(sampling).get("max_tokens"))
 
 
-def make(tmp_path, versions, *, candidate=None, share=1.0, shadow=0.0, judge=None, **breaker):
+def make(tmp_path, versions, *, candidate=None, share=1.0, shadow=0.0, judge=None, similarity=None, **breaker):
     repo = tmp_path / "repo"
     for v in versions:
         (repo / "lm" / str(v)).mkdir(parents=True, exist_ok=True)
@@ -48,7 +56,7 @@ def make(tmp_path, versions, *, candidate=None, share=1.0, shadow=0.0, judge=Non
     cfg = {"min_requests": 5, "window": 20, "min_compared": 5, **breaker}
     router = StreamRouter(guard="g", repo=repo, target="lm", run_text=run_text, store=store,
                           config=RoutingConfig(reconcile_interval_s=0, poll_interval_s=0),
-                          breaker=BreakerConfig(**cfg), metrics=metrics, seed=0)
+                          breaker=BreakerConfig(**cfg), metrics=metrics, seed=0, similarity=similarity)
     return router, metrics, calls, repo
 
 
@@ -243,3 +251,83 @@ def test_trigram_cosine():
     assert trigram_cosine("", "") == 1.0
     assert trigram_cosine("abcdef", "uvwxyz") == 0.0
     assert 0 < trigram_cosine("return the list", "returns a list") < 1
+
+
+# -- sampled_similarity by embedding (similarity.model) --------------------------------------------
+SIMILARITY_KEY = ("validator_score", ("figure", "sampled_similarity"), ("kind", "shadow"), ("target_version", "2"))
+
+
+def bag_of_words(texts):
+    """A deterministic stand-in for minilm_raw: hashed word counts, [n, 64] float32 (not normalised)."""
+    out = np.zeros((len(texts), 64), np.float32)
+    for i, text in enumerate(texts):
+        for word in text.split():
+            out[i, zlib.crc32(word.encode()) % 64] += 1.0
+    return out
+
+
+class Embedder:
+    def __init__(self, fn=bag_of_words):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, texts):
+        self.calls.append(list(texts))
+        return self.fn(texts)
+
+
+def reorder(prompt, sampling):
+    """Version 2: the same words as the primary's answer, in another order."""
+    return "blue green red"
+
+
+def test_sampled_similarity_is_the_embedding_cosine_when_given(tmp_path):
+    embed = Embedder()
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: reorder}, candidate=2, share=0.0, shadow=1.0,
+                               similarity=embedding_similarity(embed))
+    try:
+        router.after_served(1, 0.5, "colours", "{}", "red green blue", deterministic=False)
+        drain(router)
+        # the same bag of words: cosine 1 by the embedder, 2/3 by character trigrams
+        assert metrics.gauges[SIMILARITY_KEY] == pytest.approx(1.0)
+        assert trigram_cosine("blue green red", "red green blue") < 0.7
+        assert embed.calls == [["blue green red", "red green blue"]]  # one call, both texts
+        assert metrics.total("similarity_errors") == 0 and metrics.total("compared") == 0
+    finally:
+        router.close()
+
+
+def test_a_failing_embedding_falls_back_to_trigrams_and_counts(tmp_path, caplog):
+    def unloaded(texts):
+        raise TargetError("embedding model 'minilm_raw': model is not ready", "UNAVAILABLE")
+
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: reorder}, candidate=2, share=0.0, shadow=1.0,
+                               similarity=embedding_similarity(unloaded))
+    try:
+        with caplog.at_level(logging.WARNING, logger="tritonguard.stream_routing"):
+            for _ in range(3):
+                router.after_served(1, 0.5, "colours", "{}", "red green blue", deterministic=False)
+                drain(router)
+        assert metrics.gauges[SIMILARITY_KEY] == pytest.approx(trigram_cosine("blue green red", "red green blue"))
+        assert metrics.total("similarity_errors") == 3
+        warnings = [r for r in caplog.records if "sampled similarity" in r.getMessage()]
+        assert len(warnings) == 1  # once a minute, not once a comparison
+        assert router.breaker(2).state == "closed"  # an embedding failure says nothing about the candidate
+    finally:
+        router.close()
+
+
+def test_embedding_similarity():
+    embed = Embedder()
+    sim = embedding_similarity(embed)
+    assert sim("", "") == 1.0 and sim("", "a") == 0.0 and sim("a", "") == 0.0
+    assert embed.calls == []  # empty texts never reach the model
+    assert sim("a b", "b a") == pytest.approx(1.0)
+    assert 0.0 <= sim("a b", "c d") < 1.0
+    assert embedding_similarity(lambda t: np.array([[1.0, 0.0], [-2.0, 0.0]]))("x", "y") == -1.0
+    assert embedding_similarity(lambda t: np.array([[1e-30, 0.0], [1.0, 0.0]]))("x", "y") == 0.0  # zero norm
+    assert embedding_similarity(lambda t: np.array([[3.0, 4.0], [3.0, 4.0]], np.float32))("x", "y") == 1.0  # clipped
+    with pytest.raises(ValueError):
+        embedding_similarity(lambda t: np.zeros((1, 4)))("x", "y")  # not a batch of 2
+    with pytest.raises(ValueError):
+        embedding_similarity(lambda t: np.array([[np.nan, 1.0], [1.0, 1.0]]))("x", "y")
+
