@@ -995,16 +995,17 @@ class StreamGuardModel:
             break
         if done is None:
             return  # cancelled by the client
-        text, first_response_s = done
-        self.router.record(version, ok=True, first_response_s=first_response_s)
+        text, first_response_s, call_s, tokens = done
+        self.router.record(version, ok=True, first_response_s=first_response_s, call_s=call_s, tokens=tokens)
         if text is not None:
             self.router.after_served(version, draw, gen.prompt, sampling, text,
                                      deterministic=gen.params.greedy or gen.params.seed is not None)
 
     def _forward(self, gen: Generation, version: int, responses: Any, it: Any,
-                 t0: float) -> tuple[str | None, float | None] | None:
+                 t0: float) -> tuple[str | None, float | None, float, int] | None:
         """Forward ``version``'s answer to the client. Returns (its generated text unredacted, or
-        None when no comparison wants it; seconds to its first response), None when the client
+        None when no comparison wants it; seconds to its first response; seconds to its last;
+        tokens generated), None when the client
         cancelled; raises :class:`_TargetFailed` when the target failed or stalled (nothing sent
         to the client for it: the caller decides between a fallback and the client's error)."""
         out = StreamRedactor(self.redactor, self.settings.holdback_chars) if (
@@ -1073,6 +1074,7 @@ class StreamGuardModel:
                         version, exc)
             raise _TargetFailed("UNAVAILABLE", f"stalled: {exc}", f"target '{self.target}' sent nothing for {idle:g} s "
                                 "(it stalled or failed mid-stream); retry later", first, tokens, stalled=True) from None
+        call_s = time.perf_counter() - t0  # to the target's last response
         redacted = 0
         generated: str | None = None
         if gen.stream:
@@ -1115,7 +1117,7 @@ class StreamGuardModel:
                                 deterministic=gen.params.greedy or gen.params.seed is not None)
         if redacted:
             self.metrics.inc("stream_redactions", redacted, direction="output")
-        return generated, first
+        return generated, first, call_s, tokens
 
     def _semantic_lookup(self, gen: Generation, version: int, sampling: str) -> bool:
         """Answer ``gen`` from the semantic cache if a close enough prompt of its tenant was

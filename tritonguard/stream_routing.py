@@ -171,17 +171,25 @@ class StreamRouter(Router):
         return self._next_in_chain(chain, tried, self.clock())
 
     def record(self, version: int, *, ok: bool, first_response_s: float | None, non_finite: bool = False,
-               code: str = "") -> None:
+               code: str = "", call_s: float | None = None, tokens: int = 0) -> None:
         """One generation's outcome on ``version`` (its breaker, the gates' counters). A client
-        cancel is not recorded: it says nothing about the version."""
+        cancel is not recorded: it says nothing about the version.
+
+        The breaker's latency is the time to the target's first response. The rollout's latency
+        gate gets the whole call instead (``call_s``, to the target's last response) with its
+        ``tokens`` as the call's size: the gate compares calls only with calls of the same size
+        class, so a generation of 12 tokens is timed against generations of 12 tokens, and a
+        version that prefills at the same speed but decodes slower is seen too. (Before, the
+        gate got the time to first response of calls of any length: a whole-text answer's first
+        response is its last, so 8- and 24-token answers were pooled.)"""
         errors = 0 if ok or non_finite else 1
         latency_ms = None if first_response_s is None else first_response_s * 1000
         self._record(version, 1, errors=errors, non_finite=int(non_finite), latency_ms=latency_ms)
         self.metrics.inc("target_calls", 1)
         if first_response_s is not None:
             self.metrics.observe("latency", first_response_s, target_version=str(version))
-            if ok and self.latency is not None:  # the rollout's latency gate: one call of one request
-                self.latency.record(version, 1, first_response_s, self.clock())
+        if ok and self.latency is not None and call_s is not None and tokens >= 1:
+            self.latency.record(version, tokens, call_s, self.clock())
         if ok:
             self.metrics.inc("served", 1, served_by=f"{self.target}:{version}")
         else:

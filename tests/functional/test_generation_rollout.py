@@ -10,7 +10,10 @@ The repository holds ``tinylm_raw`` (the ``generator`` backend) and its decouple
 - v4: an honest retrain (seed 1), judged on the task;
 - v5: v1 whose logits turn NaN when one character is in its input, a character no golden prompt
   and no evaluation text holds: it passes every offline check and the goldens on the server, and
-  fails on live prompts that contain it (a fault the breaker must catch).
+  fails on live prompts that contain it (a fault the breaker must catch);
+- v6: v4 plus matrix products on its state that reach the logits only at 1e-30 (below float32
+  resolution): the same text, each decode step slower, ~1.3x the time per token served alone
+  (the test measures it): a slow build only the latency gate can catch.
 
 Each rollout runs as ``python -m exporter promote`` (as a user runs it) while traffic threads keep
 generations in flight; the tests run in file order and share the server.
@@ -91,6 +94,56 @@ def poison(repo: Path, src: int, dest: int, char: str) -> None:
     atomic_write(d / "manifest.json", json.dumps(manifest, indent=1))
 
 
+# the slow fault's extra work per decode step: tanh(state @ W1) then tanh(. @ W2), W2 square.
+# SLOW_WIDTH 384 measured 1.25-1.30x the time per token of tinylm_raw served alone (3 clients, HTTP);
+# 256 measured 0.98x (lost in the noise), 448 1.43x
+SLOW_WIDTH = 384
+
+
+def slowed(repo: Path, src: int, dest: int, width: int = SLOW_WIDTH) -> None:
+    """Version ``dest``: version ``src`` with input-dependent work added to every decode step
+    that changes no logit (it is added at 1e-30): the same answers, slower. Judged for
+    equivalence, as a slower re-export of the same weights would be."""
+    import hashlib
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    s, d = repo / "tinylm_raw" / str(src), repo / "tinylm_raw" / str(dest)
+    d.mkdir(parents=True)
+    model = onnx.load(str(s / "model.onnx"))
+    g = model.graph
+    for node in g.node:
+        node.output[:] = ["LOGITS_clean" if o == "LOGITS" else o for o in node.output]
+    rng = np.random.default_rng(0)
+    hidden = next(i for i in g.input if i.name == "STATE").type.tensor_type.shape.dim[2].dim_value
+    g.initializer.extend([
+        numpy_helper.from_array((rng.normal(size=(hidden, width)) / np.sqrt(hidden)).astype(np.float32), "slow_w1"),
+        numpy_helper.from_array((rng.normal(size=(width, width)) / np.sqrt(width)).astype(np.float32), "slow_w2"),
+        numpy_helper.from_array(np.array([0], np.int64), "slow_axis0"),
+        numpy_helper.from_array(np.array([1], np.int64), "slow_axis1"),
+        numpy_helper.from_array(np.array(1e-30, np.float32), "slow_scale")])
+    g.node.extend([
+        helper.make_node("Squeeze", ["STATE_OUT", "slow_axis0"], ["slow_h"]),
+        helper.make_node("MatMul", ["slow_h", "slow_w1"], ["slow_m1"]),
+        helper.make_node("Tanh", ["slow_m1"], ["slow_t1"]),
+        helper.make_node("MatMul", ["slow_t1", "slow_w2"], ["slow_m2"]),
+        helper.make_node("Tanh", ["slow_m2"], ["slow_t2"]),
+        helper.make_node("ReduceSum", ["slow_t2", "slow_axis1"], ["slow_sum"], keepdims=1),
+        helper.make_node("Mul", ["slow_sum", "slow_scale"], ["slow_add"]),
+        helper.make_node("Add", ["LOGITS_clean", "slow_add"], ["LOGITS"]),
+    ])
+    onnx.checker.check_model(model)
+    data = model.SerializeToString()
+    (d / "model.onnx").write_bytes(data)
+    for name in ("vocab.json", "goldens.json", "eval.json"):
+        shutil.copy(s / name, d / name)
+    manifest = json.loads((s / "manifest.json").read_text())
+    manifest.update(version=dest, sha256=hashlib.sha256(data).hexdigest(), judge="equivalence",
+                    equivalent_to=src, source=f"tests: v{src} with slower decode steps")
+    atomic_write(d / "manifest.json", json.dumps(manifest, indent=1))
+
+
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
     base = tmp_path_factory.mktemp("genrollout")
@@ -104,6 +157,7 @@ def ctx(tmp_path_factory):
     tested += "".join(json.loads((repo / "tinylm_raw" / "1" / "eval.json").read_text())["texts"]) + "".join(WORDS)
     char = next(c for c in "~^`|@#$%&" if c not in tested)
     poison(repo, 1, 5, char)
+    slowed(repo, 4, 6)
     write_config(repo / "tinylm", example.stream_guard_config(
         "tinylm", "tinylm_raw", target_version="1", validation__max_tokens="256",
         routing__poll_interval_s="0.2", routing__reconcile_interval_s="0.5",
@@ -205,10 +259,12 @@ class Traffic:
         return {"sent": self.sent, "ok": self.ok, "errors": len(self.errors), "first_errors": self.errors[:3]}
 
 
-def promote_under_traffic(ctx, version: int, steps: str, **traffic) -> tuple[subprocess.CompletedProcess, Traffic]:
+def promote_under_traffic(ctx, version: int, steps: str, *extra: str,
+                          **traffic) -> tuple[subprocess.CompletedProcess, Traffic]:
     """`exporter promote tinylm --version V` as a user runs it, while generation traffic flows."""
     with Traffic(ctx, **traffic) as t:
-        r = cli(ctx, "promote", "tinylm", "--version", str(version), "--steps", steps, *GATES, *server_args(ctx))
+        r = cli(ctx, "promote", "tinylm", "--version", str(version), "--steps", steps, *GATES, *extra,
+                *server_args(ctx))
     print(r.stdout, r.stderr, t.report())
     return r, t
 
@@ -277,3 +333,64 @@ def test_nan_on_live_prompts_trips_the_breaker_and_falls_back(ctx):
                and 'reason="non_finite"' in line and not line.endswith(" 0") for line in text.splitlines()), text[-2000:]
     assert any(line.startswith("tritonguard_fallbacks_total{") and 'model="tinylm"' in line
                and not line.endswith(" 0") for line in text.splitlines())
+
+
+def _raw_timings(ctx, version: int, n: int, seed: int) -> list[tuple[float, float]]:
+    """(seconds to the first SSE event, seconds per token of the whole call) of ``n`` streamed
+    generations on tinylm_raw ``version`` itself (no guard)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        tokens = int(rng.integers(8, 24))
+        body = json.dumps({"text_input": f"{WORDS[rng.integers(len(WORDS))]} {rng.integers(10**6)} ",
+                           "sampling_parameters": json.dumps({"max_tokens": tokens, "temperature": 0})}).encode()
+        req = urllib.request.Request(f"http://{ctx['server'].http_url}/v2/models/tinylm_raw/versions/{version}"
+                                     "/generate_stream", data=body, headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            while not resp.readline().startswith(b"data:"):
+                pass
+            first = time.perf_counter() - t0
+            resp.read()
+        out.append((first, (time.perf_counter() - t0) / tokens))
+    return out
+
+
+def fault_size(ctx, a: int, b: int, rounds: int = 3) -> dict[str, float]:
+    """Median ratios b/a of time to first token and time per token, 3 clients, rounds alternating."""
+    per: dict[int, list[tuple[float, float]]] = {a: [], b: []}
+    for rnd in range(rounds):
+        for v in ((a, b) if rnd % 2 == 0 else (b, a)):
+            chunks: list[list[tuple[float, float]]] = [[] for _ in range(3)]
+
+            def client(k: int, v: int = v, chunks: list = chunks, seed: int = 100 * rnd) -> None:
+                chunks[k].extend(_raw_timings(ctx, v, 20, seed + k))
+
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            per[v] += [x for c in chunks for x in c]
+    med = {v: (float(np.median([f for f, _ in xs])), float(np.median([t for _, t in xs]))) for v, xs in per.items()}
+    return {"ttft": med[b][0] / med[a][0], "per_token": med[b][1] / med[a][1]}
+
+
+def test_slower_build_is_rolled_back_by_the_latency_gate(ctx):
+    """v6 gives v4's text, each decode step slower. Its goldens, the equivalence judge and the
+    canary all pass; the latency gate, which times whole generations against generations of the
+    same length, fails it at 50 % and the rollout rolls it back, with no client error."""
+    assert state(ctx)["primary"]["version"] == 4
+    size = fault_size(ctx, 4, 6)
+    print(f"slow fault, served alone: time to first token {size['ttft']:.2f}x, per token {size['per_token']:.2f}x")
+    # the fault is the size the test claims: a realistic slowdown, not a wreck
+    assert 1.15 <= size["per_token"] <= 1.8, size
+    # through the guard the slowdown is diluted by the hops it adds per token (one run: 1.25x
+    # served alone, 1.16x on the gate's calls): a user who allows 5 % gets it rolled back
+    r, traffic = promote_under_traffic(ctx, 6, "50,100", "--latency-tolerance", "0.05", seed=6)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "rolled_back" in r.stdout and "latency FAIL" in r.stdout + r.stderr, r.stdout + r.stderr
+    st = state(ctx)
+    assert st["primary"]["version"] == 4 and st["candidate"] is None
+    assert st["goldens"]["6"]["verdict"] == "PASS"
+    assert not traffic.errors, traffic.report()

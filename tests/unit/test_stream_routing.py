@@ -331,3 +331,24 @@ def test_embedding_similarity():
     with pytest.raises(ValueError):
         embedding_similarity(lambda t: np.array([[np.nan, 1.0], [1.0, 1.0]]))("x", "y")
 
+
+def test_the_latency_gate_gets_whole_generations_sized_by_their_tokens(tmp_path):
+    """The breaker times a generation to its first response; the rollout's latency gate gets the
+    whole call, with its tokens as the call's size (the gate compares equal sizes only). A call
+    without a token, or a failed one, gives the gate nothing."""
+    from tritonguard.latency import LatencyRecorder, open_latency_log
+
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: echo}, candidate=2, share=1.0)
+    log = open_latency_log("g", tmp_path / "repo", url="")
+    router.latency = LatencyRecorder(log)
+    try:
+        router.record(2, ok=True, first_response_s=0.004, call_s=0.050, tokens=12)
+        router.record(2, ok=True, first_response_s=0.003, call_s=0.020, tokens=0)
+        router.record(2, ok=False, first_response_s=0.003, call_s=0.020, tokens=5, code="INTERNAL")
+        assert router.latency.flush()
+        got = log.read(2)
+        assert got.rows.tolist() == [12] and got.seconds.tolist() == pytest.approx([0.050])
+        # the breaker's latency is the time to first response
+        assert router.breaker(2).latency_p95(1) == pytest.approx(4.0, rel=0.01)
+    finally:
+        router.close()
