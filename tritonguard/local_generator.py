@@ -71,6 +71,8 @@ class LocalResponse:
 class LocalStream:
     """One generation's responses: the engine's sink on one side, the guard's iterator on the other."""
 
+    cheap_cancel_check = True  # the engine reads cancelled() at every step, not every cancel_poll_ms
+
     def __init__(self) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel = False
