@@ -22,6 +22,7 @@ import queue
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from . import repository
 from .config import from_params, model_parameters
@@ -41,7 +42,38 @@ log = logging.getLogger(__name__)
 # pb_utils.TritonError integer codes (python_backend pb_error.h order)
 CODE_NUMBERS = {"UNKNOWN": 0, "INTERNAL": 1, "NOT_FOUND": 2, "INVALID_ARG": 3, "UNAVAILABLE": 4,
                 "UNSUPPORTED": 5, "ALREADY_EXISTS": 6, "CANCELLED": 7}
-_END = object()
+END = object()  # the last item of a response queue
+
+
+def queued_batches(q: Any, idle_s: float, stalled: type[Exception]) -> Iterator[list[Any]]:
+    """The responses of queue ``q`` in lists: each list is the next response (waited for at most
+    ``idle_s``, else ``stalled``) and every one already queued behind it, until :data:`END`. An
+    exception in the queue is raised after the list before it. A reader that falls behind its
+    target so forwards several tokens as one piece; one that keeps up forwards them one by one."""
+    pending: Any = None
+    while True:
+        if pending is not None:
+            item, pending = pending, None
+        else:
+            try:
+                item = q.get(timeout=idle_s)
+            except queue.Empty:
+                raise stalled(f"no response for {idle_s:g} s") from None
+        if item is END:
+            return
+        if isinstance(item, Exception):
+            raise item
+        batch = [item]
+        while True:
+            try:
+                nxt = q.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is END or isinstance(nxt, Exception):
+                pending = nxt  # after this batch
+                break
+            batch.append(nxt)
+        yield batch
 
 
 class LocalError:
@@ -84,49 +116,31 @@ class LocalStream:
     def finish(self, text: str | None) -> None:
         if text is not None:
             self._q.put(LocalResponse(text))
-        self._q.put(_END)
+        self._q.put(END)
 
     def fail(self, message: str, code: str) -> None:
         self._q.put(LocalResponse(None, LocalError(message, code)))
-        self._q.put(_END)
+        self._q.put(END)
 
     def cancelled(self) -> bool:
         return self._cancel
 
     # -- the guard's side -------------------------------------------------------------------
     def cancel(self) -> None:
-        """Stop decoding (seen by the engine within its ``cancel_poll_ms``)."""
+        """Stop decoding (the engine reads the flag at its next step)."""
         self._cancel = True
 
     def __iter__(self) -> Iterator[LocalResponse]:
         while True:
             item = self._q.get()
-            if item is _END:
+            if item is END:
                 return
             yield item
 
     def batches(self, idle_s: float, stalled: type[Exception]) -> Iterator[list[LocalResponse]]:
-        """What arrived, in lists (the next response, waited for at most ``idle_s`` else
-        ``stalled``, and every one queued behind it), as ``stream_guard.watched`` hands out BLS
-        responses."""
-        while True:
-            try:
-                item = self._q.get(timeout=idle_s)
-            except queue.Empty:
-                raise stalled(f"no response for {idle_s:g} s") from None
-            if item is _END:
-                return
-            batch = [item]
-            while True:
-                try:
-                    nxt = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is _END:
-                    yield batch
-                    return
-                batch.append(nxt)
-            yield batch
+        """What arrived, in lists, as ``stream_guard.watched`` hands out BLS responses
+        (:func:`queued_batches`)."""
+        return queued_batches(self._q, idle_s, stalled)
 
 
 class LocalGenerator:

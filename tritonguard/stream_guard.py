@@ -66,7 +66,14 @@ from .generator import (
     safe_send,
 )
 from .latency import recorder_for
-from .local_generator import CODE_NUMBERS, LocalGenerator, LocalResponse, LocalStream
+from .local_generator import (
+    CODE_NUMBERS,
+    END,
+    LocalGenerator,
+    LocalResponse,
+    LocalStream,
+    queued_batches,
+)
 from .privacy import AuditedMetrics, audit_file
 from .redaction import RedactionConfig, Redactor
 from .routing import RoutingConfig
@@ -512,7 +519,6 @@ class TargetStalled(Exception):
     """The target sent nothing for ``target_idle_timeout_s``."""
 
 
-_END = object()
 RETIRE_S = 5.0  # how long a finished BLS response iterator is kept (StreamGuardModel._retire)
 # At most this many expired iterators are freed per retirement (one per finished generation):
 # after a pause of over 5 s every retired iterator expired together and was freed in one go, each
@@ -540,33 +546,10 @@ def watched(responses: Any, idle_s: float, name: str = "") -> Any:
         except Exception as exc:  # noqa: BLE001 - handed to the worker, which fails the request
             q.put(exc)
         finally:
-            q.put(_END)
+            q.put(END)
 
     threading.Thread(target=read, name=f"bls-read-{name}", daemon=True).start()
-    pending: Any = None
-    while True:
-        if pending is not None:
-            item, pending = pending, None
-        else:
-            try:
-                item = q.get(timeout=idle_s)
-            except queue.Empty:
-                raise TargetStalled(f"no response for {idle_s:g} s") from None
-        if item is _END:
-            return
-        if isinstance(item, Exception):
-            raise item
-        batch = [item]
-        while True:
-            try:
-                nxt = q.get_nowait()
-            except queue.Empty:
-                break
-            if nxt is _END or isinstance(nxt, Exception):
-                pending = nxt  # after this batch
-                break
-            batch.append(nxt)
-        yield batch
+    return queued_batches(q, idle_s, TargetStalled)
 
 
 class _TargetFailed(Exception):
@@ -926,7 +909,7 @@ class StreamGuardModel:
     def _stop_target(self, responses: Any, it: Any, why: str) -> None:
         """Cancel the BLS stream where python_backend can; else read and drop the rest."""
         if isinstance(responses, LocalStream):
-            responses.cancel()  # the engine stops decoding it within its cancel_poll_ms
+            responses.cancel()  # the engine stops decoding it at its next step
             log.debug("stream guard %s: %s; in-process generation stopped", self.name, why)
             return
         cancel = getattr(responses, "cancel", None)

@@ -29,7 +29,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,51 +49,65 @@ WORDS = ("Return the", "Create a new", "If the", "This module", "The default", "
          "Open the", "Set the", "Read the", "Write a", "Call the", "Get the", "When the", "Convert a")
 
 
-def poison(repo: Path, src: int, dest: int, char: str) -> None:
-    """Version ``dest``: version ``src`` whose logits turn NaN whenever ``char`` is among the
-    tokens of the call (a prompt holding it, or a step that writes it): a numerical fault on rare
-    inputs. (NaN weights would not do: onnxruntime's GRU clamps its gate inputs, NaN included.)"""
+def graft(repo: Path, src: int, dest: int, edit: Callable[[Any], None], **manifest: Any) -> None:
+    """Version ``dest`` of tinylm_raw: version ``src`` whose graph ``edit`` changes (the node that
+    wrote LOGITS now writes LOGITS_clean; ``edit`` adds the nodes that write LOGITS), with its
+    vocabulary, goldens and evaluation texts, and its manifest updated by ``manifest`` (a None
+    value removes the key)."""
     import hashlib
 
     import onnx
-    from onnx import TensorProto, helper
-
-    from tritonguard.generator import CharTokenizer
 
     s, d = repo / "tinylm_raw" / str(src), repo / "tinylm_raw" / str(dest)
     d.mkdir(parents=True)
-    tok = CharTokenizer.from_dict(json.loads((s / "vocab.json").read_text()))
-    token = tok.encode(char)[0]
     model = onnx.load(str(s / "model.onnx"))
-    g = model.graph
-    for node in g.node:  # the node that writes LOGITS now writes LOGITS_clean
+    for node in model.graph.node:
         node.output[:] = ["LOGITS_clean" if o == "LOGITS" else o for o in node.output]
-    opset = max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    g.initializer.extend([helper.make_tensor("poison_token", TensorProto.INT64, [], [token]),
-                          helper.make_tensor("poison_nan", TensorProto.FLOAT, [], [float("nan")]),
-                          helper.make_tensor("poison_zero", TensorProto.FLOAT, [], [0.0])])
-    reduce = (helper.make_node("ReduceMax", ["poison_f"], ["poison_any"], axes=[1], keepdims=1) if opset < 18 else
-              helper.make_node("ReduceMax", ["poison_f", "poison_axes"], ["poison_any"], keepdims=1))
-    if opset >= 18:
-        g.initializer.append(helper.make_tensor("poison_axes", TensorProto.INT64, [1], [1]))
-    g.node.extend([
-        helper.make_node("Equal", ["TOKENS", "poison_token"], ["poison_eq"]),
-        helper.make_node("Cast", ["poison_eq"], ["poison_f"], to=TensorProto.FLOAT),
-        reduce,
-        helper.make_node("Cast", ["poison_any"], ["poison_b"], to=TensorProto.BOOL),
-        helper.make_node("Where", ["poison_b", "poison_nan", "poison_zero"], ["poison_add"]),
-        helper.make_node("Add", ["LOGITS_clean", "poison_add"], ["LOGITS"]),
-    ])
+    edit(model)
     onnx.checker.check_model(model)
     data = model.SerializeToString()
     (d / "model.onnx").write_bytes(data)
     for name in ("vocab.json", "goldens.json", "eval.json"):
         shutil.copy(s / name, d / name)
-    manifest = json.loads((s / "manifest.json").read_text())
-    manifest.update(version=dest, sha256=hashlib.sha256(data).hexdigest(), judge="task",
-                    source="tests: v1 with NaN logits on one character")
-    manifest.pop("equivalent_to", None)
-    atomic_write(d / "manifest.json", json.dumps(manifest, indent=1))
+    doc = json.loads((s / "manifest.json").read_text())
+    doc.update(version=dest, sha256=hashlib.sha256(data).hexdigest(), **manifest)
+    for key in [k for k, v in manifest.items() if v is None]:
+        del doc[key]
+    atomic_write(d / "manifest.json", json.dumps(doc, indent=1))
+
+
+def poison(repo: Path, src: int, dest: int, char: str) -> None:
+    """Version ``dest``: version ``src`` whose logits turn NaN whenever ``char`` is among the
+    tokens of the call (a prompt holding it, or a step that writes it): a numerical fault on rare
+    inputs. (NaN weights would not do: onnxruntime's GRU clamps its gate inputs, NaN included.)"""
+    from onnx import TensorProto, helper
+
+    from tritonguard.generator import CharTokenizer
+
+    tok = CharTokenizer.from_dict(json.loads((repo / "tinylm_raw" / str(src) / "vocab.json").read_text()))
+    token = tok.encode(char)[0]
+
+    def edit(model) -> None:
+        g = model.graph
+        opset = max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+        g.initializer.extend([helper.make_tensor("poison_token", TensorProto.INT64, [], [token]),
+                              helper.make_tensor("poison_nan", TensorProto.FLOAT, [], [float("nan")]),
+                              helper.make_tensor("poison_zero", TensorProto.FLOAT, [], [0.0])])
+        reduce = (helper.make_node("ReduceMax", ["poison_f"], ["poison_any"], axes=[1], keepdims=1) if opset < 18 else
+                  helper.make_node("ReduceMax", ["poison_f", "poison_axes"], ["poison_any"], keepdims=1))
+        if opset >= 18:
+            g.initializer.append(helper.make_tensor("poison_axes", TensorProto.INT64, [1], [1]))
+        g.node.extend([
+            helper.make_node("Equal", ["TOKENS", "poison_token"], ["poison_eq"]),
+            helper.make_node("Cast", ["poison_eq"], ["poison_f"], to=TensorProto.FLOAT),
+            reduce,
+            helper.make_node("Cast", ["poison_any"], ["poison_b"], to=TensorProto.BOOL),
+            helper.make_node("Where", ["poison_b", "poison_nan", "poison_zero"], ["poison_add"]),
+            helper.make_node("Add", ["LOGITS_clean", "poison_add"], ["LOGITS"]),
+        ])
+
+    graft(repo, src, dest, edit, judge="task", equivalent_to=None,
+          source="tests: v1 with NaN logits on one character")
 
 
 # the slow fault's extra work per decode step: tanh(state @ W1) then tanh(. @ W2), W2 square.
@@ -104,44 +120,31 @@ def slowed(repo: Path, src: int, dest: int, width: int = SLOW_WIDTH) -> None:
     """Version ``dest``: version ``src`` with input-dependent work added to every decode step
     that changes no logit (it is added at 1e-30): the same answers, slower. Judged for
     equivalence, as a slower re-export of the same weights would be."""
-    import hashlib
-
-    import onnx
     from onnx import helper, numpy_helper
 
-    s, d = repo / "tinylm_raw" / str(src), repo / "tinylm_raw" / str(dest)
-    d.mkdir(parents=True)
-    model = onnx.load(str(s / "model.onnx"))
-    g = model.graph
-    for node in g.node:
-        node.output[:] = ["LOGITS_clean" if o == "LOGITS" else o for o in node.output]
-    rng = np.random.default_rng(0)
-    hidden = next(i for i in g.input if i.name == "STATE").type.tensor_type.shape.dim[2].dim_value
-    g.initializer.extend([
-        numpy_helper.from_array((rng.normal(size=(hidden, width)) / np.sqrt(hidden)).astype(np.float32), "slow_w1"),
-        numpy_helper.from_array((rng.normal(size=(width, width)) / np.sqrt(width)).astype(np.float32), "slow_w2"),
-        numpy_helper.from_array(np.array([0], np.int64), "slow_axis0"),
-        numpy_helper.from_array(np.array([1], np.int64), "slow_axis1"),
-        numpy_helper.from_array(np.array(1e-30, np.float32), "slow_scale")])
-    g.node.extend([
-        helper.make_node("Squeeze", ["STATE_OUT", "slow_axis0"], ["slow_h"]),
-        helper.make_node("MatMul", ["slow_h", "slow_w1"], ["slow_m1"]),
-        helper.make_node("Tanh", ["slow_m1"], ["slow_t1"]),
-        helper.make_node("MatMul", ["slow_t1", "slow_w2"], ["slow_m2"]),
-        helper.make_node("Tanh", ["slow_m2"], ["slow_t2"]),
-        helper.make_node("ReduceSum", ["slow_t2", "slow_axis1"], ["slow_sum"], keepdims=1),
-        helper.make_node("Mul", ["slow_sum", "slow_scale"], ["slow_add"]),
-        helper.make_node("Add", ["LOGITS_clean", "slow_add"], ["LOGITS"]),
-    ])
-    onnx.checker.check_model(model)
-    data = model.SerializeToString()
-    (d / "model.onnx").write_bytes(data)
-    for name in ("vocab.json", "goldens.json", "eval.json"):
-        shutil.copy(s / name, d / name)
-    manifest = json.loads((s / "manifest.json").read_text())
-    manifest.update(version=dest, sha256=hashlib.sha256(data).hexdigest(), judge="equivalence",
-                    equivalent_to=src, source=f"tests: v{src} with slower decode steps")
-    atomic_write(d / "manifest.json", json.dumps(manifest, indent=1))
+    def edit(model) -> None:
+        g = model.graph
+        rng = np.random.default_rng(0)
+        hidden = next(i for i in g.input if i.name == "STATE").type.tensor_type.shape.dim[2].dim_value
+        g.initializer.extend([
+            numpy_helper.from_array((rng.normal(size=(hidden, width)) / np.sqrt(hidden)).astype(np.float32), "slow_w1"),
+            numpy_helper.from_array((rng.normal(size=(width, width)) / np.sqrt(width)).astype(np.float32), "slow_w2"),
+            numpy_helper.from_array(np.array([0], np.int64), "slow_axis0"),
+            numpy_helper.from_array(np.array([1], np.int64), "slow_axis1"),
+            numpy_helper.from_array(np.array(1e-30, np.float32), "slow_scale")])
+        g.node.extend([
+            helper.make_node("Squeeze", ["STATE_OUT", "slow_axis0"], ["slow_h"]),
+            helper.make_node("MatMul", ["slow_h", "slow_w1"], ["slow_m1"]),
+            helper.make_node("Tanh", ["slow_m1"], ["slow_t1"]),
+            helper.make_node("MatMul", ["slow_t1", "slow_w2"], ["slow_m2"]),
+            helper.make_node("Tanh", ["slow_m2"], ["slow_t2"]),
+            helper.make_node("ReduceSum", ["slow_t2", "slow_axis1"], ["slow_sum"], keepdims=1),
+            helper.make_node("Mul", ["slow_sum", "slow_scale"], ["slow_add"]),
+            helper.make_node("Add", ["LOGITS_clean", "slow_add"], ["LOGITS"]),
+        ])
+
+    graft(repo, src, dest, edit, judge="equivalence", equivalent_to=src,
+          source=f"tests: v{src} with slower decode steps")
 
 
 @pytest.fixture(scope="module")
