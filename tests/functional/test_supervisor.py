@@ -173,3 +173,130 @@ def test_stop_leaves_nothing_behind(supervised):
     time.sleep(0.5)
     for pid in (supervised.proc.pid, triton, *stubs):
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+# -- frozen stubs ---------------------------------------------------------------------------
+# python_backend 24.10 can deadlock a stub with the GIL held (docs/stream-guard.md); its health
+# thread is native and keeps answering, so Triton calls it healthy and queues requests for it
+# forever. This test-only model freezes the same way on demand: a native call that never returns
+# and never releases the GIL (ctypes.PyDLL keeps it). "spin:<s>" is a long execution that works.
+FREEZER = '''
+import ctypes, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            text = pb_utils.get_input_tensor_by_name(r, "TEXT").as_numpy().reshape(-1)[0].decode()
+            if text == "freeze":
+                ctypes.PyDLL(None).sleep(3600)
+            elif text.startswith("spin:"):
+                end = time.monotonic() + float(text[5:])
+                while time.monotonic() < end:
+                    pass
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([text.encode()], dtype=object))]))
+        return out
+'''
+FREEZER_CONFIG = '''name: "freezer"
+backend: "python"
+max_batch_size: 0
+input [{ name: "TEXT" data_type: TYPE_STRING dims: [1] }]
+output [{ name: "OUT" data_type: TYPE_STRING dims: [1] }]
+instance_group [{ kind: KIND_CPU count: 1 }]
+'''
+STALL_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def freezer(tmp_path_factory):
+    base = tmp_path_factory.mktemp("freezer")
+    (base / "repo" / "freezer" / "1").mkdir(parents=True)
+    (base / "repo" / "freezer" / "config.pbtxt").write_text(FREEZER_CONFIG)
+    (base / "repo" / "freezer" / "1" / "model.py").write_text(FREEZER)
+    srv = Server(repository=base / "repo", log_path=base / "tritonserver.log",
+                 env={**os.environ, "TRITONGUARD_STALL_S": str(STALL_S)})
+    srv.start(wait_models=["freezer"])
+    yield srv
+    srv.stop()
+
+
+def _say(srv: Server, text: str, timeout: float = 10.0) -> tuple[int, str]:
+    body = {"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": [text]}]}
+    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/freezer/infer", data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())["outputs"][0]["data"][0]
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError) as e:
+        return 0, repr(e)
+
+
+def _supervisor_lines(srv: Server) -> list[str]:
+    return [line for line in srv.tail(400).splitlines() if line.startswith("tritonguard supervisor:")]
+
+
+def _freezer_serving(srv: Server, since: float, n_ok: int = 10) -> float:
+    streak = 0
+    while time.monotonic() - since < RECOVERY_S:
+        streak = streak + 1 if _say(srv, "ping", timeout=5)[0] == 200 else 0
+        if streak >= n_ok:
+            return time.monotonic() - since
+        time.sleep(0.1)
+    raise AssertionError(f"freezer not serving {RECOVERY_S:.0f} s on; log:\n{srv.tail(30)}")
+
+
+def test_a_long_execution_is_not_taken_for_a_freeze(freezer):
+    """Requests wait behind a 3-stall-long execution that burns CPU: left alone, all answered."""
+    import concurrent.futures as cf
+
+    assert _say(freezer, "ping") == (200, "ping")
+    with cf.ThreadPoolExecutor(4) as pool:
+        long = pool.submit(_say, freezer, f"spin:{3 * STALL_S}", 60)
+        time.sleep(0.5)
+        behind = [pool.submit(_say, freezer, f"q{i}", 60) for i in range(3)]
+        assert long.result()[0] == 200
+        assert [f.result() for f in behind] == [(200, f"q{i}") for i in range(3)]
+    lines = _supervisor_lines(freezer)
+    assert any("'freezer'" in line and "left alone" in line for line in lines), lines
+    assert not any("frozen" in line for line in lines), lines
+
+
+def test_a_frozen_stub_is_killed_and_its_model_reloaded(freezer):
+    import concurrent.futures as cf
+
+    assert _say(freezer, "ping") == (200, "ping")
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(5) as pool:
+        frozen = pool.submit(_say, freezer, "freeze", 120)
+        time.sleep(0.5)
+        behind = [pool.submit(_say, freezer, f"q{i}", 120) for i in range(3)]
+        time.sleep(1.0)
+        # the failure the supervisor covers: Triton still calls the model ready
+        assert _status(freezer, "/v2/models/freezer/ready") == 200
+        # no request hangs for ever: the stuck ones fail once the stub is killed
+        answers = [frozen.result(), *(f.result() for f in behind)]
+    unstuck = time.monotonic() - t0
+    assert unstuck < STALL_S + 30, unstuck
+    assert all(code == 500 and "not healthy" in body for code, body in answers), answers
+    took = _freezer_serving(freezer, t0)
+    lines = _supervisor_lines(freezer)
+    assert any("freezer_0_0" in line and "frozen" in line and "killed" in line for line in lines), lines
+    assert "reloaded 'freezer'" in lines[-1], lines
+    print(f"frozen stub: stuck requests answered {unstuck:.1f} s after the freeze, serving again at {took:.1f} s")
+
+
+def test_a_killed_stub_of_a_model_that_writes_no_files_is_reloaded(freezer):
+    """Triton 2.51 keeps the instances of a model whose files and config are unchanged: the
+    reload must be a real one (the guards write their state beside their config, which hid it)."""
+    assert _say(freezer, "ping") == (200, "ping")
+    time.sleep(1.0)
+    pid = next(p for p, s in scan_stubs({_triton_pid(freezer)}).items() if s.model == "freezer")
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    took = _freezer_serving(freezer, t0)
+    assert pid not in scan_stubs({_triton_pid(freezer)})
+    print(f"freezer serving again {took:.1f} s after its stub was killed")

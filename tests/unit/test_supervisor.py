@@ -10,12 +10,19 @@ import sys
 import time
 
 from tritonguard.supervisor import (
+    STALL_S,
+    StallWatch,
+    Stub,
     Supervisor,
+    called_models,
     control_mode,
     http_base,
+    metrics_url,
+    parse_progress,
     parse_stub,
     repository_headers,
     scan_stubs,
+    stall_seconds,
     with_default_control,
 )
 
@@ -26,8 +33,8 @@ STUB_ARGV = ["/x/backends/python/triton_python_backend_stub", "model_repository/
 
 def test_a_stub_is_read_from_its_argv():
     stub = parse_stub(42, STUB_ARGV)
-    assert (stub.pid, stub.model, stub.instance, stub.shm_region) == (
-        42, "minilm", "minilm_0_1", "triton_guard_backend_shm_region_6f77")
+    assert (stub.pid, stub.model, stub.instance, stub.shm_region, stub.version_dir) == (
+        42, "minilm", "minilm_0_1", "triton_guard_backend_shm_region_6f77", "model_repository/minilm/1")
     assert parse_stub(1, ["/usr/bin/python3", "x.py"]) is None
     assert parse_stub(1, STUB_ARGV[:5]) is None  # a stub of another layout is not guessed at
 
@@ -74,3 +81,117 @@ def test_a_server_that_never_became_live_is_not_restarted(tmp_path):
     t0 = time.monotonic()
     assert sup.run() == 3
     assert time.monotonic() - t0 < 10 and sup.restarts == 0
+
+
+METRICS = """# HELP nv_inference_pending_request_count Instantaneous number of pending requests
+# TYPE nv_inference_pending_request_count gauge
+nv_inference_pending_request_count{model="tinylm_guard",version="1"} 3
+nv_inference_pending_request_count{model="digits",version="1"} 0
+nv_inference_exec_count{model="tinylm_guard",version="1"} 41
+nv_inference_exec_count{model="digits",version="1"} 7
+nv_inference_exec_count{model="digits",version="2"} 5
+nv_inference_request_success{model="digits",version="1"} 99
+nv_inference_exec_count{model="odd",version="1"} not-a-number
+"""
+
+
+def test_progress_is_read_from_the_metrics_page_and_summed_over_versions():
+    assert parse_progress(METRICS) == {"tinylm_guard": (3, 41), "digits": (0, 12)}
+    assert parse_progress("") == {}
+
+
+def test_the_metrics_endpoint_comes_from_the_servers_flags():
+    assert metrics_url(["--metrics-port=18002", "--metrics-address=0.0.0.0"]) == "http://127.0.0.1:18002/metrics"
+    assert metrics_url([]) == "http://127.0.0.1:8002/metrics"
+    assert metrics_url(["--allow-metrics=false"]) is None
+
+
+def test_stall_seconds_come_from_the_environment():
+    logged: list[str] = []
+    assert stall_seconds({}, logged.append) == STALL_S
+    assert stall_seconds({"TRITONGUARD_STALL_S": "0"}, logged.append) == 0
+    assert stall_seconds({"TRITONGUARD_STALL_S": " 12.5 "}, logged.append) == 12.5
+    assert not logged
+    for bad in ("soon", "-1", "nan", "inf"):
+        assert stall_seconds({"TRITONGUARD_STALL_S": bad}, logged.append) == STALL_S
+    assert len(logged) == 4 and "TRITONGUARD_STALL_S='soon'" in logged[0]
+
+
+class Clock:
+    """CPU seconds per pid, set by the test (a stub's /proc figures)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[int, float] = {}
+
+    def __call__(self, pid: int) -> float | None:
+        return self.cpu.get(pid)
+
+
+def _stub(pid: int, model: str, k: int = 0) -> Stub:
+    return Stub(pid=pid, model=model, instance=f"{model}_0_{k}", shm_region=f"r{pid}")
+
+
+def test_a_model_with_waiting_requests_no_execution_and_idle_stubs_is_stalled():
+    cpu = Clock()
+    watch = StallWatch(10.0, cpu=cpu)
+    stubs = {1: _stub(1, "g"), 2: _stub(2, "g", 1), 3: _stub(3, "t")}
+    cpu.cpu = {1: 5.0, 2: 7.0, 3: 1.0}
+    assert watch.observe(0.0, {"g": (0, 10), "t": (0, 3)}, stubs) == []
+    assert watch.observe(5.0, {"g": (2, 10), "t": (0, 3)}, stubs) == []  # the clock starts here
+    cpu.cpu = {1: 5.3, 2: 10.0, 3: 1.0}  # stub 2 works (a long execution); stub 1 wakes, waiting on the GIL
+    assert watch.observe(14.9, {"g": (4, 10), "t": (0, 3)}, stubs) == []  # 9.9 s: not yet
+    (stall,) = watch.observe(15.0, {"g": (4, 10), "t": (0, 3)}, stubs)
+    assert (stall.model, stall.waiting, stall.seconds, stall.idle) == ("g", 4, 10.0, [stubs[1]])
+    assert abs(stall.busiest - 0.3) < 1e-9  # stub 2: 3 s of CPU in 10 s
+    # judged: a fresh clock, not a stall at every reading after
+    assert watch.observe(16.0, {"g": (4, 10)}, stubs) == []
+
+
+def test_an_execution_or_an_empty_queue_restarts_the_clock():
+    cpu = Clock()
+    cpu.cpu = {1: 0.0}
+    stubs = {1: _stub(1, "g")}
+    watch = StallWatch(10.0, cpu=cpu)
+    watch.observe(0.0, {"g": (2, 10)}, stubs)
+    watch.observe(1.0, {"g": (2, 10)}, stubs)  # clock from 1.0
+    watch.observe(8.0, {"g": (2, 11)}, stubs)  # an execution: cleared
+    watch.observe(9.0, {"g": (2, 11)}, stubs)  # clock from 9.0
+    assert watch.observe(18.0, {"g": (2, 11)}, stubs) == []
+    watch.observe(18.5, {"g": (0, 11)}, stubs)  # nothing waits: cleared
+    watch.observe(19.0, {"g": (1, 11)}, stubs)  # clock from 19.0
+    assert watch.observe(28.0, {"g": (1, 11)}, stubs) == []
+    (stall,) = watch.observe(29.0, {"g": (1, 11)}, stubs)
+    assert stall.idle == [stubs[1]]
+
+
+def test_busy_stubs_and_models_without_stubs_are_not_frozen():
+    cpu = Clock()
+    cpu.cpu = {1: 0.0}
+    stubs = {1: _stub(1, "g")}
+    watch = StallWatch(10.0, cpu=cpu)
+    for t in (0.0, 1.0):
+        watch.observe(t, {"g": (1, 5), "onnx_model": (9, 5)}, stubs)
+    cpu.cpu = {1: 3.0}  # 30 % of one CPU over the 10 s: working
+    (stall,) = watch.observe(11.0, {"g": (1, 5), "onnx_model": (9, 5)}, stubs)
+    assert stall.model == "g" and stall.idle == [] and abs(stall.busiest - 0.3) < 1e-9
+    # a stub that appeared during the stall (a reload) is not judged on a baseline it lacks
+    watch.reset()
+    for t in (0.0, 1.0):
+        watch.observe(t, {"g": (1, 5)}, stubs)
+    (stall,) = watch.observe(11.0, {"g": (1, 5)}, {7: _stub(7, "g")})
+    assert stall.idle == []
+
+
+def test_the_models_a_guard_calls_come_from_its_config():
+    import json
+
+    config = json.dumps({"name": "minilm_guard", "parameters": {
+        "target": {"string_value": "minilm_raw"},
+        "target_per_version": {"string_value": "minilm_raw_v{version}"},
+        "similarity.model": {"string_value": "minilm_raw"},
+        "semantic_cache.model": {"string_value": "not_loaded"},
+        "placement": {"string_value": "bls"}}})
+    loaded = {"minilm_raw", "minilm_raw_v1", "minilm_raw_v12", "minilm_raw_vx", "minilm_guard", "digits"}
+    assert called_models(config, loaded) == ["minilm_raw", "minilm_raw_v1", "minilm_raw_v12"]
+    assert called_models(json.dumps({"name": "freezer"}), loaded) == []
+    assert called_models(None, loaded) == [] and called_models("not json", loaded) == []
