@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import re
 import signal
@@ -86,14 +87,19 @@ class Stub:
     version_dir: str = ""  # <repository>/<model>/<version>, where Triton found its model.py
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(ppid, state) of a process, or None when it is gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` from field 3 (state) on, or None when it is gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    rest = raw[raw.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
-    return int(rest[1]), rest[0]
+    return raw[raw.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(ppid, state) of a process, or None when it is gone."""
+    rest = _stat_fields(pid)
+    return None if rest is None else (int(rest[1]), rest[0])
 
 
 def _unlink_shm(region: str) -> None:
@@ -146,12 +152,8 @@ def scan_stubs(parents: set[int]) -> dict[int, Stub]:
 
 def _cpu_s(pid: int) -> float | None:
     """CPU seconds (user + system, all threads) a process has used, or None when it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = raw[raw.rfind(")") + 2:].split()  # rest[0] is field 3 (state): utime, stime are 14, 15
-    return (int(rest[11]) + int(rest[12])) / CLOCK_TICKS
+    rest = _stat_fields(pid)  # rest[0] is field 3: utime and stime are fields 14 and 15
+    return None if rest is None else (int(rest[11]) + int(rest[12])) / CLOCK_TICKS
 
 
 def parse_progress(text: str) -> dict[str, tuple[int, int]]:
@@ -425,15 +427,9 @@ class Supervisor:
         remove their shared-memory regions."""
         # only processes we started or saw under our server: adopted orphans, last seen stubs
         known = {**{p: s for p, s in self.stubs.items() if _read_stub(p) == s}, **scan_stubs({os.getpid()})}
-        for pid, stub in known.items():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._kill(list(known.values()))
+        for stub in known.values():
             _unlink_shm(stub.shm_region)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_alive(p) for p in known):
-            time.sleep(0.05)
         self._reap()
         if known:
             self.log(f"killed {len(known)} stub(s) left by the server: "
@@ -514,6 +510,7 @@ class Supervisor:
 
     @staticmethod
     def _kill(stubs: list[Stub]) -> None:
+        """SIGKILL ``stubs`` and wait (at most 5 s) until they are gone."""
         for stub in stubs:
             try:
                 os.kill(stub.pid, signal.SIGKILL)
@@ -642,7 +639,7 @@ def stall_seconds(env: dict[str, str], log: Callable[[str], None]) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value >= 0 or value == float("inf"):
+    if not (math.isfinite(value) and value >= 0):
         log(f"TRITONGUARD_STALL_S={raw!r} is not a number of seconds >= 0: using {STALL_S:.0f}")
         return STALL_S
     return value
@@ -652,6 +649,6 @@ def supervise(binary: str, argv: Sequence[str], env: dict[str, str]) -> int:
     return Supervisor(binary, argv, env, stall_s=stall_seconds(env, _log)).run()
 
 
-__all__ = ["Supervisor", "Stub", "Stall", "StallWatch", "called_models", "parse_progress", "metrics_url", "stall_seconds",
-           "scan_stubs", "parse_stub", "supervise", "with_default_control",
+__all__ = ["Supervisor", "Stub", "Stall", "StallWatch", "called_models", "parse_progress", "metrics_url",
+           "stall_seconds", "scan_stubs", "parse_stub", "supervise", "with_default_control",
            "repository_headers", "http_base", "control_mode"]
