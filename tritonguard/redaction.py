@@ -295,3 +295,103 @@ class Redactor:
             else:
                 out[i] = red.encode("utf-8", "surrogateescape")
         return out.reshape(arr.shape), counts
+
+
+# -- redaction across token boundaries (a decoupled guard's answer) -------------------------------
+class StreamRedactor:
+    """Redacts a text that arrives in pieces, releasing it as early as is safe.
+
+    The last ``holdback`` characters are kept back (with built-ins only: just the :attr:`TAIL`
+    that may still grow into a match, at most ``holdback``), and so is any match that reaches
+    into them (it may still grow). Everything before that is final: a match of at most ``holdback``
+    characters that starts there already lies whole in the buffer, with the character after it
+    (its look-ahead) too. The output equals :meth:`Redactor.redact_batch` of the whole text for
+    every match of at most ``holdback`` characters; a longer one is redacted from the point it
+    was still held back.
+    """
+
+    CONTEXT = 8  # released characters kept for look-behinds at the buffer's start
+    # Where a built-in match may still be growing: every built-in match is one run of non-space
+    # characters, or groups joined by single spaces (phone and card numbers, IBANs) where each
+    # group holds a digit or is 1-4 letters and digits. With built-ins only, the buffer's tail
+    # that has this shape is held back (at most ``holdback`` characters), not the whole window:
+    # plain prose is released a word behind, not ``holdback`` characters behind.
+    TAIL = re.compile(r"(?<!\S)(?:(?>[^\s]*[0-9][^\s]*|[A-Za-z0-9]{1,4}) )*+[^\s]*\Z")
+
+    def __init__(self, redactor: Redactor, holdback: int) -> None:
+        self.redactor, self.holdback = redactor, holdback
+        # custom patterns (redaction.pattern.*) may match anything: they keep the fixed window
+        self.tail = self.TAIL if redactor.active and not redactor.config.pattern else None
+        self.pattern = redactor._pattern if redactor.active else None  # noqa: SLF001 - spans, not text
+        self.context = ""  # the last original characters released (for look-behinds)
+        self.consumed = 0  # where in ``context`` the scan resumes (after the last candidate)
+        self.pending = ""  # original text not released yet
+        self.counts: dict[str, int] = {}
+        self.released = 0  # characters of original text released
+
+    def _candidates(self, text: str, pos: int) -> list[tuple[int, int, int, str | None]]:
+        """Matches of ``text`` from ``pos`` on (look-behinds see the context before it):
+        (start, end, end of the redacted part, label or None where the check rejected it), as
+        :meth:`Redactor._redact` decides them (checksums, partial keeps)."""
+        r = self.redactor
+        out = []
+        for m in self.pattern.finditer(text, pos):  # type: ignore[union-attr]
+            group = m.lastgroup
+            check = r._checks.get(group)  # noqa: SLF001
+            keep = check(m.group()) if check is not None else len(m.group())
+            out.append((m.start(), m.end(), m.start() + keep, r._group[group] if keep else None))  # noqa: SLF001
+        return out
+
+    def _release(self, final: bool) -> str:
+        if self.pattern is None:
+            out, self.pending = self.pending, ""
+            self.released += len(out)
+            return out
+        text = self.context + self.pending
+        off = len(self.context)
+        if final:
+            cut = len(text)
+        elif self.tail is not None:
+            tail = self.tail.search(text, off)
+            cut = max(len(text) - self.holdback, tail.start() if tail is not None else off, off)
+            if cut <= off:
+                return ""
+        else:
+            if len(self.pending) <= self.holdback:
+                return ""
+            cut = len(text) - self.holdback
+        out: list[str] = []
+        pos = off
+        # The scan goes on after the last candidate, as re.sub's does. A match may start at the
+        # context's first character, whose own look-behind is gone: that errs towards redacting
+        # (a match longer than the window is still cut off where it was held back).
+        consumed = self.consumed
+        for start, end, keep_end, name in self._candidates(text, consumed):
+            if start >= cut or (not final and end > cut):
+                cut = max(min(cut, start), off)  # may still grow or change: keep it back whole
+                break
+            consumed = end
+            if name is None or keep_end <= off:
+                continue  # rejected by its check, or redacted already
+            start = max(start, off)  # began before the buffer (longer than holdback): redact what is left
+            out.append(text[pos:start])
+            out.append(self.redactor._labels[name])  # noqa: SLF001
+            self.counts[name] = self.counts.get(name, 0) + 1
+            pos = keep_end
+        if pos < cut:
+            out.append(text[pos:cut])
+        self.released += cut - off
+        base = max(0, cut - self.CONTEXT)
+        self.context = text[base:cut]
+        self.consumed = max(0, min(consumed, cut) - base)
+        self.pending = text[cut:]
+        return "".join(out)
+
+    def feed(self, piece: str) -> str:
+        """Add ``piece``; returns the text that is now safe to send (often '')."""
+        self.pending += piece
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """The rest, redacted: call once at the end of the stream."""
+        return self._release(final=True)

@@ -11,21 +11,12 @@ import pytest
 
 from tritonguard.errors import ConfigError, InvalidInput
 from tritonguard.generator import SamplingParams
-from tritonguard.redaction import RedactionConfig, Redactor
-from tritonguard.stream_guard import (
-    DEFAULT_HOLDBACK,
-    Generation,
-    StreamRedactor,
-    StreamValidationConfig,
-    TokenBudget,
-    TokenBudgetConfig,
-    cache_key,
-    parse_generation,
-    parse_settings,
-    replay_pieces,
-    target_fingerprint,
-    target_sampling,
-)
+from tritonguard.pipeline import Generation
+from tritonguard.redaction import RedactionConfig, Redactor, StreamRedactor
+from tritonguard.stages.cache import generation_key, target_fingerprint
+from tritonguard.stages.validate import StreamValidationConfig, parse_generation, target_sampling
+from tritonguard.stream_guard import DEFAULT_HOLDBACK, parse_settings, replay_pieces
+from tritonguard.tenancy import TokenBudget, TokenBudgetConfig
 
 REDACTOR = Redactor(RedactionConfig())
 PII_TEXT = ("Call me at (555) 867-5309 or mail john.smith@example.com, thanks. "
@@ -269,13 +260,13 @@ def _gen(prompt="Return the", tenant="a", stream=True, **params) -> Generation:
 
 def test_only_deterministic_generations_have_a_cache_key():
     fp = "ab" * 32
-    greedy, seeded = cache_key("g", fp, _gen()), cache_key("g", fp, _gen(temperature=0.8, seed=7))
+    greedy, seeded = generation_key("g", fp, _gen()), generation_key("g", fp, _gen(temperature=0.8, seed=7))
     assert greedy is not None and seeded is not None and greedy != seeded
-    assert cache_key("g", fp, _gen(temperature=0.8)) is None  # fresh entropy each time: never cached
+    assert generation_key("g", fp, _gen(temperature=0.8)) is None  # fresh entropy each time: never cached
     # everything that changes the answer, or who may see it, changes the key
     variants = [_gen(tenant="b"), _gen(prompt="Return a"), _gen(max_tokens=17), _gen(stream=False),
                 _gen(temperature=0.8, seed=8)]
-    keys = {cache_key("g", fp, v) for v in variants} | {cache_key("g2", fp, _gen()), cache_key("g", "cd" * 32, _gen())}
+    keys = {generation_key("g", fp, v) for v in variants} | {generation_key("g2", fp, _gen()), generation_key("g", "cd" * 32, _gen())}
     assert greedy not in keys and len(keys) == 7
 
 

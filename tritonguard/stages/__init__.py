@@ -1,4 +1,6 @@
 """The stages of the guard's path, one concern per module; :mod:`tritonguard.pipeline` runs them.
+A module holds the concern's batch stage (``run``) and, where a decoupled guard needs it, its
+stream stage (``admit`` / ``piece`` / ``finish`` / ``end``; the ``Stream*Stage`` classes).
 
 - :mod:`.validate`: read and validate the whole batch (``validation.*``)
 - :mod:`.trace`: start the batch's spans, tag the traced requests (``tracing.*``)
@@ -7,6 +9,7 @@
 - :mod:`.keys`: content keys of the rows, for the cache and the audit's digests
 - :mod:`.cache`: lookups before routing, fills after (``cache.*``)
 - :mod:`.route`: the router: versions, breakers, fallbacks, comparisons (``routing.*``)
+- :mod:`.cache` also: a decoupled guard's exact and semantic caches (``semantic_cache.*``)
 - :mod:`.respond`: the Triton responses (``SERVED_BY`` included)
 - :mod:`.audit`: the audit log's records (``audit.*``)
 - :mod:`.cost`: compute and cost per answered request (``cost.*``)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..audit import digest
 from ..errors import QuotaExceeded
 from ..pipeline import Batch, Stage
 from .tenancy import quota_reason
@@ -80,3 +81,32 @@ class AuditStage(Stage):
             audit.record("inference", tenant=tenants[i], model=guard, request=b.digests.get(i, ""),
                          rows=b.sizes[k], cache=b.cache_state.get(i, "off"), served_by=served,
                          status=status, redacted=i in b.redacted)
+
+
+class StreamAuditStage(Stage):
+    """One record per generation (``generation``: who answered, how it ended, what it cost; the
+    prompt only as a digest, keyed with the audit key when one is set, of its redacted form) and
+    per refusal (``reject``, ``quota_reject``). First in a decoupled guard's list and ``always``:
+    its ``end`` runs last, when every other stage has filled in the generation."""
+
+    name = "audit"
+    always = True
+
+    def __init__(self, audit: Any, guard: str, key: bytes | None, metrics: Any):
+        self.audit, self.guard, self.key, self.metrics = audit, guard, key, metrics
+        self._dropped = 0
+
+    def end(self, gen: Any) -> None:
+        audit, err = self.audit, gen.error
+        if gen.outcome == "rejected" and isinstance(err, QuotaExceeded):
+            audit.record("quota_reject", tenant=gen.tenant, model=self.guard, reason=str(err)[:200])
+        elif gen.outcome == "rejected":
+            audit.record("reject", model=self.guard, rule=getattr(err, "rule", type(err).__name__),
+                         input=getattr(err, "input_name", ""))
+        else:
+            audit.record("generation", tenant=gen.tenant, model=self.guard, request=digest(gen.prompt, self.key),
+                         served_by=gen.served_by, status=gen.outcome, stream=gen.stream, tokens_out=gen.tokens_out,
+                         redacted_in=gen.redacted_in, redacted_out=gen.redacted_out, fallback=gen.fallback)
+        if audit.dropped > self._dropped:
+            self.metrics.inc("audit_drops", audit.dropped - self._dropped)
+            self._dropped = audit.dropped

@@ -1,14 +1,22 @@
 """The response cache (``cache.*``): lookups before routing (a request is a hit only when all of
-its rows hit), fills after it with the primary's answers only."""
+its rows hit), fills after it with the primary's answers only. For a decoupled guard: the exact
+cache of deterministic generations and the opt-in semantic cache, both per tenant."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from ..pipeline import Batch, Stage, starts_of
+import numpy as np
+
+from ..generator import OUTPUT
+from ..pipeline import Batch, Generation, Stage, starts_of
 from ..tensors import concat
+from .validate import target_sampling
 
 log = logging.getLogger(__name__)
 
@@ -151,3 +159,145 @@ class CacheFillStage(Stage):
         if quarantined > self._quarantined:
             self.metrics.inc("cache_quarantined", quarantined - self._quarantined, tier="l2")
             self._quarantined = quarantined
+
+
+# -- a decoupled guard's generations ------------------------------------------------------------
+def target_fingerprint(version_dir: Path) -> str | None:
+    """SHA-256 over the files of the target's version folder (names and contents): answers are
+    cached per exact artifact, so a new checkpoint never answers from an older one's entries."""
+    if not version_dir.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(x for x in version_dir.rglob("*") if x.is_file()):
+        h.update(str(f.relative_to(version_dir)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def generation_key(guard: str, fingerprint: str, gen: Generation) -> bytes | None:
+    """The key of a deterministic generation (greedy, or seeded), None for any other: tenant,
+    guard, the target's artifact, the prompt as the target sees it, every sampling parameter and
+    the output shape (stream, prompt included or not)."""
+    p = gen.params
+    if not gen.deterministic:
+        return None
+    material = json.dumps([gen.tenant, guard, fingerprint, gen.prompt, p.max_tokens, p.temperature, p.top_p,
+                           p.seed, gen.stream, gen.exclude], separators=(",", ":"))
+    return hashlib.sha256(b"tritonguard-stream\0" + material.encode()).digest()
+
+
+class Fingerprints:
+    """The artifact fingerprint each target version's answers are cached under, computed once
+    per version (None: not cached, e.g. a target outside this repository)."""
+
+    def __init__(self, repo: Path, target: str, guard: str):
+        self.repo, self.target, self.guard = repo, target, guard
+        self._known: dict[int, str | None] = {}
+
+    def __call__(self, version: int) -> str | None:
+        if version not in self._known:
+            fp = target_fingerprint(self.repo / self.target / str(version)) if version > 0 else None
+            if fp is None:
+                log.warning("stream guard %s: %s v%d is not in %s: its answers are not cached (the cache keys "
+                            "on the target's artifact)", self.guard, self.target, version, self.repo)
+            self._known[version] = fp
+        return self._known[version]
+
+
+class StreamCacheStage(Stage):
+    """The response cache for deterministic generations (``cache.*``): a hit answers (replayed
+    as a stream when one was asked for); a miss keeps the answer the client gets, redacted, and
+    stores it at the end. Only the primary's answers are looked up and stored: a canary's, a
+    fallback's or a failed one never."""
+
+    name = "cache"
+
+    def __init__(self, cache: Any, guard: str, fingerprints: Fingerprints, metrics: Any,
+                 label: Callable[[str], str]):
+        self.cache, self.guard, self.fingerprints = cache, guard, fingerprints
+        self.metrics, self.label = metrics, label
+
+    def admit(self, gen: Any) -> None:
+        if gen.role != "primary":
+            return
+        fp = self.fingerprints(gen.version)
+        key = generation_key(self.guard, fp, gen) if fp else None
+        if key is None:
+            return
+        try:
+            hit = self.cache.get_many([key])[0]
+        except Exception:  # noqa: BLE001 - a cache failure costs a miss, never the request
+            log.exception("stream guard %s: cache lookup failed", self.guard)
+            hit = None
+        self.metrics.inc("stream_cache", 1, result="hit" if hit is not None else "miss", tenant=self.label(gen.tenant))
+        if hit is not None:
+            gen.answer = bytes(hit[OUTPUT].reshape(-1)[0]).decode("utf-8")
+            gen.served_by = "cache"
+            return
+        gen.cache_key, gen.keep_text = key, True
+
+    def end(self, gen: Any) -> None:
+        if gen.outcome != "ok" or gen.cache_key is None or gen.fallback or gen.text is None:
+            return
+        try:  # what this client got, redacted: the next identical request gets the same
+            self.cache.put_many([(gen.cache_key, {OUTPUT: np.array([gen.text.encode("utf-8")], dtype=np.object_)})])
+        except Exception:  # noqa: BLE001 - never fails the request it comes after
+            log.exception("stream guard %s: cache fill failed", self.guard)
+
+
+class StreamSemanticStage(Stage):
+    """The opt-in semantic cache (``semantic_cache.*``): a prompt of the same tenant close enough
+    (embedding cosine) to one answered under the same artifact and parameters is answered with
+    that answer; a miss stores this one's at the end (the primary's, as for the exact cache)."""
+
+    name = "semantic_cache"
+
+    def __init__(self, semantic: Any, guard: str, fingerprints: Fingerprints, metrics: Any,
+                 label: Callable[[str], str]):
+        self.semantic, self.guard, self.fingerprints = semantic, guard, fingerprints
+        self.metrics, self.label = metrics, label
+
+    def key(self, gen: Any) -> str:
+        """What a semantic hit must share with the request: the artifact answering, the shape of
+        the answer and the sampling parameters the target gets."""
+        return json.dumps([self.fingerprints(gen.version), gen.stream, bool(gen.exclude), target_sampling(gen)])
+
+    def admit(self, gen: Any) -> None:
+        if gen.role != "primary":
+            return
+        sem = self.semantic
+        deterministic = gen.deterministic
+        eligible = len(gen.prompt) <= sem.config.max_prompt_chars and (
+            deterministic or not sem.config.deterministic_only)
+        hit, vec, result, pkey = None, None, "skipped", ""
+        if eligible:
+            pkey = self.key(gen)
+            vec = sem.embed(gen.prompt)
+            if vec is None:
+                result = "error"
+            else:
+                hit = sem.lookup(gen.tenant, gen.prompt, pkey, embedding=vec, deterministic=deterministic)
+                result = "miss" if hit is None else "hit"
+        self.metrics.inc("stream_semantic", 1, result=result, tenant=self.label(gen.tenant))
+        if hit is None:
+            if result == "miss":
+                gen.semantic, gen.keep_text = (pkey, vec), True
+            return
+        log.debug("stream guard %s: semantic hit (cosine %.3f) for tenant %s", self.guard, hit.cosine, gen.tenant)
+        prompt_first = not gen.stream and not gen.exclude  # stored without a prompt: this one's goes first
+        gen.answer = gen.prompt + hit.text if prompt_first else hit.text
+        gen.served_by = "semantic_cache"
+
+    def end(self, gen: Any) -> None:
+        if gen.outcome != "ok" or gen.semantic is None or gen.fallback or gen.text is None:
+            return
+        text = gen.text
+        if not gen.stream and not gen.exclude:  # stored without this prompt: a hit puts its own first
+            text = text[len(gen.prompt):] if text.startswith(gen.prompt) else text
+        pkey, vec = gen.semantic
+        try:
+            self.semantic.store(gen.tenant, gen.prompt, pkey, text, embedding=vec, deterministic=gen.deterministic)
+        except Exception:  # noqa: BLE001 - never fails the request it comes after
+            log.exception("stream guard %s: semantic cache store failed", self.guard)

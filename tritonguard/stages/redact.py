@@ -1,5 +1,6 @@
 """Redaction: PII in text inputs before the cache keys and the target see them, and in text
-outputs before responses, the cache and the audit do (``redaction.*``)."""
+outputs before responses, the cache and the audit do (``redaction.*``); for a decoupled guard,
+in the prompt and across the pieces of the answer."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..pipeline import Batch, Stage, starts_of
+from ..redaction import StreamRedactor
 
 
 def redact_rows(redactor: Any, metrics: Any, label: Callable[[str], str], arr: np.ndarray,
@@ -113,3 +115,57 @@ class RedactOutStage(Stage):
                                                       row_tenants, "output")
         if b.trace is not None:
             b.trace.mark("redact", **{"tritonguard.redact.direction": "output"})
+
+
+class StreamRedactInStage(Stage):
+    """A generation's prompt, redacted before the target, the caches and the audit see it
+    (unless ``redaction.model_sees_redacted`` is false: then nothing is redacted in it)."""
+
+    name = "redact.input"
+
+    def __init__(self, redactor: Any, metrics: Any):
+        self.redactor, self.metrics = redactor, metrics
+
+    def admit(self, gen: Any) -> None:
+        (red,), counts = self.redactor.redact_batch([gen.prompt])
+        if counts:
+            gen.prompt = red
+            gen.redacted_in = sum(counts.values())
+            self.metrics.inc("stream_redactions", gen.redacted_in, direction="input")
+
+
+class StreamRedactOutStage(Stage):
+    """A generation's answer, redacted on its way to the client: a stream across token
+    boundaries, holding back what may still grow into a match (:class:`StreamRedactor`, at most
+    ``redaction.holdback_chars``); a whole answer at once."""
+
+    name = "redact.output"
+
+    def __init__(self, redactor: Any, holdback: int, metrics: Any):
+        self.redactor, self.holdback, self.metrics = redactor, holdback, metrics
+
+    def _stream(self, gen: Any) -> StreamRedactor:
+        """This answer's redactor: a new one when a fallback starts the answer over (what the
+        failed call's redactor held back is dropped with it)."""
+        held = gen.out_redactor
+        if held is None or held[0] != gen.attempt:
+            gen.out_redactor = held = (gen.attempt, StreamRedactor(self.redactor, self.holdback))
+        return held[1]
+
+    def piece(self, gen: Any, text: str) -> str:
+        return self._stream(gen).feed(text) if text else text
+
+    def finish(self, gen: Any, rest: str) -> str:
+        if gen.stream:
+            out = self._stream(gen)
+            if rest:
+                rest = out.feed(rest)
+            rest += out.flush()
+            n = sum(out.counts.values())
+        else:
+            (rest,), counts = self.redactor.redact_batch([rest])
+            n = sum(counts.values())
+        gen.redacted_out = n
+        if n:
+            self.metrics.inc("stream_redactions", n, direction="output")
+        return rest

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import TargetError
 from ..pipeline import Batch, Stage
 
 
@@ -71,3 +72,30 @@ class RouteStage(Stage):
             err = routed.errors[k]
             if err is not None:
                 tb.errors[i] = (err.code, str(err))
+
+
+class NoVersion(TargetError):
+    """No version of the target may answer (breakers open, goldens failed)."""
+
+    code = "UNAVAILABLE"
+
+    def __init__(self, target: str):
+        super().__init__(f"no healthy version of '{target}' can answer (breakers open or goldens failed); "
+                         "retry later", "UNAVAILABLE")
+
+
+class StreamRouteStage(Stage):
+    """Which version answers a generation (``routing.*``: the primary, a canary's share, a
+    pinned version; breakers and goldens keep the unhealthy out). The guard calls it, records
+    the outcome on the router and falls back down the chain (:mod:`tritonguard.stream_routing`)."""
+
+    name = "route"
+
+    def __init__(self, router: Any, target: str):
+        self.router, self.target = router, target
+
+    def admit(self, gen: Any) -> None:
+        version, role, draw = self.router.pick()
+        if version is None:
+            raise NoVersion(self.target)
+        gen.version, gen.role, gen.draw = version, role, draw

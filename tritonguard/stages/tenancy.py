@@ -1,7 +1,8 @@
 """Tenancy: who each request is from (``tenancy.*``), and the tenants' quotas.
 
 A request naming no valid tenant, or over its tenant's quota, is refused here; quota slots taken
-for the admitted are released by :class:`QuotaReleaseStage` at the end of every batch.
+for the admitted are released by :class:`QuotaReleaseStage` at the end of every batch, and by
+:class:`StreamTenancyStage` itself at the end of a generation.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .. import triton
 from ..errors import QuotaExceeded
 from ..pipeline import Batch, Stage
 from ..tenancy import TenantResolver
@@ -76,3 +78,51 @@ class QuotaReleaseStage(Stage):
         if b.admitted:
             admitted, b.admitted = b.admitted, []
             self.quotas.release(admitted)
+
+
+class StreamTenancyStage(Stage):
+    """A generation's tenant (``tenancy.*``), its quota slot (``tenancy.quotas``) and its token
+    budget (``tokens.*``): admitted or refused with retry advice; at the end the tokens it was
+    sent are charged and metered (in: prompt characters, out: generated tokens) and its slots
+    given back."""
+
+    name = "tenancy"
+
+    def __init__(self, config: Any, budget: Any, metrics: Any, label: Callable[[str], str], quotas: Any = None,
+                 environ: Any = None):
+        self.default = config.default
+        self.resolver = TenantResolver(config, environ)
+        self.budget, self.metrics, self.label, self.quotas = budget, metrics, label, quotas
+
+    def admit(self, gen: Any) -> None:
+        params = gen.parameters if gen.request is None else triton.request_parameters(gen.request)
+        tenants, errors = self.resolver.resolve_tenants([params or {}])
+        if errors[0] is not None:
+            raise errors[0]
+        gen.tenant = tenant = tenants[0] or self.default
+        if self.quotas is not None:
+            why = self.quotas.admit([tenant])[0]
+            if why is not None:
+                raise QuotaExceeded(why)
+            gen.quota_admitted = True
+        why = self.budget.admit(tenant)
+        if why is not None:
+            self._release_quota(gen)
+            raise QuotaExceeded(why)
+        gen.budget_admitted = True
+
+    def end(self, gen: Any) -> None:
+        label = self.label(gen.tenant)
+        self.metrics.inc("stream_tokens", len(gen.prompt), direction="in", tenant=label)
+        if gen.tokens_out:
+            self.budget.charge(gen.tenant, gen.tokens_out)
+            self.metrics.inc("stream_tokens", gen.tokens_out, direction="out", tenant=label)
+        if gen.budget_admitted:
+            self.budget.release(gen.tenant)
+            gen.budget_admitted = False
+        self._release_quota(gen)
+
+    def _release_quota(self, gen: Any) -> None:
+        if gen.quota_admitted and self.quotas is not None:
+            self.quotas.release([gen.tenant])
+            gen.quota_admitted = False
