@@ -76,11 +76,11 @@ from .privacy import AuditedMetrics, audit_file
 from .redaction import RedactionConfig, Redactor
 from .routing import RoutingConfig
 from .semantic_cache import SemanticCache, SemanticCacheConfig
-from .stages.audit import StreamAuditStage
+from .stages.audit import AuditStage
 from .stages.cache import Fingerprints, StreamCacheStage, StreamSemanticStage
-from .stages.redact import StreamRedactInStage, StreamRedactOutStage
-from .stages.route import StreamRouteStage
-from .stages.tenancy import StreamTenancyStage
+from .stages.redact import RedactInStage, RedactOutStage
+from .stages.route import RouteStage
+from .stages.tenancy import TenancyStage
 from .stages.validate import StreamValidateStage, StreamValidationConfig, target_sampling
 from .state import open_store
 from .stream_routing import NON_FINITE, StreamRouter, embedding_similarity
@@ -373,18 +373,19 @@ class StreamGuardModel:
         fingerprints = Fingerprints(repo, self.target, self.name)
         redact_out = self.redactor.active and s.redaction.redact_outputs
         self.pipeline = StreamPipeline([
-            *([StreamAuditStage(self.audit, self.name, load_audit_key(s.audit.key_env), self.metrics)]
+            *([AuditStage(self.audit, self.name, self.metrics, key=load_audit_key(s.audit.key_env))]
               if self.audit is not None else []),
             StreamValidateStage(self.inputs, s.validation),
-            StreamTenancyStage(s.tenancy, self.budget, self.metrics, self.label, self.quotas),
-            *([StreamRedactInStage(self.redactor, self.metrics)]
-              if self.redactor.active and s.redaction.model_sees_redacted else []),
-            StreamRouteStage(self.router, self.target),
+            TenancyStage(s.tenancy, self.metrics, self.label, self.quotas, budget=self.budget),
+            *([RedactInStage(self.redactor, ["text_input"], s.redaction.model_sees_redacted, False, self.metrics,
+                             self.label)] if self.redactor.active and s.redaction.model_sees_redacted else []),
+            RouteStage(self.router),
             *([StreamCacheStage(self.cache, self.name, fingerprints, self.metrics, self.label)]
               if self.cache is not None else []),
             *([StreamSemanticStage(self.semantic, self.name, fingerprints, self.metrics, self.label)]
               if self.semantic is not None else []),
-            *([StreamRedactOutStage(self.redactor, s.holdback_chars, self.metrics)] if redact_out else []),
+            *([RedactOutStage(self.redactor, [OUTPUT], self.metrics, self.label, holdback=s.holdback_chars)]
+              if redact_out else []),
         ])
         log.info("stream guard %s: stages %s", self.name, " -> ".join(self.pipeline.names()))
         log.info("stream guard %s -> %s: max_tokens %d, holdback %d chars, redaction %s, max_in_flight %d",

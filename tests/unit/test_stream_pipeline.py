@@ -18,9 +18,9 @@ from tritonguard.errors import InvalidInput, QuotaExceeded
 from tritonguard.pipeline import Generation, Stage, StreamPipeline
 from tritonguard.redaction import RedactionConfig, Redactor
 from tritonguard.stages.cache import Fingerprints, StreamCacheStage
-from tritonguard.stages.redact import StreamRedactInStage, StreamRedactOutStage
-from tritonguard.stages.route import NoVersion, StreamRouteStage
-from tritonguard.stages.tenancy import StreamTenancyStage
+from tritonguard.stages.redact import RedactInStage, RedactOutStage
+from tritonguard.stages.route import NoVersion, RouteStage
+from tritonguard.stages.tenancy import TenancyStage
 from tritonguard.stages.validate import StreamValidateStage, StreamValidationConfig
 from tritonguard.tenancy import TenancyConfig, TokenBudget, TokenBudgetConfig
 
@@ -40,6 +40,8 @@ class Metrics:
 
 class FixedRouter:
     """routing's pick(): the primary v1, or nothing (every breaker open)."""
+
+    target = "tinylm"
 
     def __init__(self, version=1):
         self.version = version
@@ -82,11 +84,11 @@ def parts(tmp_path):
     stages = [
         Ledger("audit", log),
         StreamValidateStage(("text_input", "stream", "sampling_parameters"), StreamValidationConfig()),
-        StreamTenancyStage(TenancyConfig(), budget, metrics, str),
-        StreamRedactInStage(redactor, metrics),
-        StreamRouteStage(router, "tinylm"),
+        TenancyStage(TenancyConfig(), metrics, str, budget=budget),
+        RedactInStage(redactor, ["text_input"], True, False, metrics, str),
+        RouteStage(router),
         StreamCacheStage(cache, "guard", Fingerprints(tmp_path, "tinylm", "guard"), metrics, str),
-        StreamRedactOutStage(redactor, 64, metrics),
+        RedactOutStage(redactor, ["text_output"], metrics, str, holdback=64),
     ]
     return StreamPipeline(stages), metrics, budget, router, log
 
@@ -204,7 +206,7 @@ def test_a_fallback_starts_the_answer_over_without_what_the_failed_call_held_bac
 def test_the_tenancy_stage_refuses_over_budget_and_keeps_no_slot(tmp_path):
     metrics = Metrics()
     budget = TokenBudget(TokenBudgetConfig(per_minute=10, max_in_flight=2), clock=lambda: 0.0)
-    stage = StreamTenancyStage(TenancyConfig(), budget, metrics, str)
+    stage = TenancyStage(TenancyConfig(), metrics, str, budget=budget)
     gen = Generation(parameters={"tenant": "acme"}, prompt="abc")
     stage.admit(gen)
     gen.tokens_out = 40  # far over the minute's 10

@@ -1,6 +1,7 @@
 """The stages of the guard's path, one concern per module; :mod:`tritonguard.pipeline` runs them.
-A module holds the concern's batch stage (``run``) and, where a decoupled guard needs it, its
-stream stage (``admit`` / ``piece`` / ``finish`` / ``end``; the ``Stream*Stage`` classes).
+A stage serves a batch (``run``) and, where a decoupled guard uses it, one generation (``admit`` /
+``piece`` / ``finish`` / ``end``): tenancy, redaction, routing and audit in the same class;
+validation and the caches in a ``Stream*Stage`` class beside the batch one.
 
 - :mod:`.validate`: read and validate the whole batch (``validation.*``)
 - :mod:`.trace`: start the batch's spans, tag the traced requests (``tracing.*``)

@@ -16,12 +16,18 @@ log = logging.getLogger(__name__)
 
 
 class AuditStage(Stage):
+    """A batch: a record per refusal and per answered request. A generation: one record
+    (``generation``: who answered, how it ended, what it cost; the prompt only as a digest, keyed
+    with ``key`` when the audit key is set, of its redacted form) or its refusal (``reject``,
+    ``quota_reject``); first in a decoupled guard's list, so its ``end`` runs last, when every
+    other stage has filled the generation in."""
+
     name = "audit"
     always = True
 
-    def __init__(self, audit: Any, guard: str, metrics: Any, router: Any = None):
+    def __init__(self, audit: Any, guard: str, metrics: Any, router: Any = None, *, key: bytes | None = None):
         self.audit, self.guard, self.metrics = audit, guard, metrics
-        self.router = router
+        self.router, self.key = router, key
         self.revision: int | None = None
         self._dropped = 0
 
@@ -34,9 +40,7 @@ class AuditStage(Stage):
             self._record(b)
             if b.trace is not None:
                 b.trace.mark("audit")
-            if self.audit.dropped > self._dropped:
-                self.metrics.inc("audit_drops", self.audit.dropped - self._dropped)
-                self._dropped = self.audit.dropped
+            self._count_drops()
         except Exception:  # noqa: BLE001 - bookkeeping must never fail a served batch
             log.exception("guard %s: audit failed", self.guard)
 
@@ -82,20 +86,12 @@ class AuditStage(Stage):
                          rows=b.sizes[k], cache=b.cache_state.get(i, "off"), served_by=served,
                          status=status, redacted=i in b.redacted)
 
+    def _count_drops(self) -> None:
+        if self.audit.dropped > self._dropped:
+            self.metrics.inc("audit_drops", self.audit.dropped - self._dropped)
+            self._dropped = self.audit.dropped
 
-class StreamAuditStage(Stage):
-    """One record per generation (``generation``: who answered, how it ended, what it cost; the
-    prompt only as a digest, keyed with the audit key when one is set, of its redacted form) and
-    per refusal (``reject``, ``quota_reject``). First in a decoupled guard's list and ``always``:
-    its ``end`` runs last, when every other stage has filled in the generation."""
-
-    name = "audit"
-    always = True
-
-    def __init__(self, audit: Any, guard: str, key: bytes | None, metrics: Any):
-        self.audit, self.guard, self.key, self.metrics = audit, guard, key, metrics
-        self._dropped = 0
-
+    # -- a generation (the stream half) --------------------------------------------------------
     def end(self, gen: Any) -> None:
         audit, err = self.audit, gen.error
         if gen.outcome == "rejected" and isinstance(err, QuotaExceeded):
@@ -107,6 +103,4 @@ class StreamAuditStage(Stage):
             audit.record("generation", tenant=gen.tenant, model=self.guard, request=digest(gen.prompt, self.key),
                          served_by=gen.served_by, status=gen.outcome, stream=gen.stream, tokens_out=gen.tokens_out,
                          redacted_in=gen.redacted_in, redacted_out=gen.redacted_out, fallback=gen.fallback)
-        if audit.dropped > self._dropped:
-            self.metrics.inc("audit_drops", audit.dropped - self._dropped)
-            self._dropped = audit.dropped
+        self._count_drops()

@@ -55,6 +55,17 @@ class RedactInStage(Stage):
         self.model_sees_redacted, self.batched = model_sees_redacted, batched
         self.metrics, self.label = metrics, label
 
+    def admit(self, gen: Any) -> None:
+        """A generation's prompt, redacted before the target, the caches and the audit see it
+        (with ``model_sees_redacted`` false: left as it is)."""
+        if not self.model_sees_redacted:
+            return
+        (red,), counts = self.redactor.redact_batch([gen.prompt])
+        if counts:
+            gen.prompt = red
+            gen.redacted_in = sum(counts.values())
+            self.metrics.inc("stream_redactions", gen.redacted_in, direction="input")
+
     def run(self, b: Batch) -> None:
         if not b.route:
             return
@@ -92,13 +103,17 @@ class RedactInStage(Stage):
 
 
 class RedactOutStage(Stage):
-    """The routed requests' text outputs, redacted in place (before responses and the cache)."""
+    """The routed requests' text outputs, redacted in place (before responses and the cache). A
+    generation's answer on its way to the client: a stream across token boundaries, holding back
+    what may still grow into a match (:class:`StreamRedactor`, at most ``holdback`` characters);
+    a whole answer at once."""
 
     name = "redact.output"
 
-    def __init__(self, redactor: Any, text_outputs: list[str], metrics: Any, label: Callable[[str], str]):
+    def __init__(self, redactor: Any, text_outputs: list[str], metrics: Any, label: Callable[[str], str], *,
+                 holdback: int = 0):
         self.redactor, self.text_outputs = redactor, text_outputs
-        self.metrics, self.label = metrics, label
+        self.metrics, self.label, self.holdback = metrics, label, holdback
 
     def run(self, b: Batch) -> None:
         routed = b.routed
@@ -116,34 +131,7 @@ class RedactOutStage(Stage):
         if b.trace is not None:
             b.trace.mark("redact", **{"tritonguard.redact.direction": "output"})
 
-
-class StreamRedactInStage(Stage):
-    """A generation's prompt, redacted before the target, the caches and the audit see it
-    (unless ``redaction.model_sees_redacted`` is false: then nothing is redacted in it)."""
-
-    name = "redact.input"
-
-    def __init__(self, redactor: Any, metrics: Any):
-        self.redactor, self.metrics = redactor, metrics
-
-    def admit(self, gen: Any) -> None:
-        (red,), counts = self.redactor.redact_batch([gen.prompt])
-        if counts:
-            gen.prompt = red
-            gen.redacted_in = sum(counts.values())
-            self.metrics.inc("stream_redactions", gen.redacted_in, direction="input")
-
-
-class StreamRedactOutStage(Stage):
-    """A generation's answer, redacted on its way to the client: a stream across token
-    boundaries, holding back what may still grow into a match (:class:`StreamRedactor`, at most
-    ``redaction.holdback_chars``); a whole answer at once."""
-
-    name = "redact.output"
-
-    def __init__(self, redactor: Any, holdback: int, metrics: Any):
-        self.redactor, self.holdback, self.metrics = redactor, holdback, metrics
-
+    # -- a generation (the stream half) --------------------------------------------------------
     def _stream(self, gen: Any) -> StreamRedactor:
         """This answer's redactor: a new one when a fallback starts the answer over (what the
         failed call's redactor held back is dropped with it)."""

@@ -36,11 +36,30 @@ def pin_of(params: dict[str, Any]) -> int | None:
     return int(text) if text.isascii() and text.isdigit() else 0
 
 
+class NoVersion(TargetError):
+    """No version of the target may answer a generation (breakers open, goldens failed)."""
+
+    def __init__(self, target: str):
+        super().__init__(f"no healthy version of '{target}' can answer (breakers open or goldens failed); "
+                         "retry later", "UNAVAILABLE")
+
+
 class RouteStage(Stage):
+    """A batch: its requests to the versions, answered (``router.infer``). A generation: the
+    version that answers it (``router.pick``: the primary, a canary's share; breakers and goldens
+    keep the unhealthy out); the guard calls it, records the outcome and falls back down the
+    chain (:mod:`tritonguard.stream_routing`)."""
+
     name = "route"
 
     def __init__(self, router: Any):
         self.router = router
+
+    def admit(self, gen: Any) -> None:
+        version, role, draw = self.router.pick()
+        if version is None:
+            raise NoVersion(self.router.target)
+        gen.version, gen.role, gen.draw = version, role, draw
 
     def run(self, b: Batch) -> None:
         if not b.valid:
@@ -73,29 +92,3 @@ class RouteStage(Stage):
             if err is not None:
                 tb.errors[i] = (err.code, str(err))
 
-
-class NoVersion(TargetError):
-    """No version of the target may answer (breakers open, goldens failed)."""
-
-    code = "UNAVAILABLE"
-
-    def __init__(self, target: str):
-        super().__init__(f"no healthy version of '{target}' can answer (breakers open or goldens failed); "
-                         "retry later", "UNAVAILABLE")
-
-
-class StreamRouteStage(Stage):
-    """Which version answers a generation (``routing.*``: the primary, a canary's share, a
-    pinned version; breakers and goldens keep the unhealthy out). The guard calls it, records
-    the outcome on the router and falls back down the chain (:mod:`tritonguard.stream_routing`)."""
-
-    name = "route"
-
-    def __init__(self, router: Any, target: str):
-        self.router, self.target = router, target
-
-    def admit(self, gen: Any) -> None:
-        version, role, draw = self.router.pick()
-        if version is None:
-            raise NoVersion(self.target)
-        gen.version, gen.role, gen.draw = version, role, draw

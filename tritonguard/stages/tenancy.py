@@ -2,7 +2,7 @@
 
 A request naming no valid tenant, or over its tenant's quota, is refused here; quota slots taken
 for the admitted are released by :class:`QuotaReleaseStage` at the end of every batch, and by
-:class:`StreamTenancyStage` itself at the end of a generation.
+:class:`TenancyStage` itself at the end of a generation.
 """
 
 from __future__ import annotations
@@ -17,14 +17,20 @@ from ..tenancy import TenantResolver
 
 
 class TenancyStage(Stage):
+    """Who each request is from and whether its tenant may send it now. A batch: refusals, and
+    quota slots released by :class:`QuotaReleaseStage`. A generation (``budget``: its token
+    budget, ``tokens.*``): admitted or refused with retry advice; at its end the tokens it was
+    sent are charged and metered (in: prompt characters, out: generated tokens) and its slots
+    given back."""
+
     name = "tenancy"
 
     def __init__(self, config: Any, metrics: Any, label: Callable[[str], str], quotas: Any = None,
-                 environ: Any = None):
+                 environ: Any = None, *, budget: Any = None):
         self.on = config.enabled
         self.default = config.default
         self.resolver = TenantResolver(config, environ)
-        self.metrics, self.label, self.quotas = metrics, label, quotas
+        self.metrics, self.label, self.quotas, self.budget = metrics, label, quotas, budget
 
     def run(self, b: Batch) -> None:
         n = len(b.verdict.errors)
@@ -60,46 +66,16 @@ class TenancyStage(Stage):
         b.keep(keep)
 
 
-def quota_reason(why: str) -> str:
-    return "in_flight" if "in flight" in why else "rate"
-
-
-class QuotaReleaseStage(Stage):
-    """Gives back the in-flight slots the batch's admitted requests took (every batch, whatever
-    happened to it)."""
-
-    name = "quota.release"
-    always = True
-
-    def __init__(self, quotas: Any):
-        self.quotas = quotas
-
-    def run(self, b: Batch) -> None:
-        if b.admitted:
-            admitted, b.admitted = b.admitted, []
-            self.quotas.release(admitted)
-
-
-class StreamTenancyStage(Stage):
-    """A generation's tenant (``tenancy.*``), its quota slot (``tenancy.quotas``) and its token
-    budget (``tokens.*``): admitted or refused with retry advice; at the end the tokens it was
-    sent are charged and metered (in: prompt characters, out: generated tokens) and its slots
-    given back."""
-
-    name = "tenancy"
-
-    def __init__(self, config: Any, budget: Any, metrics: Any, label: Callable[[str], str], quotas: Any = None,
-                 environ: Any = None):
-        self.default = config.default
-        self.resolver = TenantResolver(config, environ)
-        self.budget, self.metrics, self.label, self.quotas = budget, metrics, label, quotas
-
+    # -- a generation (the stream half) --------------------------------------------------------
     def admit(self, gen: Any) -> None:
-        params = gen.parameters if gen.request is None else triton.request_parameters(gen.request)
-        tenants, errors = self.resolver.resolve_tenants([params or {}])
-        if errors[0] is not None:
-            raise errors[0]
-        gen.tenant = tenant = tenants[0] or self.default
+        tenant = self.default
+        if self.on:
+            params = gen.parameters if gen.request is None else triton.request_parameters(gen.request)
+            tenants, errors = self.resolver.resolve_tenants([params or {}])
+            if errors[0] is not None:
+                raise errors[0]
+            tenant = tenants[0] or self.default
+        gen.tenant = tenant
         if self.quotas is not None:
             why = self.quotas.admit([tenant])[0]
             if why is not None:
@@ -126,3 +102,24 @@ class StreamTenancyStage(Stage):
         if gen.quota_admitted and self.quotas is not None:
             self.quotas.release([gen.tenant])
             gen.quota_admitted = False
+
+
+def quota_reason(why: str) -> str:
+    return "in_flight" if "in flight" in why else "rate"
+
+
+class QuotaReleaseStage(Stage):
+    """Gives back the in-flight slots the batch's admitted requests took (every batch, whatever
+    happened to it)."""
+
+    name = "quota.release"
+    always = True
+
+    def __init__(self, quotas: Any):
+        self.quotas = quotas
+
+    def run(self, b: Batch) -> None:
+        if b.admitted:
+            admitted, b.admitted = b.admitted, []
+            self.quotas.release(admitted)
+
