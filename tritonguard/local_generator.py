@@ -20,7 +20,8 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,20 +46,31 @@ CODE_NUMBERS = {"UNKNOWN": 0, "INTERNAL": 1, "NOT_FOUND": 2, "INVALID_ARG": 3, "
 END = object()  # the last item of a response queue
 
 
-def queued_batches(q: Any, idle_s: float, stalled: type[Exception]) -> Iterator[list[Any]]:
+def queued_batches(q: Any, idle_s: float, stalled: type[Exception],
+                   due: Callable[[], float | None] | None = None) -> Iterator[list[Any]]:
     """The responses of queue ``q`` in lists: each list is the next response (waited for at most
     ``idle_s``, else ``stalled``) and every one already queued behind it, until :data:`END`. An
     exception in the queue is raised after the list before it. A reader that falls behind its
-    target so forwards several tokens as one piece; one that keeps up forwards them one by one."""
+    target so forwards several tokens as one piece; one that keeps up forwards them one by one.
+    ``due``: seconds until the reader must wake up although nothing arrived (None: no need); an
+    empty list then comes at that time. The idle limit counts from the last response."""
     pending: Any = None
+    last = time.monotonic()
     while True:
         if pending is not None:
             item, pending = pending, None
         else:
+            wake = due() if due is not None else None
+            left = idle_s - (time.monotonic() - last) if due is not None else idle_s
             try:
-                item = q.get(timeout=idle_s)
+                item = q.get(timeout=max(0.0, min(left, wake)) if wake is not None else max(left, 0.0))
             except queue.Empty:
-                raise stalled(f"no response for {idle_s:g} s") from None
+                if wake is None or time.monotonic() - last >= idle_s:
+                    raise stalled(f"no response for {idle_s:g} s") from None
+                yield []
+                continue
+            if due is not None:
+                last = time.monotonic()
         if item is END:
             return
         if isinstance(item, Exception):
@@ -137,10 +149,11 @@ class LocalStream:
                 return
             yield item
 
-    def batches(self, idle_s: float, stalled: type[Exception]) -> Iterator[list[LocalResponse]]:
+    def batches(self, idle_s: float, stalled: type[Exception],
+                due: Callable[[], float | None] | None = None) -> Iterator[list[LocalResponse]]:
         """What arrived, in lists, as ``stream_guard.watched`` hands out BLS responses
         (:func:`queued_batches`)."""
-        return queued_batches(self._q, idle_s, stalled)
+        return queued_batches(self._q, idle_s, stalled, due)
 
 
 class LocalGenerator:

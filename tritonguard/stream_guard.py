@@ -41,7 +41,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +139,11 @@ class StreamGuardConfig:
     # target that died or failed mid-stream: python_backend 24.10 does not always deliver a
     # decoupled target's error response to a BLS caller, and its iterator has no timeout)
     target_idle_timeout_s: float = 30.0
+    # a streamed answer goes out at most one piece per interval (the first at once): what arrives
+    # in between is sent together. Each response costs the server and the client about as much
+    # as a token; a target slower than this is forwarded token by token as before. 0: every
+    # piece at once
+    stream_interval_ms: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -149,6 +154,8 @@ class StreamGuardConfig:
             raise ValueError(f"parameter 'cancel_poll_ms' must be >= 0, got {self.cancel_poll_ms}")
         if self.placement not in ("bls", "inprocess"):
             raise ValueError(f"parameter 'placement' must be bls or inprocess, got {self.placement!r}")
+        if not (0 <= self.stream_interval_ms <= 1000):
+            raise ValueError(f"parameter 'stream_interval_ms' must lie in 0..1000, got {self.stream_interval_ms}")
         if not self.target_idle_timeout_s > 0:
             raise ValueError(f"parameter 'target_idle_timeout_s' must be > 0, got {self.target_idle_timeout_s}")
 
@@ -244,7 +251,7 @@ RETIRE_S = 5.0  # how long a finished BLS response iterator is kept (StreamGuard
 RETIRE_FREE_PER_CALL = 2
 
 
-def watched(responses: Any, idle_s: float, name: str = "") -> Any:
+def watched(responses: Any, idle_s: float, name: str = "", due: Callable[[], float | None] | None = None) -> Any:
     """The target's responses, read on a thread of their own, in lists: each list is the next
     response (waited for at most ``idle_s``, else :class:`TargetStalled`) and every one that had
     arrived behind it. A worker that falls behind its target then forwards several tokens as one
@@ -263,7 +270,7 @@ def watched(responses: Any, idle_s: float, name: str = "") -> Any:
             q.put(END)
 
     threading.Thread(target=read, name=f"bls-read-{name}", daemon=True).start()
-    return queued_batches(q, idle_s, TargetStalled)
+    return queued_batches(q, idle_s, TargetStalled, due)
 
 
 class _TargetFailed(Exception):
@@ -315,6 +322,7 @@ class StreamGuardModel:
         self.quotas = QuotaManager(s.tenancy) if s.tenancy.quotas else None
         self.budget = TokenBudget(s.tokens)
         self.cancel_poll_s = s.guard.cancel_poll_ms / 1000
+        self.interval_s = s.guard.stream_interval_ms / 1000
         self.pool = ThreadPoolExecutor(s.guard.max_in_flight, thread_name_prefix=f"stream-{self.name}")
         self._lock = threading.Lock()
         self.in_flight = 0
@@ -486,11 +494,11 @@ class StreamGuardModel:
                 pass
         return p.InferenceRequest(**kwargs).exec(decoupled=True)
 
-    def _batches(self, responses: Any) -> Any:
+    def _batches(self, responses: Any, due: Callable[[], float | None] | None = None) -> Any:
         idle = self.settings.guard.target_idle_timeout_s
         if isinstance(responses, LocalStream):
-            return responses.batches(idle, TargetStalled)
-        return watched(responses, idle, self.name)
+            return responses.batches(idle, TargetStalled, due)
+        return watched(responses, idle, self.name, due)
 
     def _retire(self, responses: Any) -> None:
         """Keep a finished BLS response iterator alive for ``RETIRE_S`` more seconds before it is
@@ -602,9 +610,8 @@ class StreamGuardModel:
             gen.served_by = f"{self.target}:{version}"
             t0 = time.perf_counter()
             responses = self._bls(version, gen.prompt, gen.stream, sampling, gen.exclude, gen.request)
-            it = self._batches(responses)
             try:
-                done = self._forward(gen, version, responses, it, t0)
+                done = self._forward(gen, version, responses, t0)
             except _TargetFailed as failed:
                 client_error = failed.code == "INVALID_ARG"  # the request's fault, not the version's
                 if not client_error:
@@ -636,8 +643,7 @@ class StreamGuardModel:
         if text is not None:
             self.router.after_served(version, gen.draw, gen.prompt, sampling, text, deterministic=gen.deterministic)
 
-    def _forward(self, gen: Generation, version: int, responses: Any, it: Any,
-                 t0: float) -> tuple[str | None, float | None, float, int] | None:
+    def _forward(self, gen: Generation, version: int, responses: Any, t0: float) -> tuple[str | None, float | None, float, int] | None:
         """Forward ``version``'s answer to the client. Returns (its generated text unredacted, or
         None when no comparison wants it; seconds to its first response; seconds to its last;
         tokens generated), None when the client
@@ -646,46 +652,69 @@ class StreamGuardModel:
         pipeline, sender, request = self.pipeline, gen.sender, gen.request
         filtered = bool(pipeline.filters)
         tokens, next_poll, whole = 0, 0.0, []
+        interval, held = self.interval_s if gen.stream else 0.0, ""  # text held until the interval since the last piece ends
+
+        draining = False  # reading the target's rest to drop it: no wake-ups for held text
+
+        def due() -> float | None:
+            """Seconds until the held text is due (None: nothing held): the reader's next wake-up."""
+            if draining or not held or gen.last_sent is None:
+                return None
+            return interval - (time.perf_counter() - gen.last_sent)
+
+        it = self._batches(responses, due if interval else None)
         keep = self.router.experimenting  # the raw text, for a canary or shadow comparison
         raw: list[str] = []
         first: float | None = None
         max_tokens = gen.params.max_tokens
         try:
             for batch in it:
-                if first is None:
-                    first = time.perf_counter() - t0
-                texts: list[str] = []
-                failed = None
-                for resp in batch:
-                    if resp.has_error():
-                        failed = resp.error()
-                        break
-                    text = _response_text(resp)
-                    if text is not None:
-                        texts.append(text)
-                if gen.stream:
-                    tokens += len(texts)
-                    piece = "".join(texts)
-                    if keep:
-                        raw.append(piece)
-                    if filtered and piece:
-                        piece = pipeline.piece(gen, piece)
-                    if piece:
-                        sender.piece(piece)
-                        self._sent(gen, piece)
+                if not batch:  # a tick: nothing arrived; what was held back goes out once due
+                    if held and time.perf_counter() - (gen.last_sent or 0.0) >= interval:
+                        sender.piece(held)
+                        self._sent(gen, held)
+                        held = ""
                 else:
-                    whole.extend(texts)
-                if failed is not None:
-                    code = _code_name(failed)
-                    log.warning("stream guard %s: target %s v%d failed after %d tokens: %s", self.name,
-                                self.target, version, tokens, failed.message())
-                    try:
-                        for _ in it:  # nothing should follow an error; do not leave it half read
+                    if first is None:
+                        first = time.perf_counter() - t0
+                    texts: list[str] = []
+                    failed = None
+                    for resp in batch:
+                        if resp.has_error():
+                            failed = resp.error()
+                            break
+                        text = _response_text(resp)
+                        if text is not None:
+                            texts.append(text)
+                    if gen.stream:
+                        tokens += len(texts)
+                        piece = "".join(texts)
+                        if keep:
+                            raw.append(piece)
+                        if filtered and piece:
+                            piece = pipeline.piece(gen, piece)
+                        if interval and gen.first_sent is not None:
+                            held += piece
+                            piece = ""
+                            if held and time.perf_counter() - gen.last_sent >= interval:  # type: ignore[operator]
+                                piece, held = held, ""
+                        if piece:
+                            sender.piece(piece)
+                            self._sent(gen, piece)
+                    else:
+                        whole.extend(texts)
+                    if failed is not None:
+                        code = _code_name(failed)
+                        log.warning("stream guard %s: target %s v%d failed after %d tokens: %s", self.name,
+                                    self.target, version, tokens, failed.message())
+                        draining = True
+                        try:
+                            for _ in it:  # nothing should follow an error; do not leave it half read
+                                pass
+                        except TargetStalled:
                             pass
-                    except TargetStalled:
-                        pass
-                    raise _TargetFailed(code, failed.message(), f"target '{self.target}' failed: {failed.message()}",
-                                        first, tokens)
+                        raise _TargetFailed(code, failed.message(), f"target '{self.target}' failed: {failed.message()}",
+                                            first, tokens)
                 now = time.monotonic()
                 if now >= next_poll:
                     next_poll = now + self.cancel_poll_s
@@ -695,10 +724,12 @@ class StreamGuardModel:
                         self._end(gen, "cancelled")
                         log.info("stream guard %s: client cancelled after %d tokens", self.name, tokens)
                         safe_send(sender.fail, "the request was cancelled", "CANCELLED")
+                        draining = True
                         self._stop_target(responses, it, "client cancelled")
                         return None
                 if gen.stream and tokens >= max_tokens:
                     # a target that ignores max_tokens: stop here
+                    draining = True
                     self._stop_target(responses, it, f"max_tokens {max_tokens} reached")
                     break
         except TargetStalled as exc:
@@ -710,7 +741,7 @@ class StreamGuardModel:
         call_s = time.perf_counter() - t0  # to the target's last response
         generated: str | None = None
         if gen.stream:
-            rest = pipeline.finish(gen, "")
+            rest = held + pipeline.finish(gen, "")
             if keep:
                 generated = "".join(raw)
         else:

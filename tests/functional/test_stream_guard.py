@@ -31,7 +31,8 @@ PII = "Call me at (555) 867-5309 or mail john.smith@example.com, thanks."
 REDACTED = "Call me at [PHONE] or mail [EMAIL], thanks."
 
 # The vLLM contract, decoupled: streams the prompt back one character per response (at most
-# max_tokens); "FAIL!" in the prompt fails the stream after three characters.
+# max_tokens); "FAIL!" in the prompt fails the stream after three characters; it pauses 1 s
+# after sending a "|".
 ECHO_MODEL = '''
 import json
 import time
@@ -71,6 +72,8 @@ class TritonPythonModel:
                         break
                     out = pb_utils.Tensor("text_output", np.array([ch.encode()], dtype=object))
                     sender.send(pb_utils.InferenceResponse([out]))
+                    if ch == "|":
+                        time.sleep(1.0)
                 else:
                     sender.send(flags=final)
             else:
@@ -109,8 +112,10 @@ def server(tmp_path_factory, exported_repo):
     guard("tinylm_local", target="tinylm", placement="inprocess", validation__max_tokens="5000")
     guard("echo_guard", target="echo", validation__max_tokens="512")  # the echo sees the redacted prompt
     # the echo sees the original prompt: only the way out redacts
+    # (every piece at once, stream_interval_ms 0: the tests see the hold-back's own granularity)
     guard("echo_out", target="echo", validation__max_tokens="512", redaction__model_sees_redacted="false",
-          target_idle_timeout_s="2")
+          target_idle_timeout_s="2", stream_interval_ms="0")
+    guard("echo_paced", target="echo", validation__max_tokens="512", stream_interval_ms="100")
     guard("echo_budget", target="echo", tokens__per_minute="60", validation__max_tokens="512")
     guard("echo_metrics", target="echo", validation__max_tokens="512")  # only test_metrics sends to it
     guard("echo_cached", target="echo", validation__max_tokens="512", cache__enabled="true")
@@ -125,7 +130,8 @@ def server(tmp_path_factory, exported_repo):
     logs = tmp_path_factory.mktemp("streamlogs")
     guard("echo_audited", target="echo", validation__max_tokens="512", audit__path=str(logs / "stream_audit.jsonl"))
     srv = Server(repository=repo, log_path=logs / "tritonserver.log")
-    srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "tinylm_local", "echo_guard", "echo_out", "echo_budget",
+    srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "tinylm_local", "echo_guard", "echo_out", "echo_paced",
+                           "echo_budget",
                            "echo_metrics", "echo_cached", "echo_semantic", "echo_audited",
                            "minilm_raw", "tinylm_ab", "tinylm_similar"))
     srv.logs = logs
@@ -213,6 +219,42 @@ def test_grpc_streaming_redaction(server):
         assert "".join(pieces) == REDACTED + tail and not any("@" in p for p in pieces)
         # released as it goes, a word or a few short words behind, not in one piece at the end
         assert len(pieces) >= 6 and pieces[-1] == "window.", pieces
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_a_fast_stream_is_sent_in_paced_pieces_and_held_text_goes_out_on_time(server):
+    """stream_interval_ms 100: the echo's characters (one per response, no delay) leave in a few
+    pieces, not one per word; when the target pauses (1 s after "|"), what was held goes out
+    after the interval, not with the target's next token."""
+    arrivals: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    prompt = ("The paced guard sends the first word at once and the rest together " * 2).strip()
+    try:
+        client.start_stream(callback=lambda result, error: arrivals.put((result, error, time.perf_counter())))
+        for text in (prompt, "Words before the pause | and these after it, a second later."):
+            client.async_stream_infer("echo_paced", grpc_inputs(text.encode(), True, {"max_tokens": 200}),
+                                      enable_empty_final_response=True)
+            pieces, times = [], []
+            while True:
+                result, error, at = arrivals.get(timeout=20)
+                assert error is None, error
+                out = result.as_numpy("text_output")
+                if out is not None and out[0]:
+                    pieces.append(out[0].decode())
+                    times.append(at)
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            assert "".join(pieces) == text, pieces
+            if text == prompt:
+                # 24 words; the unpaced echo_out sends about one piece per word (test above)
+                assert 2 <= len(pieces) <= 6, pieces
+            else:
+                # the output redaction keeps back "|" (the word being written); all before it
+                # went out about 100 ms after the first piece, while the echo slept
+                before = next(k for k, p in enumerate(pieces) if "pause" in p)
+                assert times[-1] - times[before] > 0.5, (pieces, [t - times[0] for t in times])
     finally:
         client.stop_stream()
         client.close()

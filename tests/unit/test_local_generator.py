@@ -3,6 +3,7 @@ text as the generator's own decoder, streamed or whole; errors as responses; can
 
 from __future__ import annotations
 
+import queue
 import time
 
 import pytest
@@ -10,7 +11,13 @@ import pytest
 from examples import generator as example
 from tritonguard.errors import ConfigError
 from tritonguard.generator import SamplingParams
-from tritonguard.local_generator import CODE_NUMBERS, LocalGenerator, LocalStream
+from tritonguard.local_generator import (
+    CODE_NUMBERS,
+    END,
+    LocalGenerator,
+    LocalStream,
+    queued_batches,
+)
 from tritonguard.repository import write_config
 
 GREEDY = '{"max_tokens": 32, "temperature": 0}'
@@ -91,3 +98,34 @@ def test_only_generator_targets(tmp_path):
         LocalGenerator(tmp_path, "other", guard="g")
     with pytest.raises(ConfigError, match="needs the target"):
         LocalGenerator(tmp_path, "absent", guard="g")
+
+
+def test_queued_batches_hands_out_what_arrived_together_and_stalls_after_the_idle_limit():
+    q: queue.Queue = queue.Queue()
+    for x in ("a", "b", "c"):
+        q.put(x)
+    it = queued_batches(q, 0.2, Stalled)
+    assert next(it) == ["a", "b", "c"]
+    q.put("d")
+    q.put(END)
+    assert list(it) == [["d"]]
+    t0 = time.monotonic()
+    with pytest.raises(Stalled, match="no response for 0.2 s"):
+        next(queued_batches(queue.Queue(), 0.2, Stalled))
+    assert time.monotonic() - t0 >= 0.2
+
+
+def test_queued_batches_wakes_its_reader_when_held_text_is_due_and_counts_idle_from_the_last_response():
+    q: queue.Queue = queue.Queue()
+    held = {"due": None}
+    it = queued_batches(q, 0.5, Stalled, due=lambda: held["due"])
+    q.put("a")
+    assert next(it) == ["a"]
+    held["due"] = 0.05  # the reader holds text due in 50 ms: an empty list then, not a stall
+    t0 = time.monotonic()
+    assert next(it) == []
+    assert 0.04 <= time.monotonic() - t0 < 0.4
+    held["due"] = None  # sent: nothing held; the idle limit still counts from "a"
+    with pytest.raises(Stalled):
+        next(it)
+    assert time.monotonic() - t0 < 0.6

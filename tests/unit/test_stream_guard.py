@@ -317,3 +317,11 @@ def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
     with pytest.raises(ConfigError, match="'tokens.per_minut'"):
         parse_settings({"target": "t", "tokens.per_minut": "1"})
 
+
+
+def test_stream_interval_defaults_to_10_ms_and_refuses_a_negative_or_huge_one():
+    assert parse_settings({"target": "t"}).guard.stream_interval_ms == 10
+    assert parse_settings({"target": "t", "stream_interval_ms": "0"}).guard.stream_interval_ms == 0
+    for bad in ("-1", "5000"):
+        with pytest.raises(ConfigError, match="stream_interval_ms"):
+            parse_settings({"target": "t", "stream_interval_ms": bad})
