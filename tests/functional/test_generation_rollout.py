@@ -111,8 +111,8 @@ def poison(repo: Path, src: int, dest: int, char: str) -> None:
 
 
 # the slow fault's extra work per decode step: tanh(state @ W1) then tanh(. @ W2), W2 square.
-# SLOW_WIDTH 384 measured 1.25-1.30x the time per token of tinylm_raw served alone (3 clients, HTTP);
-# 256 measured 0.98x (lost in the noise), 448 1.43x
+# SLOW_WIDTH 384 measured 1.25-1.52x the time per token of tinylm_raw served alone (3 clients, HTTP;
+# 1.12x once, in a loaded CI run); 256 measured 0.98x (lost in the noise), 448 1.43x
 SLOW_WIDTH = 384
 
 
@@ -386,8 +386,10 @@ def test_slower_build_is_rolled_back_by_the_latency_gate(ctx):
     assert state(ctx)["primary"]["version"] == 4
     size = fault_size(ctx, 4, 6)
     print(f"slow fault, served alone: time to first token {size['ttft']:.2f}x, per token {size['per_token']:.2f}x")
-    # the fault is the size the test claims: a realistic slowdown, not a wreck
-    assert 1.15 <= size["per_token"] <= 1.8, size
+    # the fault is the size the test claims: a realistic slowdown, not a wreck. Measured per
+    # token: 1.25 to 1.52x on a quiet machine, 1.12x once in a clean-clone CI run (other load
+    # compresses the ratio); SLOW_WIDTH 256, no real slowdown, measured 0.98x
+    assert 1.10 <= size["per_token"] <= 1.8, size
     # through the guard the slowdown is diluted by the hops it adds per token (one run: 1.25x
     # served alone, 1.16x on the gate's calls): a user who allows 5 % gets it rolled back
     r, traffic = promote_under_traffic(ctx, 6, "50,100", "--latency-tolerance", "0.05", seed=6)
