@@ -252,10 +252,14 @@ class Breaker:
 
     def latency_p95(self, min_count: int = 1) -> float | None:
         """Nearest-rank p95 of the window's latencies; None with fewer than ``min_count``."""
+        return self.latency_quantile(0.95, min_count)
+
+    def latency_quantile(self, q: float, min_count: int = 1) -> float | None:
+        """Nearest-rank ``q`` quantile of the window's latencies; None with fewer than ``min_count``."""
         lat = self._latency.values()
         if len(lat) < max(min_count, 1):
             return None
-        k = min(len(lat) - 1, int(np.ceil(0.95 * len(lat))) - 1)
+        k = min(len(lat) - 1, max(0, int(np.ceil(q * len(lat))) - 1))
         return float(np.partition(lat, k)[k])
 
     def shielded(self, now: float) -> bool:
