@@ -199,9 +199,25 @@ class Stage:
         """Release what the stage holds (files, threads) when the model unloads."""
 
 
-class Pipeline:
+class _Stages:
+    """An ordered list of stages: their names (for logs) and their closing, last first."""
+
     def __init__(self, stages: Sequence[Stage]):
         self.stages = list(stages)
+
+    def names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def close(self) -> None:
+        for stage in reversed(self.stages):
+            try:
+                stage.close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing stage %s failed", stage.name)
+
+
+class Pipeline(_Stages):
+    """The stages of a guard over one :class:`Batch` (see the module doc)."""
 
     def run(self, batch: Batch) -> None:
         failed: BaseException | None = None
@@ -219,22 +235,12 @@ class Pipeline:
         if failed is not None:
             raise failed
 
-    def names(self) -> list[str]:
-        return [s.name for s in self.stages]
 
-    def close(self) -> None:
-        for stage in reversed(self.stages):
-            try:
-                stage.close()
-            except Exception:  # noqa: BLE001
-                log.exception("closing stage %s failed", stage.name)
-
-
-class StreamPipeline:
+class StreamPipeline(_Stages):
     """The stages of a decoupled guard over one :class:`Generation` (see the module doc)."""
 
     def __init__(self, stages: Sequence[Stage]):
-        self.stages = list(stages)
+        super().__init__(stages)
         # only the stages that change the answer's text are called per piece
         self.filters = [s for s in self.stages
                         if type(s).piece is not Stage.piece or type(s).finish is not Stage.finish]
@@ -271,16 +277,6 @@ class StreamPipeline:
                     stage.end(gen)
                 except Exception:  # noqa: BLE001 - one stage's bookkeeping must not skip the rest
                     log.exception("stage %s failed at the end of a generation", stage.name)
-
-    def names(self) -> list[str]:
-        return [s.name for s in self.stages]
-
-    def close(self) -> None:
-        for stage in reversed(self.stages):
-            try:
-                stage.close()
-            except Exception:  # noqa: BLE001
-                log.exception("closing stage %s failed", stage.name)
 
 
 @dataclass
