@@ -47,8 +47,12 @@ repeated looks:
   (:func:`mann_whitney`, equal to ``scipy.stats.mannwhitneyu`` on the rebuilt samples). Kayenta-like, it fails only when the Hodges-Lehmann
   shift exceeds ``latency_tolerance * |primary median|`` AND p < alpha_k. alpha_k is spent with
   a convergent Bonferroni series, alpha_k = alpha * 6 / (pi^2 k^2) at look k: the sum over all
-  looks is alpha, so there is no planned number of looks to exceed. A Welch t-test and both
-  p99s are reported, never judged on.
+  looks is alpha, so there is no planned number of looks to exceed. PASS when the same test
+  shows the candidate's latencies less the allowed shift faster than the primary's at ``beta``
+  (the upper bound of the shift is within the allowance; counts spread evenly within their
+  buckets, :func:`bucket_spread`); in between it is INCONCLUSIVE. (Exact
+  per-call samples, where the guards keep them: :mod:`exporter.latency_gate`, the same rules on
+  ratios.) A Welch t-test and both p99s are reported, never judged on.
 
 Samples restart at each step (the controller re-baselines), so over a rollout of S steps the
 family-wise error is at most S times each gate's alpha.
@@ -568,6 +572,30 @@ def bucket_samples(deltas: Buckets) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(mids), np.asarray(counts)
 
 
+def bucket_spread(deltas: Buckets, parts: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """(values, counts) of per-bucket deltas spread evenly over each finite bucket in ``parts``
+    sub-bins (the open last bucket stays one point at twice its lower edge): the
+    uniform-within-a-bucket reading ``histogram_quantile`` makes too. A shift smaller than a
+    bucket then moves part of a bucket, where on midpoints it would break every tie between the
+    two versions in one direction."""
+    les = sorted(deltas)
+    values: list[float] = []
+    counts: list[float] = []
+    lower = prev = 0.0
+    for le in les:
+        c = max(deltas[le] - prev, 0.0)
+        prev = deltas[le]
+        if math.isinf(le):
+            values.append(2 * lower)
+            counts.append(c)
+            continue
+        width = (le - lower) / parts
+        values.extend(lower + (i + 0.5) * width for i in range(parts))
+        counts.extend([c / parts] * parts)
+        lower = le
+    return np.asarray(values), np.asarray(counts)
+
+
 def quantile(deltas: Buckets, q: float) -> float | None:
     """Prometheus ``histogram_quantile`` on cumulative buckets (linear within a bucket)."""
     les = sorted(deltas)
@@ -612,7 +640,9 @@ def mann_whitney(cm: np.ndarray, cc: np.ndarray, pm: np.ndarray, pc: np.ndarray,
     var = n1 * n2 / 12 * ((n + 1) - float((t ** 3 - t).sum()) / (n * (n - 1)))
     if var <= 0:
         return 1.0
-    u = max(u1, n1 * n2 - u1) if alternative == "two-sided" else u1
+    if alternative not in ("greater", "less", "two-sided"):
+        raise ValueError(f"alternative must be 'greater', 'less' or 'two-sided', got {alternative!r}")
+    u = max(u1, n1 * n2 - u1) if alternative == "two-sided" else n1 * n2 - u1 if alternative == "less" else u1
     z = (u - mu - 0.5) / math.sqrt(var)
     pvalue = float(stats.norm.sf(z)) * (2 if alternative == "two-sided" else 1)
     return min(pvalue, 1.0)
@@ -652,10 +682,22 @@ def _latency_gate(cand: Buckets, prim: Buckets, look: int, cfg: GateConfig) -> G
     figures.update(hodges_lehmann_s=shift, primary_median_s=prim_median, allowed_shift_s=allowed,
                    mann_whitney_p=p, welch_p=_welch(cm, cc, pm, pc))
     big = abs(shift) > allowed if both else shift > allowed
+    # PASS needs evidence that the shift is within the allowance: the candidate's latencies less
+    # the allowed shift are faster than the primary's at beta (and, "both", more plus slower)
+    sm, sc = bucket_spread(cand)
+    qm, qc = bucket_spread(prim)
+    p_within = mann_whitney(sm - allowed, sc, qm, qc, "less")
+    if both:
+        p_within = max(p_within, mann_whitney(sm + allowed, sc, qm, qc, "greater"))
+    figures["p_within"] = p_within
     if big and p < alpha_k:
         return GateResult(name="latency", verdict=FAIL, figures=figures, samples=nc,
                           reason=f"shift {shift * 1000:.3g} ms > {allowed * 1000:.3g} ms, p={p:.2g} < {alpha_k:.2g}")
-    return GateResult(name="latency", verdict=PASS, figures=figures, samples=nc)
+    if p_within < cfg.beta:
+        return GateResult(name="latency", verdict=PASS, figures=figures, samples=nc)
+    return GateResult(name="latency", verdict=INCONCLUSIVE, figures=figures, samples=nc,
+                      reason=f"shift {shift * 1000:.3g} ms on {nc}/{np_} samples, not yet shown within "
+                             f"{allowed * 1000:.3g} ms (p={p_within:.2g}, need < {cfg.beta:.2g})")
 
 
 def window(before: GuardReadings | None, after: GuardReadings) -> GuardReadings:
@@ -742,7 +784,7 @@ def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateCon
     elif mode == "split" and cfg.latency and latency_samples is not None:
         from .latency_gate import latency_gate  # noqa: PLC0415
 
-        gates.append(latency_gate(*latency_samples, look, alpha=cfg.alpha, tolerance=cfg.latency_tolerance,
+        gates.append(latency_gate(*latency_samples, look, alpha=cfg.alpha, beta=cfg.beta, tolerance=cfg.latency_tolerance,
                                   min_samples=cfg.min_latency_samples, direction=cfg.latency_direction))
     elif mode == "split" and cfg.latency:
         prim_lat = w.latency.get(prim, {})

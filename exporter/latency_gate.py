@@ -18,7 +18,14 @@ median of all within-class pairwise differences (so each class weighs n1*n2), re
 FAIL only when the ratio exceeds ``1 + tolerance`` (below ``1 / (1 + tolerance)`` also counts with
 ``direction="both"``) AND p < alpha_k, with alpha spent over looks as in :mod:`exporter.gates`
 (alpha_k = 6 alpha / (pi^2 k^2)), so the false FAIL rate stays below ``alpha`` however often the
-controller looks. Fewer than ``min_samples`` comparable calls on either side is INCONCLUSIVE.
+controller looks. PASS needs evidence too: the same stratified test of the candidate's latencies
+divided by ``1 + tolerance`` must find them faster than the primary's at ``beta`` (the one-sided
+upper confidence bound of the ratio is below ``1 + tolerance``; with ``direction="both"`` the
+lower bound must be above ``1 / (1 + tolerance)`` as well). Between the two the gate is
+INCONCLUSIVE and the controller holds: a window too small or too noisy to tell a 1.2x slower
+build from an equal one does not pass it (before, anything short of a significant FAIL passed,
+and a 1.27x slower generation build went through a 50 % step on ~30 calls a side). Fewer than
+``min_samples`` comparable calls on either side is INCONCLUSIVE.
 """
 
 from __future__ import annotations
@@ -79,15 +86,17 @@ def _strata(cand: Samples, prim: Samples, bits: int, cap: int,
     return out
 
 
-def van_elteren(strata: list[_Stratum]) -> float:
-    """z of the stratified rank test (normal approximation); z > 0: candidate slower."""
+def van_elteren(strata: list[_Stratum], shift: float = 0.0) -> float:
+    """z of the stratified rank test (normal approximation); z > 0: candidate slower. ``shift``
+    (log seconds) is taken off every candidate latency first: the test of H0 "the candidate is
+    ``exp(shift)`` times the primary"."""
     from scipy import stats  # noqa: PLC0415 - seconds to import; only the controller needs it
 
     num = var = 0.0
     for s in strata:
         n1, n2 = len(s.x), len(s.y)
         n = n1 + n2
-        both = np.concatenate([s.x, s.y])
+        both = np.concatenate([s.x - shift, s.y])
         ranks = stats.rankdata(both)  # mid-ranks for ties
         u1 = float(ranks[:n1].sum()) - n1 * (n1 + 1) / 2
         _, ties = np.unique(both, return_counts=True)
@@ -128,7 +137,7 @@ def _quantiles(seconds: np.ndarray) -> tuple[float | None, float | None]:
     return float(p50), float(p99)
 
 
-def latency_gate(cand: Samples, prim: Samples, look: int, *, alpha: float = 0.05,
+def latency_gate(cand: Samples, prim: Samples, look: int, *, alpha: float = 0.05, beta: float = 0.10,
                  tolerance: float = 0.15, min_samples: int = 100, direction: str = "increase",
                  stratum_bits: int = 5, max_per_stratum: int = 20_000, seed: int = 0) -> GateResult:
     """PASS / FAIL / INCONCLUSIVE of the candidate's latency against the primary's; see the
@@ -144,7 +153,7 @@ def latency_gate(cand: Samples, prim: Samples, look: int, *, alpha: float = 0.05
     c50, c99 = _quantiles(cand.seconds)
     p50, p99 = _quantiles(prim.seconds)
     figures: dict[str, Any] = {
-        "candidate_samples": len(cand), "primary_samples": len(prim), "alpha_k": alpha_k,
+        "candidate_samples": len(cand), "primary_samples": len(prim), "alpha_k": alpha_k, "beta": beta,
         "tolerance": tolerance, "direction": direction,
         "candidate_p50_s": c50, "candidate_p99_s": c99, "primary_p50_s": p50, "primary_p99_s": p99}
     strata = _strata(cand, prim, stratum_bits, max_per_stratum, np.random.default_rng(seed))
@@ -164,7 +173,12 @@ def latency_gate(cand: Samples, prim: Samples, look: int, *, alpha: float = 0.05
     ratio = math.exp(hodges_lehmann(strata))
     limit = 1 + tolerance
     big = (ratio > limit or ratio < 1 / limit) if both else ratio > limit
-    figures.update(ratio=ratio, z=z, p=min(p, 1.0))
+    # PASS: the candidate's latencies over 1 + tolerance are faster than the primary's at beta
+    margin = math.log(limit)
+    p_within = float(stats.norm.cdf(van_elteren(strata, margin)))
+    if both:
+        p_within = max(p_within, float(stats.norm.sf(van_elteren(strata, -margin))))
+    figures.update(ratio=ratio, z=z, p=min(p, 1.0), p_within=min(p_within, 1.0))
     if big and p < alpha_k:
         return GateResult(name=NAME, verdict=FAIL, figures=figures, samples=n1,
                           reason=f"candidate/primary latency {ratio:.3g}x at equal sub-batch sizes "
@@ -172,4 +186,9 @@ def latency_gate(cand: Samples, prim: Samples, look: int, *, alpha: float = 0.05
                           if both else
                           f"candidate/primary latency {ratio:.3g}x at equal sub-batch sizes "
                           f"> {limit:.3g}x, p={p:.2g} < {alpha_k:.2g}")
-    return GateResult(name=NAME, verdict=PASS, figures=figures, samples=n1)
+    if p_within < beta:
+        return GateResult(name=NAME, verdict=PASS, figures=figures, samples=n1)
+    bound = f"between {1 / limit:.3g}x and {limit:.3g}x" if both else f"below {limit:.3g}x"
+    return GateResult(name=NAME, verdict=INCONCLUSIVE, figures=figures, samples=n1,
+                      reason=f"candidate/primary latency {ratio:.3g}x on {n1}/{n2} calls, not yet shown "
+                             f"{bound} (p={p_within:.2g}, need < {beta:.2g})")

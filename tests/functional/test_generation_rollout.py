@@ -390,11 +390,19 @@ def test_slower_build_is_rolled_back_by_the_latency_gate(ctx):
     # token: 1.25 to 1.52x on a quiet machine, 1.12x once in a clean-clone CI run (other load
     # compresses the ratio); SLOW_WIDTH 256, no real slowdown, measured 0.98x
     assert 1.10 <= size["per_token"] <= 1.8, size
-    # through the guard the slowdown is diluted by the hops it adds per token (one run: 1.25x
-    # served alone, 1.16x on the gate's calls): a user who allows 5 % gets it rolled back
-    r, traffic = promote_under_traffic(ctx, 6, "50,100", "--latency-tolerance", "0.05", seed=6)
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "rolled_back" in r.stdout and "latency FAIL" in r.stdout + r.stderr, r.stdout + r.stderr
+    # through the guard the slowdown is diluted by the hops it adds per token and by the load the
+    # two versions share (1.07x to 1.18x on the gate's calls in four runs at 1.21-1.27x served
+    # alone): a user who allows 5 % gets it rolled back. The latency gate FAILs it, or where the
+    # ratio it reads sits near 1.05x, holds it (it cannot be shown below 1.05x; before, such a
+    # window PASSed and a CI run promoted v6) until the step's deadline rolls it back
+    r, traffic = promote_under_traffic(ctx, 6, "50,100", "--latency-tolerance", "0.05", "--max-step-s", "60",
+                                       seed=6)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "rolled_back" in r.stdout, out
+    held = ("no conclusive gate within max_step_s" in out and "latency INCONCLUSIVE" in out
+            and "not yet shown below 1.05x" in out and "error_rate PASS" in out and "agreement PASS" in out)
+    assert "latency FAIL" in out or held, out
     st = state(ctx)
     assert st["primary"]["version"] == 4 and st["candidate"] is None
     assert st["goldens"]["6"]["verdict"] == "PASS"

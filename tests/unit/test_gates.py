@@ -245,7 +245,18 @@ def test_primary_reference_when_primary_serves_nothing():
     assert by_name(evaluate(None, r, primary_reference=ref))["latency"].verdict == PASS
 
 
-@pytest.mark.parametrize("alternative", ["greater", "two-sided"])
+def test_latency_buckets_pass_only_with_evidence_within_the_allowance():
+    """The bucket gate PASSes when the shift is shown within tolerance x the primary's median at
+    beta; a window too small for that holds (INCONCLUSIVE), however insignificant its slowdown."""
+    few = by_name(evaluate(None, reading(lat_c=0.0024, n_c=15, n_p=15, seed=3),
+                           GateConfig(min_latency_samples=10, latency_tolerance=0.05)))["latency"]
+    assert few.verdict == INCONCLUSIVE and "not yet shown within" in few.reason
+    assert few.figures["p_within"] >= 0.10 and few.figures["mann_whitney_p"] > few.figures["alpha_k"]
+    many = by_name(evaluate(None, reading(n_c=5000, n_p=5000), GateConfig(latency_tolerance=0.05)))["latency"]
+    assert many.verdict == PASS and many.figures["p_within"] < 0.10
+
+
+@pytest.mark.parametrize("alternative", ["greater", "less", "two-sided"])
 def test_binned_mann_whitney_equals_scipy_on_the_rebuilt_samples(alternative):
     from scipy import stats
 

@@ -372,6 +372,47 @@ def test_within_tolerance_passes_even_when_significant():
     assert gate.figures["p"] < 1e-6 and 1.03 < gate.figures["ratio"] < 1.13 and gate.verdict == "PASS"
 
 
+def generations(seed: int, n: int, slow: float = 1.0) -> tuple[Samples, Samples]:
+    """Whole generations of 8-23 tokens (the size class), n a side: time grows with tokens."""
+    rng = np.random.default_rng(seed)
+
+    def calls(factor: float) -> Samples:
+        tokens = rng.integers(8, 24, n)
+        return Samples(np.zeros(n), tokens, 2e-3 * factor * tokens * np.exp(rng.normal(0, SIGMA, n)))
+
+    return calls(slow), calls(1.0)
+
+
+def test_pass_needs_evidence_that_the_candidate_is_within_the_tolerance():
+    """PASS is a claim as well: the candidate's upper confidence bound (at beta) is below
+    1 + tolerance. A window too small to tell is INCONCLUSIVE (the controller holds); it used to
+    PASS whenever the slowdown was not yet significant, and a 1.27x slower generation build was
+    promoted through a 50 % step on ~30 calls a side at tolerance 0.05."""
+    # equal speed: 30 calls a side cannot show "below 1.05x"; 3000 can
+    small = latency_gate(*generations(1, 30), 1, tolerance=0.05, min_samples=20)
+    assert small.verdict == "INCONCLUSIVE" and "not yet shown below 1.05x" in small.reason
+    assert small.figures["p_within"] >= 0.10
+    big = latency_gate(*generations(1, 3000), 1, tolerance=0.05, min_samples=20)
+    assert big.verdict == "PASS" and big.figures["p_within"] < 0.10 and 0.97 < big.figures["ratio"] < 1.03
+    # 1.2x slower, 30 calls a side, judged at looks 1 to 10 of the step: never PASS
+    verdicts = {"PASS": 0, "FAIL": 0, "INCONCLUSIVE": 0}
+    for seed in range(100):
+        cand, prim = generations(100 + seed, 30, slow=1.2)
+        for look in (1, 3, 10):
+            verdicts[latency_gate(cand, prim, look, tolerance=0.05, min_samples=20).verdict] += 1
+    assert verdicts["PASS"] == 0, verdicts
+    # the windows the old rule passed: not significant at the spent alpha, now held instead
+    assert verdicts["INCONCLUSIVE"] > 30 and verdicts["FAIL"] > 30, verdicts
+
+
+def test_direction_both_passes_only_within_both_bounds():
+    cand, prim = generations(7, 3000)
+    assert latency_gate(cand, prim, 1, direction="both").verdict == "PASS"
+    cand, prim = generations(8, 25, slow=0.85)  # faster, too few calls to FAIL or to bound it
+    gate = latency_gate(cand, prim, 1, direction="both", min_samples=20)
+    assert gate.verdict == "INCONCLUSIVE" and "between 0.87x and 1.15x" in gate.reason
+
+
 def compute_bound(seed: int, share: float, slow: float = 1.0) -> tuple[Samples, Samples]:
     """A model whose time is proportional to rows, guard batches of ~16 rows."""
     rng = np.random.default_rng(seed)
@@ -439,5 +480,7 @@ def test_fail_needs_p_below_the_alpha_spent_at_this_look():
     assert first.verdict == "FAIL" and first.figures["alpha_k"] == pytest.approx(0.05 * 6 / math.pi**2)
     late = math.ceil(math.sqrt(0.05 * 6 / (math.pi**2 * p))) + 1  # the first look with alpha_k < p
     gate = latency_gate(cand, prim, late, min_samples=20)
-    assert gate.verdict == "PASS" and gate.figures["p"] == p and gate.figures["alpha_k"] < p
+    # too late a look to FAIL on this p, and a 1.5x candidate is not shown within 1.15x: it holds
+    assert gate.verdict == "INCONCLUSIVE" and gate.figures["p"] == p and gate.figures["alpha_k"] < p
+    assert "not yet shown below 1.15x" in gate.reason and gate.figures["p_within"] > 0.10
     assert latency_gate(cand, prim, late - 2, min_samples=20).verdict == "FAIL"
