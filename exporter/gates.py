@@ -50,7 +50,7 @@ repeated looks:
   looks is alpha, so there is no planned number of looks to exceed. PASS when the same test
   shows the candidate's latencies less the allowed shift faster than the primary's at ``beta``
   (the upper bound of the shift is within the allowance; counts spread evenly within their
-  buckets, :func:`bucket_spread`); in between it is INCONCLUSIVE. (Exact
+  buckets, :func:`bucket_samples`); in between it is INCONCLUSIVE. (Exact
   per-call samples, where the guards keep them: :mod:`exporter.latency_gate`, the same rules on
   ratios.) A Welch t-test and both p99s are reported, never judged on.
 
@@ -555,34 +555,16 @@ def _cost_gate(w: GuardReadings, share: float | None, cfg: GateConfig) -> GateRe
                       reason=f"{ratio:.2f}x the primary per request ({per_1k})")
 
 
-def bucket_samples(deltas: Buckets) -> tuple[np.ndarray, np.ndarray]:
-    """(midpoints, counts) of per-bucket deltas from cumulative ``deltas`` (le -> count)."""
-    les = sorted(deltas)
-    finite = [le for le in les if not math.isinf(le)]
-    mids, counts, lower, prev = [], [], 0.0, 0.0
-    for le in les:
-        c = deltas[le] - prev
-        prev = deltas[le]
-        mid = 2 * lower if math.isinf(le) else (lower + le) / 2
-        if math.isinf(le) and not finite:
-            mid = 0.0
-        mids.append(mid)
-        counts.append(max(c, 0.0))
-        lower = le if not math.isinf(le) else lower
-    return np.asarray(mids), np.asarray(counts)
-
-
-def bucket_spread(deltas: Buckets, parts: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """(values, counts) of per-bucket deltas spread evenly over each finite bucket in ``parts``
-    sub-bins (the open last bucket stays one point at twice its lower edge): the
-    uniform-within-a-bucket reading ``histogram_quantile`` makes too. A shift smaller than a
-    bucket then moves part of a bucket, where on midpoints it would break every tie between the
-    two versions in one direction."""
-    les = sorted(deltas)
+def bucket_samples(deltas: Buckets, parts: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(values, counts) of per-bucket deltas from cumulative ``deltas`` (le -> count): each
+    finite bucket's count spread evenly over ``parts`` sub-bins (1: its midpoint), the open last
+    bucket one point at twice its lower edge. ``parts`` > 1 is the uniform-within-a-bucket
+    reading ``histogram_quantile`` makes too: a shift smaller than a bucket then moves part of
+    a bucket, where on midpoints it would break every tie between two versions one way."""
     values: list[float] = []
     counts: list[float] = []
     lower = prev = 0.0
-    for le in les:
+    for le in sorted(deltas):
         c = max(deltas[le] - prev, 0.0)
         prev = deltas[le]
         if math.isinf(le):
@@ -684,8 +666,8 @@ def _latency_gate(cand: Buckets, prim: Buckets, look: int, cfg: GateConfig) -> G
     big = abs(shift) > allowed if both else shift > allowed
     # PASS needs evidence that the shift is within the allowance: the candidate's latencies less
     # the allowed shift are faster than the primary's at beta (and, "both", more plus slower)
-    sm, sc = bucket_spread(cand)
-    qm, qc = bucket_spread(prim)
+    sm, sc = bucket_samples(cand, parts=8)
+    qm, qc = bucket_samples(prim, parts=8)
     p_within = mann_whitney(sm - allowed, sc, qm, qc, "less")
     if both:
         p_within = max(p_within, mann_whitney(sm + allowed, sc, qm, qc, "greater"))
