@@ -2,7 +2,12 @@
 # The image: Ubuntu 22.04, Python 3.10 (/usr/bin/python3), CUDA 12.6.
 # Not built in CI (no container engine on our machines); `make check-image` resolves its Python
 # packages (docker/requirements-image.txt) for Python 3.10 / manylinux_2_35 on every run instead.
-FROM nvcr.io/nvidia/tritonserver:24.10-py3
+# TRITON_RELEASE: the NGC release. 24.10 (Triton 2.51) is the one every test runs; what a newer
+# one changes, and what to re-resolve for it: docs/docker.md#a-newer-triton-release
+ARG TRITON_RELEASE=24.10
+FROM nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3
+ARG TRITON_RELEASE
+LABEL org.opencontainers.image.base.name="nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3"
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -22,7 +27,11 @@ RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq 
 #   --extra-index-url https://download.pytorch.org/whl/cu126   (e.g. torch==2.10.0+cu126)
 # and re-pin docker/requirements-image.txt (our check resolves PyPI only).
 COPY docker/requirements-image.txt /tmp/requirements-image.txt
-RUN python3 -m pip install pip==26.3 \
+# the pins are resolved for Python 3.10: a release on another Python (24.12 and later: Ubuntu 24.04,
+# Python 3.12) needs them re-resolved first (docs/docker.md#a-newer-triton-release)
+RUN python3 -c 'import sys; v = sys.version_info[:2]; assert v == (3, 10), \
+      f"docker/requirements-image.txt is resolved for Python 3.10, this image has {v[0]}.{v[1]}: re-resolve it (docs/docker.md)"' \
+ && python3 -m pip install pip==26.3 \
  && python3 -m pip install --only-binary=:all: -r /tmp/requirements-image.txt \
  && python3 -m pip check \
  && python3 -c 'import tomli, torch, onnxruntime; assert torch.version.cuda.startswith("12."), torch.version.cuda; print("torch", torch.__version__, "CUDA", torch.version.cuda, "ort", onnxruntime.__version__, onnxruntime.get_available_providers())'
