@@ -73,7 +73,7 @@ run: setup ## serve the example models on 127.0.0.1:8000 (HTTP), 8001 (gRPC), 80
 	@echo "serving $(REPO): try  curl -s localhost:$(HTTP_PORT)/v2/models/digits  (README has more)"
 	exec $(VENV)/bin/tritonserver --model-repository=$(REPO) $(SERVER_FLAGS)
 
-test: setup ## the whole test suite (unit + functional against a real tritonserver)
+test: setup deploy-venv ## the whole test suite (unit + functional against a real tritonserver)
 	$(PY) -m pytest tests
 
 unit: $(STAMP) ## unit tests only (no server)
@@ -95,3 +95,18 @@ clean: ## remove the venv and the generated model repository contents
 .PHONY: check-image
 check-image: ## resolve the Docker image's pinned packages for Python 3.10 (PyPI; no container engine)
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) .ci/check_image_deps.py
+
+# tests/deploy renders the Helm chart with Helm's own engine, validates it (Kubernetes schemas,
+# CRDs) and scans it (checkov). Those tools pin numpy 2 and packaging 23, which the project's venv
+# cannot take: they get a venv of their own, pinned in tests/deploy/requirements.txt.
+DEPLOY_VENV  := .venv-deploy
+DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
+.PHONY: deploy-venv
+deploy-venv: $(DEPLOY_STAMP) ## test-only venv for tests/deploy: helm-python-sdk, kubernetes-validate, checkov
+
+$(DEPLOY_STAMP): tests/deploy/requirements.txt
+	[ -x $(DEPLOY_VENV)/bin/python ] || $(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install -q -U pip
+	$(DEPLOY_VENV)/bin/python -m pip install -q -r tests/deploy/requirements.txt
+	$(DEPLOY_VENV)/bin/python -m pip check
+	touch $@
