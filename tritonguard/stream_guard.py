@@ -21,7 +21,7 @@ through a BLS decoupled call and redacts PII in the answer *across token boundar
   while nothing reached the client.
 - A client cancel (``request.is_cancelled()``, polled every ``cancel_poll_ms``) stops the
   forwarding and cancels the BLS stream where python_backend offers ``ResponseIterator.cancel()``
-  (r25.01 and later). python_backend 24.10 (Triton 2.51) has no way to cancel a BLS stream:
+  (r25.04 and later, python_backend PR #398). python_backend 24.10 (Triton 2.51) has no way to cancel a BLS stream:
   the worker then reads the target's remaining responses and drops them (bounded by the
   ``max_tokens`` the guard forwarded), and logs it.
 
@@ -613,7 +613,10 @@ class StreamGuardModel:
             try:
                 done = self._forward(gen, version, responses, t0)
             except _TargetFailed as failed:
-                client_error = failed.code == "INVALID_ARG"  # the request's fault, not the version's
+                # the request's fault, not the version's. A BLS target's code arrives as INTERNAL on
+                # python_backend 24.10 (server issue #7804) and as sent from r25.04: whatever this
+                # release passes on is used; an in-process target's code is always its own
+                client_error = failed.code == "INVALID_ARG"
                 if not client_error:
                     self.router.record(version, ok=False, first_response_s=failed.first_response_s,
                                        non_finite=NON_FINITE in failed.message, code=failed.code)
