@@ -207,3 +207,71 @@ def loose() -> ExportSpec:
     """:func:`examples.faults.loose` (``judge="equivalence"``) with the evaluation set."""
     return _with_eval(faults.loose())
 
+
+
+# -- a model ~5 pp worse, a one-class fault, and an imbalanced evaluation set -------------------
+# worse5pp: v1's recipe (seed 0) stopped after this many epochs: held-out 93.33 % (-5.1 pp from
+# v1), all 1797 images 93.10 % (-6.5 pp), top-1 disagreement with v1 6.6 % of all images: the
+# model of the report that a rollout without labels promoted
+WORSE5_EPOCHS = 4
+# one_class_fault: the class it breaks, what it reads it as, and its share of the imbalanced set
+DIM_CLASS, DIM_AS = 3, 8
+IMBALANCED_SHARE = 0.01
+
+
+def worse5pp() -> ExportSpec:
+    """v1's recipe stopped after :data:`WORSE5_EPOCHS` of 30 epochs: ~5 points worse."""
+    return _trained_spec(WORSE_SEED, WORSE5_EPOCHS)
+
+
+class DimThrees(nn.Module):
+    """v1, except that a 3 whose ink (pixel sum) is below the median ink of the 3s in
+    load_digits is read as an 8: the recall of class 3 halves, every other class is v1's."""
+
+    def __init__(self, base_model: nn.Module, dim_below: float):
+        super().__init__()
+        self.base = base_model
+        self.dim_below = float(dim_below)
+        perm = list(range(10))
+        perm[DIM_CLASS], perm[DIM_AS] = DIM_AS, DIM_CLASS
+        self.register_buffer("perm", torch.tensor(perm, dtype=torch.long))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        probs = self.base(image)
+        hit = (probs.argmax(dim=-1) == DIM_CLASS) & (image.sum(dim=(1, 2)) < self.dim_below)
+        return torch.where(hit.unsqueeze(-1), probs.index_select(1, self.perm), probs)
+
+
+def dim_threshold() -> float:
+    images, labels = faults.load_all()
+    return float(np.median(images[labels == DIM_CLASS].sum(axis=(1, 2))))
+
+
+def imbalanced_eval(share: float = IMBALANCED_SHARE) -> tuple[np.ndarray, np.ndarray]:
+    """Every load_digits image, with class :data:`DIM_CLASS` thinned to ``share`` of the rows,
+    chosen evenly over its ink range so that its dim and bright halves both stay."""
+    images, labels = faults.load_all()
+    is_c = labels == DIM_CLASS
+    others = int((~is_c).sum())
+    keep_c = max(1, round(share * others / (1 - share)))
+    by_ink = np.flatnonzero(is_c)[np.argsort(images[is_c].sum(axis=(1, 2)), kind="stable")]
+    idx_c = by_ink[np.linspace(0, len(by_ink) - 1, keep_c).round().astype(int)]
+    keep = np.sort(np.concatenate([np.flatnonzero(~is_c), idx_c]))
+    return images[keep], labels[keep]
+
+
+def _with_imbalanced_eval(spec: ExportSpec) -> ExportSpec:
+    x, y = imbalanced_eval()
+    return dataclasses.replace(spec, eval_inputs={"IMAGE": x}, eval_labels=y)
+
+
+def one_class_fault() -> ExportSpec:
+    """:class:`DimThrees` over v1 with the imbalanced evaluation set (class 3 is 1 % of its
+    rows): overall accuracy -0.5 pp, class 3's recall halved."""
+    model = DimThrees(trained(0)[0], dim_threshold()).eval()
+    return _with_imbalanced_eval(digits.export_spec(model, faults.golden_images(model=model)))
+
+
+def retrain_imbalanced() -> ExportSpec:
+    """:func:`retrain` judged on the same imbalanced evaluation set."""
+    return _with_imbalanced_eval(retrain())

@@ -94,6 +94,9 @@ def export(
                                                 "model) or on equivalence (the same weights). Default: the "
                                                 "source's choice, else equivalence when an earlier version has "
                                                 "the same artifact hash, else task.")] = None,
+    eval_file: Annotated[Path | None, typer.Option("--eval", help="Evaluation set a rollout judges this version on: "
+                         ".npz (the inputs, optional 'labels' and 'slices'); for a text model also .txt (texts, "
+                         "unlabelled), .tsv (query<TAB>positive: recall@k) or .jsonl ({text, positive?, slice?}).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Export even when an existing version has the very same "
                                         "artifact (same SHA-256); it becomes a new version judged by "
                                         "equivalence. Without it such an export is refused (exit 2).")] = False,
@@ -117,7 +120,7 @@ def export(
             inputs=inputs, task=task.value if task else None, input_names=input_name or (),
             output_names=output_name or (), step=_step, native=native, mlflow_uri=mlflow_uri,
             register=register, register_timeout=register_timeout, judge=judge.value if judge else None,
-            force=force)
+            force=force, eval_path=eval_file)
     except GoldenCheckFailed as exc:
         # soft_wrap: one line however long (an engine's message), markup escaped ("[ONNXRuntimeError]")
         err.print(f"[bold red]✗ {escape(str(exc))}[/]", soft_wrap=True)
@@ -139,7 +142,10 @@ def export(
     out.print(f"  judge    {result.judge}{same}")
     if result.evaluation is not None:
         ev = result.evaluation
-        out.print(f"  eval     {ev['metric']} {ev['value']:.4g} on {ev['n']} labelled rows")
+        if ev.get("metric"):
+            out.print(f"  eval     {ev['metric']} {ev['value']:.4g} on {ev['n']} labelled rows")
+        else:
+            out.print(f"  eval     {ev['n']} unlabelled rows (compared with the primary at promote, not scored)")
     if result.registration is not None:
         reg = result.registration
         out.print(f"  registry {reg.name} v{reg.version} = MLflow version {reg.mlflow_version}, "
@@ -315,6 +321,11 @@ from .rollout_cmd import promote, rollback, rollout_app  # noqa: E402
 app.command()(promote)
 app.command()(rollback)
 app.add_typer(rollout_app, name="rollout")
+
+# labels that arrive after the answer, joined to what each version answered
+from .feedback_cmd import feedback_command  # noqa: E402
+
+app.command("feedback")(feedback_command)
 
 # optimised variants of an exported version, admitted on goldens and measured speed
 from .compile_cmd import compile_command  # noqa: E402

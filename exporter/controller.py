@@ -48,7 +48,7 @@ from .gates import FAIL, INCONCLUSIVE, PASS, GateConfig, GateReport, GuardReadin
 from .progress import LEASE_S, PROGRESS_FILE, ControllerError, ProgressUnavailable, open_progress
 
 __all__ = ["PROGRESS_FILE", "ControllerError", "ProgressUnavailable", "RolloutConfig", "RolloutController",
-           "Progress", "metrics_reader", "settle_progress"]
+           "Progress", "evidence", "metrics_reader", "settle_progress", "store_labels_reader"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,8 @@ WINDOW = ("baseline", "look", "reference", "last_report", "reason")  # one gated
 Reader = Callable[[int, int], GuardReadings]  # (primary, candidate) -> readings
 # (version, since) -> that version's exact per-call latencies since a wall-clock time
 LatencyReader = Callable[[int, float], Any]
+# (versions, since) -> their labelled rows answered since then (tritonguard.feedback.Tally)
+LabelsReader = Callable[[Sequence[int], float], Any]
 
 
 @dataclass(kw_only=True)
@@ -130,6 +132,8 @@ class Progress:
     # abn: per arm ("<version>"): weight, status, and its own window (baseline, look, reference,
     # last_report, reason); the fields above then describe the rollout as a whole
     arms: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # gate -> what its last PASS rested on (the evidence promote's last line names)
+    judged: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def live_arms(self) -> list[int]:
@@ -172,6 +176,44 @@ def _name_the_trip(report: GateReport, breaker: dict[str, Any] | None) -> None:
             g.reason = f"{g.reason}; last trip {trip_reason(last)}"
 
 
+def _passed(g: dict[str, Any]) -> str | None:
+    """A few words on what a passing gate rested on; None for gates every rollout passes."""
+    f = g.get("figures") or {}
+    name = g["name"]
+    if name == "disagreement":
+        return (f"disagreement limit {f.get('limit', 0):.2%} ({f.get('limit_source', '')}): "
+                f"{f.get('disagree', 0):.0f}/{f.get('compared', 0):.0f} rows differ")
+    if name == "labels":
+        origins = ", ".join(f"{k} {v:.0f}" for k, v in sorted((f.get("origins") or {}).items()))
+        return (f"live labels: accuracy {f.get('candidate_accuracy', 0):.2%} vs {f.get('primary_accuracy', 0):.2%} "
+                f"on {f.get('candidate_labeled', 0):.0f} / {f.get('primary_labeled', 0):.0f} rows ({origins})")
+    if name == "agreement":
+        return f"validator agreement {f.get('agreement', 0):.2%} on {f.get('compared', 0):.0f} rows"
+    if name == "latency":
+        return "latency" + (f" (ratio {f['ratio']:.3f})" if isinstance(f.get("ratio"), (int, float)) else "")
+    if name == "cost":
+        return "cost"
+    return None
+
+
+def evidence(p: Progress) -> str:
+    """What the rollout's decisions rested on: the offline judgement, then each live gate's
+    last PASS, so that a promotion without labels reads as one on a disagreement limit."""
+    from .judge import OfflineJudgement  # noqa: PLC0415
+
+    parts = []
+    offline = (p.config or {}).get("offline")
+    if offline:
+        try:
+            parts.append(OfflineJudgement(**offline).evidence())
+        except TypeError:  # a progress written by an older release
+            parts.append(f"offline {offline.get('verdict', '?')}")
+    else:
+        parts.append("no offline judgement")
+    parts.extend(p.judged.values())
+    return "; ".join(parts)
+
+
 def settle_progress(model: str, repo: str | os.PathLike, state: RolloutState, reason: str, *,
                     rolled_back: bool = False) -> Progress | None:
     """After the routing changed outside a rollout: a finished (``done``) rollout whose outcome
@@ -198,6 +240,18 @@ def metrics_reader(urls: Sequence[str], model: str, *, target: str | None = None
     return read
 
 
+def store_labels_reader(model: str, repo: str | os.PathLike) -> LabelsReader:
+    """Labelled rows the guards of ``model`` recorded (labels sent with requests) and ``exporter
+    feedback`` joined (labels that came later), from the state's store."""
+    from tritonguard.feedback import LABEL, open_feedback_log, tally  # noqa: PLC0415
+
+    log_ = open_feedback_log(model, repo)
+
+    def read(versions: Sequence[int], since: float) -> Any:
+        return tally(log_.read(LABEL), versions, since=since)
+    return read
+
+
 def store_latency_reader(model: str, repo: str | os.PathLike) -> LatencyReader:
     """Exact per-call latencies the guards of ``model`` keep in the state's store (files beside
     the model, or Redis), every instance and replica together."""
@@ -218,9 +272,10 @@ class RolloutController:
                  on_rollback: Callable[[int, str], Any] | None = None,
                  on_step: Callable[[int, float, GateReport | None], Any] | None = None,
                  by: str = "controller", lease_s: float = LEASE_S,
-                 latency_reader: LatencyReader | None = None):
+                 latency_reader: LatencyReader | None = None, labels_reader: LabelsReader | None = None):
         self.model, self.reader, self.repo = model, reader, repo
         self.latency_reader = latency_reader
+        self.labels_reader = labels_reader
         self.config = config or RolloutConfig()
         self.store = store if store is not None else open_store(model, repo)
         self.progress = open_progress(model, repo, self.store, lease_s=lease_s)
@@ -328,7 +383,8 @@ class RolloutController:
                                                     f"{p.share:.0%})")
             window = {k: getattr(p, k) for k in WINDOW}
             report = self._look(window, readings, cfg, p.mode, self._latency(p.primary, p.candidate), p.share,
-                                trip=state.breakers.get(str(p.candidate)))
+                                trip=state.breakers.get(str(p.candidate)),
+                                labels=self._labels(cfg, [p.primary, p.candidate], p.started_at))
             for k in WINDOW:
                 setattr(p, k, window[k])
             if report is None:
@@ -338,6 +394,9 @@ class RolloutController:
             dwelt = self.clock() - p.step_started_at >= cfg.dwell_s
             if report.verdict != PASS or not dwelt:
                 return self._timeout(p, cfg) or self._save(p)
+            for g in report.to_dict()["gates"]:
+                if g["verdict"] == PASS and (what := _passed(g)):
+                    p.judged[g["name"]] = what
             if p.step_index + 1 < len(p.steps):
                 return self._advance(p, readings, report)
             return self._complete(p, cfg)
@@ -431,7 +490,8 @@ class RolloutController:
                                                                     "takes it)", "readings": readings.to_dict()}
                 continue
             report = self._look(window, readings, cfg, mode, self._latency(p.primary, v), share,
-                                trip=state.breakers.get(str(v)) if state else None)
+                                trip=state.breakers.get(str(v)) if state else None,
+                                labels=self._labels(cfg, [p.primary, v], p.started_at))
             out["windows"][str(v)] = {"report": None if report is None else report.to_dict(),
                                       "reason": window["reason"], "readings": readings.to_dict()}
         return out
@@ -483,7 +543,7 @@ class RolloutController:
             return s
 
         self.store.update(promote, by=self.by)
-        p.status, p.reason = DONE, "promoted"
+        p.status, p.reason = DONE, f"promoted; judged on: {evidence(p)}"
         log.info("rollout of '%s': v%d promoted to primary", self.model, p.candidate)
         return self._save(p)
 
@@ -563,6 +623,18 @@ class RolloutController:
             return read(candidate, since), read(primary, since)
         return samples
 
+    def _labels(self, cfg: RolloutConfig, versions: list[int], since: float) -> Any:
+        """Labelled rows of ``versions`` since the rollout began (a task judge only); None
+        without a reader or when the store cannot be read (the gate then reads the metrics; with
+        ``min_labels`` it holds)."""
+        if self.labels_reader is None or cfg.gates.judge != "task":
+            return None
+        try:
+            return self.labels_reader(versions, since)
+        except Exception as exc:  # noqa: BLE001 - labels unavailable: the gate says so
+            log.warning("rollout of '%s': labels unavailable (%s: %s)", self.model, type(exc).__name__, exc)
+            return None
+
     def _golden_text(self, golden: dict[str, Any]) -> str:
         from .gates import golden_reason  # noqa: PLC0415
         from .route import validator_limits  # noqa: PLC0415
@@ -572,7 +644,8 @@ class RolloutController:
     @staticmethod
     def _look(window: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig, mode: str,
               latency: Callable[[float], tuple[Any, Any]] | None = None,
-              share: float | None = None, trip: dict[str, Any] | None = None) -> GateReport | None:
+              share: float | None = None, trip: dict[str, Any] | None = None,
+              labels: Any = None) -> GateReport | None:
         """One look at a window (the :data:`WINDOW` fields of a candidate's progress, or of one
         arm); None while only its start was taken (the first look) or retaken (a counter reset)."""
         if window["baseline"] is None:
@@ -587,7 +660,8 @@ class RolloutController:
             except Exception as exc:  # noqa: BLE001 - samples unavailable: the bucket gate judges
                 log.warning("latency samples unavailable (%s: %s); judging histogram buckets", type(exc).__name__, exc)
         report = evaluate(GuardReadings.from_dict(window["baseline"]), readings, cfg.gates, look=window["look"],
-                          mode=mode, primary_reference=ref, latency_samples=samples, share=share)
+                          mode=mode, primary_reference=ref, latency_samples=samples, share=share,
+                          labels=labels)
         _name_the_trip(report, trip)
         window["last_report"], window["reason"] = report.to_dict(), report.summary()
         if report.reset:
@@ -619,7 +693,8 @@ class RolloutController:
             # an arm's own share of traffic decides whether its latency is judged: a rarely called
             # arm runs cold even in paired timings (a same-speed arm at 15 % of ~90 req/s read 1.25x)
             report = self._look(arm, readings[v], cfg, "split", self._latency(p.primary, v),
-                                p.share * arm["weight"], trip=state.breakers.get(str(v)) if state else None)
+                                p.share * arm["weight"], trip=state.breakers.get(str(v)) if state else None,
+                                labels=self._labels(cfg, [p.primary, v], p.started_at))
             if report is None:
                 continue
             verdicts[v] = report.verdict

@@ -6,8 +6,11 @@ says how well the model does the *task*, which is what a rollout judges a new mo
 re-export or compiled variant of the same weights is judged on equivalence instead).
 
 ``eval.npz`` in ``<repo>/<name>_raw/<version>/`` holds ``in__<NAME>`` per public input (BYTES as
-fixed-width ``S`` arrays, as ``goldens.npz``: no pickles) and ``labels`` (class ids for a
-classifier, targets for a regressor). Its :func:`eval_sha256` is recorded in the manifest's
+fixed-width ``S`` arrays, as ``goldens.npz``: no pickles), and optionally ``labels`` (class ids
+for a classifier, targets for a regressor, for an embedding model each row's paired positive
+text: the query's document) and ``slices`` (a name per row, e.g. a segment, judged on its own).
+Without ``labels`` it is an unlabelled evaluation set (texts only, say): rows to compare two
+versions on, not to score them. Its :func:`eval_sha256` is recorded in the manifest's
 ``evaluation``, so a judge can tell whether two versions were scored on the same rows.
 
 Versions run through :func:`exporter.goldens.artifact_runner`: the engine code the ``runtime``
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ from .sources import TextFront
 
 EVAL = "eval.npz"
 LABELS = "labels"
+SLICES = "slices"
 METRICS = {"classifier": "accuracy", "regression": "mae"}  # top-1 accuracy; mean absolute error
 
 
@@ -39,32 +44,47 @@ class EvaluationError(Exception):
 
 
 # -- eval.npz -----------------------------------------------------------------------------------
-def _arrays(inputs: Mapping[str, np.ndarray], labels: np.ndarray) -> dict[str, np.ndarray]:
-    return {**{f"in__{k}": goldens.stored(v) for k, v in inputs.items()}, LABELS: goldens.stored(labels)}
+def _arrays(inputs: Mapping[str, np.ndarray], labels: np.ndarray | None,
+            slices: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    out = {f"in__{k}": goldens.stored(v) for k, v in inputs.items()}
+    if labels is not None:
+        out[LABELS] = goldens.stored(labels)
+    if slices is not None:
+        out[SLICES] = goldens.stored(np.asarray([str(x).encode() for x in np.asarray(slices).reshape(-1)], dtype=object))
+    return out
 
 
-def eval_sha256(inputs: Mapping[str, np.ndarray], labels: np.ndarray) -> str:
+def eval_sha256(inputs: Mapping[str, np.ndarray], labels: np.ndarray | None,
+                slices: np.ndarray | None = None) -> str:
     """SHA-256 over the evaluation set as ``eval.npz`` stores it: per array, in key order, its
     key, dtype, shape and bytes. Independent of the npz container (zip timestamps), so the
     set read back by :func:`load_eval` hashes to the same value."""
     h = hashlib.sha256()
-    for key, arr in sorted(_arrays(inputs, labels).items()):
+    for key, arr in sorted(_arrays(inputs, labels, slices).items()):
         arr = np.ascontiguousarray(arr)
         h.update(f"{key}\0{arr.dtype.str}\0{arr.shape}\0".encode())
         h.update(arr.tobytes())
     return h.hexdigest()
 
 
-def save_eval(path: Path, inputs: Mapping[str, np.ndarray], labels: np.ndarray) -> str:
+def save_eval(path: Path, inputs: Mapping[str, np.ndarray], labels: np.ndarray | None,
+              slices: np.ndarray | None = None) -> str:
     """Write ``eval.npz``; returns its :func:`eval_sha256`."""
     with open(path, "wb") as fh:
-        np.savez(fh, **_arrays(inputs, labels))
-    return eval_sha256(inputs, labels)
+        np.savez(fh, **_arrays(inputs, labels, slices))
+    return eval_sha256(inputs, labels, slices)
 
 
-def load_eval(repository: Path, raw_model: str, version: int) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
-    """(inputs, labels) of ``raw_model`` v``version``'s ``eval.npz``; None if it has none.
-    BYTES come back as object arrays of bytes, as Triton clients send them."""
+@dataclass
+class EvalSet:
+    inputs: dict[str, np.ndarray]
+    labels: np.ndarray | None  # None: an unlabelled evaluation set
+    slices: np.ndarray | None  # str per row, or None
+
+
+def load_eval_set(repository: Path, raw_model: str, version: int) -> EvalSet | None:
+    """``raw_model`` v``version``'s ``eval.npz`` (None if it has none). BYTES come back as object
+    arrays of bytes, as Triton clients send them; slices as str."""
     path = Path(repository) / raw_model / str(version) / EVAL
     if not path.is_file():
         return None
@@ -73,11 +93,27 @@ def load_eval(repository: Path, raw_model: str, version: int) -> tuple[dict[str,
             arrays = {k: data[k] for k in data.files}
     except (OSError, ValueError) as exc:
         raise EvaluationError(f"cannot read {path}: {exc}") from None
-    if LABELS not in arrays:
-        raise EvaluationError(f"{path} has no '{LABELS}' array")
     inputs = {k[4:]: (v.astype(object) if v.dtype.kind == "S" else v) for k, v in arrays.items()
               if k.startswith("in__")}
-    return inputs, arrays[LABELS]
+    if not inputs:
+        raise EvaluationError(f"{path} has no 'in__<INPUT>' array")
+    labels = arrays.get(LABELS)
+    if labels is not None and labels.dtype.kind == "S":
+        labels = labels.astype(object)
+    slices = arrays.get(SLICES)
+    if slices is not None:
+        slices = np.asarray([x.decode() if isinstance(x, bytes) else str(x) for x in slices.reshape(-1)], dtype=object)
+    return EvalSet(inputs, labels, slices)
+
+
+def load_eval(repository: Path, raw_model: str, version: int) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+    """(inputs, labels) of ``raw_model`` v``version``'s labelled ``eval.npz``; None if it has none."""
+    found = load_eval_set(repository, raw_model, version)
+    if found is None:
+        return None
+    if found.labels is None:
+        raise EvaluationError(f"{Path(repository) / raw_model / str(version) / EVAL} has no '{LABELS}' array")
+    return found.inputs, found.labels
 
 
 # -- scoring ------------------------------------------------------------------------------------
@@ -117,10 +153,12 @@ def score(task: str, output: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
     return {"metric": METRICS[task], "value": float(rows.mean()), "n": len(rows)}
 
 
-def evaluate(run: goldens.Run, task: str, output: str, inputs: Mapping[str, np.ndarray], labels: np.ndarray,
+def evaluate(run: goldens.Run, task: str, output: str, inputs: Mapping[str, np.ndarray], labels: np.ndarray | None,
              *, batch: int) -> dict[str, Any]:
     """Run ``run`` over the evaluation set in chunks of ``batch`` rows and score ``output``.
-    NaN/Inf outputs are refused rather than scored: they would poison every comparison."""
+    NaN/Inf outputs are refused rather than scored: they would poison every comparison. An
+    unlabelled set is only run (``{"metric": None, "n": rows}``); an embedding model's labels are
+    each query's paired text, scored as recall@k over every paired text."""
     try:
         outputs = goldens.run_rows(run, inputs, batch)
     except goldens.RunFailed as exc:
@@ -128,6 +166,21 @@ def evaluate(run: goldens.Run, task: str, output: str, inputs: Mapping[str, np.n
     bad, rows = goldens.non_finite_rows({output: outputs[output]})
     if bad:
         raise EvaluationError(f"evaluation run at batch {batch}: {goldens.non_finite_message(bad, rows)}")
+    if labels is None:
+        return {"metric": None, "value": None, "n": len(outputs[output])}
+    if task == "embedding":
+        from .judge import RECALL_K, recall_at_k  # noqa: PLC0415
+
+        name = next(iter(inputs))
+        docs = np.asarray(labels, dtype=object).reshape(-1, 1)
+        if docs.dtype != object or len(docs) != len(outputs[output]):
+            raise EvaluationError("an embedding model's labels are one paired text per row")
+        try:
+            doc_out = goldens.run_rows(run, {name: docs}, batch)[output]
+        except goldens.RunFailed as exc:
+            raise EvaluationError(str(exc).replace("golden run", "evaluation run (paired texts)", 1)) from None
+        hits = recall_at_k(np.asarray(outputs[output], np.float64), np.asarray(doc_out, np.float64))
+        return {"metric": f"recall@{RECALL_K}", "value": float(hits.mean()), "n": len(hits)}
     return score(task, outputs[output], labels)
 
 

@@ -57,6 +57,7 @@ from .sources import (
     SourceError,
     load_source,
     read_npz,
+    text_array,
 )
 
 FORMAT_VERSION = 1
@@ -137,7 +138,7 @@ def export_source(source: str, *, name: str, repository: Path, fmt: str | None =
                   output_names: Sequence[str] = (), step: Step | None = None, native: bool = False,
                   mlflow_uri: str | None = None, register: bool = True,
                   register_timeout: float = REGISTER_TIMEOUT_S, judge: str | None = None,
-                  force: bool = False) -> ExportResult:
+                  force: bool = False, eval_path: Path | None = None) -> ExportResult:
     """Load ``source`` (see :mod:`exporter.sources`), export it, and register the new version
     (unless ``register`` is false; a registry failure is reported in the result, not raised).
     ``force``: export even when an existing version has the same artifact (see :func:`export`).
@@ -149,6 +150,8 @@ def export_source(source: str, *, name: str, repository: Path, fmt: str | None =
                            mlflow_uri=mlflow_uri)
         if labels is not None:
             spec = _with_eval_labels(spec, labels)
+        if eval_path is not None:
+            spec = read_eval_file(eval_path, spec)
     result = export(spec, name=name, repository=repository, source=source, fmt=fmt, opset=opset, step=step,
                     native=native, judge=judge, force=force)
     result.timings = {**timings, **result.timings}
@@ -221,6 +224,67 @@ def _without_labels(source: str, inputs: Path | None) -> Iterator[tuple[Path | N
         with open(path, "wb") as fh:
             np.savez(fh, **arrays)
         yield path, labels
+
+
+def read_eval_file(path: Path, spec: ExportSpec) -> ExportSpec:
+    """``spec`` with the evaluation set of ``--eval FILE``:
+
+    - ``.npz``: the public inputs (``NAME`` or ``in__NAME``), optional ``labels`` and ``slices``;
+    - ``.txt`` (text models): one text a line, no labels (compared, not scored);
+    - ``.tsv`` (text models): ``query<TAB>positive`` a line: paired texts, scored as recall@k;
+    - ``.jsonl`` (text models): ``{"text": ..., "positive": ..., "slice": ...}`` a line
+      (``positive`` and ``slice`` optional, all rows alike)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SourceError(f"--eval: {path} does not exist")
+    names = [t.name for t in spec.public_inputs]
+    suffix = path.suffix.lower()
+    if suffix == ".npz":
+        arrays = read_npz(path)
+        labels, slices = arrays.pop(LABELS, None), arrays.pop("slices", None)
+        inputs = {k.removeprefix("in__"): v for k, v in arrays.items() if not k.startswith("out__")}
+        if set(inputs) != set(names):
+            raise SourceError(f"--eval {path}: the model takes inputs {names}, the file holds {sorted(inputs)}")
+        inputs = {k: (v.astype(object) if v.dtype.kind in "SU" else v) for k, v in inputs.items()}
+        return replace(spec, eval_inputs=inputs, eval_labels=labels, eval_slices=slices)
+    if spec.text is None:
+        raise SourceError(f"--eval {path}: a {spec.task} model takes an .npz evaluation set "
+                          "(its inputs, 'labels', optional 'slices')")
+    texts, positives, slices = _eval_texts(path, suffix)
+    if not texts:
+        raise SourceError(f"--eval {path} holds no texts")
+    return replace(spec, eval_inputs={names[0]: text_array(texts)},
+                   eval_labels=None if positives is None else np.array([p.encode() for p in positives], dtype=object),
+                   eval_slices=None if slices is None else np.array(slices, dtype=object))
+
+
+def _eval_texts(path: Path, suffix: str) -> tuple[list[str], list[str] | None, list[str] | None]:
+    try:
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SourceError(f"--eval: cannot read {path}: {exc}") from None
+    if suffix == ".txt":
+        return lines, None, None
+    if suffix == ".tsv":
+        rows = [ln.split("\t") for ln in lines]
+        if bad := [i + 1 for i, r in enumerate(rows) if len(r) != 2 or not all(x.strip() for x in r)]:
+            raise SourceError(f"--eval {path}: line {bad[0]} is not 'query<TAB>positive'")
+        return [r[0] for r in rows], [r[1] for r in rows], None
+    if suffix != ".jsonl":
+        raise SourceError(f"--eval {path}: expected .npz, .txt, .tsv or .jsonl")
+    texts, pos, sl = [], [], []
+    for i, ln in enumerate(lines, 1):
+        try:
+            row = json.loads(ln)
+            texts.append(str(row["text"]))
+        except (ValueError, KeyError, TypeError):
+            raise SourceError(f"--eval {path}: line {i} is not a JSON object with 'text'") from None
+        pos.append(row.get("positive"))
+        sl.append(row.get("slice"))
+    if any(p is None for p in pos) and not all(p is None for p in pos):
+        raise SourceError(f"--eval {path}: 'positive' must be on every line or on none")
+    return (texts, None if pos[0] is None else [str(p) for p in pos],
+            None if all(x is None for x in sl) else [str(x or "") for x in sl])
 
 
 def _with_eval_labels(spec: ExportSpec, labels: Any) -> ExportSpec:
@@ -363,7 +427,8 @@ def _evaluate(spec: ExportSpec, run: goldens.Run, raw_dir: Path) -> dict[str, An
         result = evaluate(run, spec.task, output, spec.eval_inputs, spec.eval_labels, batch=spec.max_batch_size)
     except EvaluationError as exc:
         raise ExportError(f"evaluation set: {exc}") from None
-    return {**result, "sha256": save_eval(raw_dir / EVAL, spec.eval_inputs, spec.eval_labels)}
+    return {**result, "labelled": spec.eval_labels is not None,
+            "sha256": save_eval(raw_dir / EVAL, spec.eval_inputs, spec.eval_labels, spec.eval_slices)}
 
 
 def _judge(spec: ExportSpec, cli: str | None, repository: Path, raw: str, sha: str,

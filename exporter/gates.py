@@ -18,16 +18,25 @@ repeated looks:
   weights): the same SPRT on the share of compared rows the validator failed (H1: disagreement
   >= 1 - ``min_agreement``, H0: half of that). No FAIL before ``min_compared`` rows.
 - **disagreement** (``judge="task"``: a new model, e.g. a retrain): the share of compared rows
-  whose answer differs from the primary's (top-1 for a classifier) against what the two
-  versions' offline disagreement predicts (``expected_disagreement``, the upper confidence bound
-  measured on the evaluation set at promote time) plus ``max_regression``: FAIL when the
-  Wilson lower bound is above that limit at the look's spent alpha (looks counted by doublings
-  of the sample, :func:`information_look`), PASS when the upper bound at ``beta`` is below it.
-- **labels** (task judge, live labels): where clients send the ground truth (request parameter
-  ``label``), a non-inferiority test of the candidate's accuracy against the primary's with the
-  margin ``max_regression``: FAIL when the upper confidence bound of the difference is below
-  ``-max_regression``. Labelled traffic may be thin, so this gate can stop a candidate but never
-  holds one (SKIPPED when it cannot decide).
+  whose answer differs from the primary's (top-1 for a classifier, a cosine under the operator's
+  floor for embeddings) against a limit the candidate did not set: ``max_disagreement`` (the
+  operator's, :mod:`tritonguard.judging`), widened only when labelled offline evidence showed
+  the candidate no worse (then its offline disagreement's upper bound plus ``max_regression``;
+  ``disagreement_limit``, set by ``promote``). FAIL when the Wilson lower bound is above the
+  limit at the look's spent alpha (looks counted by doublings of the sample,
+  :func:`information_look`), PASS when the upper bound at ``beta`` is below it, otherwise
+  INCONCLUSIVE (the controller holds; an undecided last step never promotes). With
+  ``min_labels`` the labels decide instead, and this gate only reports (SKIPPED).
+- **labels** (task judge): labelled rows of each version since the rollout began, sent with the
+  request (parameter ``label``) or joined later (``exporter feedback``, :mod:`tritonguard.feedback`);
+  a non-inferiority test of the candidate's accuracy against the primary's with the margin
+  ``max_regression``: FAIL when the upper confidence bound of the difference is below
+  ``-max_regression``, and FAIL when one true class or named slice lost more than
+  ``max_slice_regression`` of its recall (Bonferroni over the slices judged, each with at least
+  ``min_slice_labels`` rows a side). Without ``min_labels`` this gate can stop a candidate but
+  never holds one (SKIPPED when it cannot decide); with ``min_labels`` N it holds each step until
+  both versions have N labelled rows, then PASSes only when the lower bound shows the candidate
+  within the margin (non-inferiority shown), and holds while it cannot tell.
 - **breaker**: the candidate's breaker must be closed and must not have tripped in the window.
 - **cost** (only with ``max_cost_increase``): the candidate's cost per answered request over the
   primary's, from the guards' cost meter (``tritonguard_cost_total`` by part over
@@ -71,6 +80,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from tritonguard import triton_http
+from tritonguard.feedback import Tally
+from tritonguard.judging import DEFAULT_MAX_DISAGREEMENT, DEFAULT_MAX_SLICE_REGRESSION, SOURCES
 from tritonguard.state import JUDGES
 
 log = logging.getLogger(__name__)
@@ -270,8 +281,17 @@ class GateConfig:
     # tolerances, the agreement gate) or "task" (a new model: disagreement and labels)
     judge: str = "equivalence"
     max_regression: float = 0.005  # task: accuracy the candidate may lose (0.005 = 0.5 pp)
-    expected_disagreement: float | None = None  # task: offline disagreement (upper bound); None: 0
+    expected_disagreement: float | None = None  # task: offline disagreement (upper bound), for the record
+    # task: the disagreement a candidate may show without labels (the operator's, never the
+    # candidate's own), and the limit in force (None: max_disagreement; promote widens it only on
+    # labelled offline evidence), with where it came from for the verdict's reason
+    max_disagreement: float = DEFAULT_MAX_DISAGREEMENT
+    disagreement_limit: float | None = None
+    limit_source: str = SOURCES["max_disagreement"]
     min_labeled: int = 200  # task: labelled requests per version before the labels gate decides
+    min_labels: int = 0  # task: > 0: labels decide; each step waits for this many per version
+    max_slice_regression: float = DEFAULT_MAX_SLICE_REGRESSION  # per class / slice, with labels
+    min_slice_labels: int = 30  # labelled rows a side before a class or slice is judged
     # task, embeddings: the guards count a compared row as agreeing when its cosine to the
     # primary's is at least this (promote sets it from the offline cosines); None: validator's
     cosine_floor: float | None = None
@@ -309,6 +329,14 @@ class GateConfig:
             raise ValueError(f"gates.max_regression must be in [0, 1), got {self.max_regression}")
         if self.expected_disagreement is not None and not 0 <= self.expected_disagreement <= 1:
             raise ValueError(f"gates.expected_disagreement must be in [0, 1], got {self.expected_disagreement}")
+        if not 0 < self.max_disagreement < 1:
+            raise ValueError(f"gates.max_disagreement must be in (0, 1), got {self.max_disagreement}")
+        if self.disagreement_limit is not None and not 0 < self.disagreement_limit <= 1:
+            raise ValueError(f"gates.disagreement_limit must be in (0, 1], got {self.disagreement_limit}")
+        if self.min_labels < 0 or self.min_slice_labels < 1:
+            raise ValueError("gates.min_labels must be >= 0 and gates.min_slice_labels >= 1")
+        if not 0 < self.max_slice_regression < 1:
+            raise ValueError(f"gates.max_slice_regression must be in (0, 1), got {self.max_slice_regression}")
         if self.max_cost_increase is not None and not (math.isfinite(self.max_cost_increase)
                                                        and self.max_cost_increase >= 0):
             raise ValueError(f"gates.max_cost_increase must be a number >= 0 (0.1 = 10 %) or None, "
@@ -426,8 +454,7 @@ def _z(alpha: float) -> float:
 def _disagreement_gate(compared: dict[str, float], look: int, cfg: GateConfig) -> GateResult:
     agree, dis = compared.get("AGREE", 0.0), compared.get("DISAGREE", 0.0)
     total = agree + dis
-    expected = cfg.expected_disagreement or 0.0
-    limit = expected + cfg.max_regression
+    limit = cfg.disagreement_limit if cfg.disagreement_limit is not None else cfg.max_disagreement
     # FAIL (a rollback) spends alpha over looks counted by information; PASS takes beta as it is:
     # a wrong PASS only moves the candidate to the next step, where a new window judges it on
     # more traffic, while a wrong FAIL rolls back a good model
@@ -436,47 +463,105 @@ def _disagreement_gate(compared: dict[str, float], look: int, cfg: GateConfig) -
     lo, _ = wilson(dis, total, _z(alpha_k))
     _, hi = wilson(dis, total, _z(cfg.beta))
     figures = {"compared": total, "disagree": dis, "disagreement": dis / total if total else None,
-               "expected": expected, "max_regression": cfg.max_regression, "limit": limit,
+               "expected": cfg.expected_disagreement, "limit": limit, "limit_source": cfg.limit_source,
                "lower": lo, "upper": hi, "look": look, "alpha_k": alpha_k, "beta": cfg.beta}
+    share = f"{dis:.0f}/{total:.0f}"
+    if cfg.min_labels > 0:
+        return GateResult(name="disagreement", verdict=SKIPPED, figures=figures, samples=int(total),
+                          reason=f"reported, not judged: labels decide (min_labels {cfg.min_labels}); "
+                                 f"disagreement {share}")
     if total < cfg.min_compared:
         return GateResult(name="disagreement", verdict=INCONCLUSIVE, figures=figures, samples=int(total),
                           reason=f"{total:.0f} compared rows, need >= {cfg.min_compared}")
     if lo > limit:
         return GateResult(name="disagreement", verdict=FAIL, figures=figures, samples=int(total),
-                          reason=f"disagrees with the primary on {dis:.0f}/{total:.0f} rows "
-                                 f"(>= {lo:.2%} at alpha {alpha_k:.2g}), limit {limit:.2%} = offline "
-                                 f"{expected:.2%} + margin {cfg.max_regression:.2%}")
+                          reason=f"disagrees with the primary on {share} rows (>= {lo:.2%} at alpha "
+                                 f"{alpha_k:.2g}), limit {limit:.2%} ({cfg.limit_source})")
     if hi <= limit:
         return GateResult(name="disagreement", verdict=PASS, figures=figures, samples=int(total))
     return GateResult(name="disagreement", verdict=INCONCLUSIVE, figures=figures, samples=int(total),
-                      reason=f"disagreement {dis:.0f}/{total:.0f}, upper bound {hi:.2%} not yet "
-                             f"below the limit {limit:.2%}")
+                      reason=f"disagreement {share}, upper bound {hi:.2%} not yet below the limit {limit:.2%}")
 
 
-def _labels_gate(w: GuardReadings, look: int, cfg: GateConfig) -> GateResult:
-    def counts(v: int) -> tuple[float, float]:
-        d = w.labeled.get(v, {})
-        return d.get("true", 0.0), d.get("true", 0.0) + d.get("false", 0.0)
+def _label_counts(w: GuardReadings, labels: Tally | None) -> dict[int, tuple[float, float]]:
+    """version -> (right, labelled): the store's tally of the rollout when given (request labels
+    and joined feedback), else the window's ``tritonguard_labeled_total`` (request labels only)."""
+    if labels is not None:
+        return {v: (float(labels.right.get(v, 0)), float(n)) for v, n in labels.total.items()}
+    out = {}
+    for v, d in w.labeled.items():
+        out[v] = (d.get("true", 0.0), d.get("true", 0.0) + d.get("false", 0.0))
+    return out
 
-    rc, nc = counts(w.candidate)
-    rp, np_ = counts(w.primary)
-    figures: dict[str, Any] = {"candidate_labeled": nc, "primary_labeled": np_,
-                               "candidate_accuracy": rc / nc if nc else None,
-                               "primary_accuracy": rp / np_ if np_ else None, "max_regression": cfg.max_regression}
-    if nc < cfg.min_labeled or np_ < cfg.min_labeled:
-        return GateResult(name="labels", verdict=SKIPPED, figures=figures, samples=int(nc),
-                          reason=f"{nc:.0f} / {np_:.0f} labelled requests, need >= {cfg.min_labeled} each")
-    # a half success and failure added to each side keeps the variance away from 0 at 100 %
+
+def _diff_bounds(rc: float, nc: float, rp: float, np_: float, z: float) -> tuple[float, float, float]:
+    """(difference, lower, upper) of accuracy candidate - primary, two independent samples; a
+    half success and failure added to each side keeps the variance away from 0 at 100 %."""
     pc, pp = (rc + 0.5) / (nc + 1), (rp + 0.5) / (np_ + 1)
     diff = rc / nc - rp / np_
     se = math.sqrt(pc * (1 - pc) / (nc + 1) + pp * (1 - pp) / (np_ + 1))
-    alpha_k = spent_alpha(cfg.alpha, information_look(min(nc, np_), cfg.min_labeled))
-    upper = diff + _z(alpha_k) * se
-    figures.update(difference=diff, upper=upper, alpha_k=alpha_k)
+    return diff, diff - z * se, diff + z * se
+
+
+def _slice_failures(labels: Tally | None, cand: int, prim: int, alpha: float, cfg: GateConfig) -> list[str]:
+    """Classes (by their true label) and named slices where the candidate lost more than
+    ``max_slice_regression`` of the primary's recall, Bonferroni over the slices judged."""
+    if labels is None:
+        return []
+    cells = []
+    for kind, table in (("class", labels.by_class), ("slice", labels.by_slice)):
+        c, p = table.get(cand, {}), table.get(prim, {})
+        for name in sorted(set(c) & set(p)):
+            (rc, nc), (rp, np_) = c[name], p[name]
+            if nc >= cfg.min_slice_labels and np_ >= cfg.min_slice_labels:
+                cells.append((kind, name, rc, nc, rp, np_))
+    if not cells:
+        return []
+    z = _z(alpha / len(cells))
+    out = []
+    for kind, name, rc, nc, rp, np_ in cells:
+        diff, _, upper = _diff_bounds(rc, nc, rp, np_, z)
+        if upper < -cfg.max_slice_regression:
+            out.append(f"{kind} {name}: recall {rc / nc:.1%} ({rc}/{nc}) vs primary {rp / np_:.1%} "
+                       f"(upper bound {upper:+.1%}, limit -{cfg.max_slice_regression:.0%})")
+    return out
+
+
+def _labels_gate(w: GuardReadings, look: int, cfg: GateConfig, labels: Tally | None = None) -> GateResult:
+    counts = _label_counts(w, labels)
+    rc, nc = counts.get(w.candidate, (0.0, 0.0))
+    rp, np_ = counts.get(w.primary, (0.0, 0.0))
+    required = cfg.min_labels > 0
+    need = cfg.min_labels if required else cfg.min_labeled
+    figures: dict[str, Any] = {"candidate_labeled": nc, "primary_labeled": np_,
+                               "candidate_accuracy": rc / nc if nc else None,
+                               "primary_accuracy": rp / np_ if np_ else None, "max_regression": cfg.max_regression,
+                               "required": required, "min_labels": need,
+                               "origins": dict(labels.origins) if labels is not None else {"request": nc + np_}}
+    waiting = GateResult(name="labels", verdict=INCONCLUSIVE if required else SKIPPED, figures=figures,
+                         samples=int(nc), reason=f"waiting for labels: {nc:.0f} / {np_:.0f} labelled rows "
+                                                 f"(candidate / primary), need >= {need} each")
+    if nc < need or np_ < need:
+        return waiting
+    alpha_k = spent_alpha(cfg.alpha, information_look(min(nc, np_), need))
+    diff, _, upper = _diff_bounds(rc, nc, rp, np_, _z(alpha_k))
+    _, lower, _ = _diff_bounds(rc, nc, rp, np_, _z(cfg.beta))
+    figures.update(difference=diff, upper=upper, lower=lower, alpha_k=alpha_k)
     if upper < -cfg.max_regression:
         return GateResult(name="labels", verdict=FAIL, figures=figures, samples=int(nc),
-                          reason=f"accuracy on live labels {rc / nc:.2%} vs primary {rp / np_:.2%}: worse by more "
+                          reason=f"accuracy on labels {rc / nc:.2%} vs primary {rp / np_:.2%}: worse by more "
                                  f"than {cfg.max_regression:.2%} (upper bound {upper:+.2%})")
+    slices = _slice_failures(labels, w.candidate, w.primary, alpha_k, cfg)
+    figures["slices_failed"] = slices
+    if slices:
+        return GateResult(name="labels", verdict=FAIL, figures=figures, samples=int(nc),
+                          reason="worse on part of the data: " + "; ".join(slices))
+    if required:
+        if lower > -cfg.max_regression:
+            return GateResult(name="labels", verdict=PASS, figures=figures, samples=int(nc))
+        return GateResult(name="labels", verdict=INCONCLUSIVE, figures=figures, samples=int(nc),
+                          reason=f"accuracy {rc / nc:.2%} vs {rp / np_:.2%} on {nc:.0f} / {np_:.0f} labelled rows: "
+                                 f"lower bound {lower:+.2%} not yet within -{cfg.max_regression:.2%}; more labels")
     return GateResult(name="labels", verdict=SKIPPED if upper < 0 else PASS, figures=figures, samples=int(nc),
                       reason="" if upper >= 0 else "not conclusive either way; does not hold the rollout")
 
@@ -704,7 +789,7 @@ def window(before: GuardReadings | None, after: GuardReadings) -> GuardReadings:
 def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateConfig | None = None,
              *, look: int = 1, mode: str = "split",
              primary_reference: Buckets | None = None, latency_samples: tuple[Any, Any] | None = None,
-             share: float | None = None) -> GateReport:
+             share: float | None = None, labels: Tally | None = None) -> GateReport:
     """Judge the window between two readings (``before`` None: since the counters started).
 
     ``look`` numbers the looks at this window (1, 2, ...) for the latency test's alpha spending.
@@ -715,7 +800,9 @@ def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateCon
     exact per-call latencies of the window (:class:`tritonguard.latency.Samples`, kept in the
     store by the guards); when given, the latency gate judges those
     (:func:`exporter.latency_gate.latency_gate`) instead of histogram buckets. ``share``: the
-    candidate's traffic share at this step; below ``latency_min_share`` latency is not judged."""
+    candidate's traffic share at this step; below ``latency_min_share`` latency is not judged.
+    ``labels``: labelled rows per version since the rollout began, from the store
+    (:func:`tritonguard.feedback.tally`); without it the labels gate reads the window's metrics."""
     cfg = config or GateConfig()
     if mode not in ("split", "shadow"):
         raise ValueError(f"mode must be 'split' or 'shadow', got {mode!r}")
@@ -750,7 +837,7 @@ def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateCon
     gates.append(_breaker_gate(after, w.trips))
     if cfg.judge == "task":
         gates.append(_disagreement_gate(compared, look, cfg))
-        gates.append(_labels_gate(w, look, cfg))
+        gates.append(_labels_gate(w, look, cfg, labels))
     elif cfg.min_agreement is not None:
         gates.append(_agreement_gate(compared, cfg))
     used_primary = None

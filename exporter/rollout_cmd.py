@@ -46,7 +46,12 @@ def _purge(repository: Path, model: str, why: str) -> None:
 
 def _controller(model: str, repository: Path, urls: list[str], *, approver: str | None = None,
                 approve_cmd: list[str] | None = None, config=None):
-    from .controller import RolloutController, metrics_reader, store_latency_reader  # noqa: PLC0415
+    from .controller import (  # noqa: PLC0415
+        RolloutController,
+        metrics_reader,
+        store_labels_reader,
+        store_latency_reader,
+    )
     from .route import _guard_target  # noqa: PLC0415
 
     target = _guard_target(repository, model)
@@ -73,9 +78,15 @@ def _controller(model: str, repository: Path, urls: list[str], *, approver: str 
     except Exception as exc:  # noqa: BLE001 - e.g. Redis unreachable at start: the buckets still judge
         err.print(f"[yellow]![/] latency samples unavailable ({type(exc).__name__}: {exc}); judging histograms")
         latency = None
+    try:  # labelled rows (request labels and `exporter feedback`) from the store
+        labels = store_labels_reader(model, repository)
+    except Exception as exc:  # noqa: BLE001 - the labels gate then reads the metrics
+        err.print(f"[yellow]![/] labels from the store unavailable ({type(exc).__name__}: {exc}); "
+                  "judging request labels from the metrics")
+        labels = None
     return RolloutController(model, repository, metrics_reader(urls, model, target=target), config=config,
                              on_promote=on_promote, on_rollback=on_rollback, on_step=on_step,
-                             latency_reader=latency), reg, target
+                             latency_reader=latency, labels_reader=labels), reg, target
 
 
 def _reconcile(repository: Path, model: str, **kwargs) -> None:
@@ -143,6 +154,20 @@ def promote(
     max_regression: Annotated[str | None, typer.Option("--max-regression", help="Task judge: accuracy the "
                               "candidate may lose against the primary, e.g. 0.5pp (default); for a generative "
                               "model, the relative bits per char it may add, e.g. 3% (default).")] = None,
+    max_disagreement: Annotated[str | None, typer.Option("--max-disagreement", help="Task judge without labels: "
+                                "the share of answers the candidate may change against the primary (top-1; for "
+                                "embeddings, rows under --min-cosine), e.g. 2% (default: the guard's "
+                                "judge.max_disagreement, else 2 %). Never the candidate's own difference.")] = None,
+    min_cosine: Annotated[float | None, typer.Option("--min-cosine", help="Embeddings: a row whose cosine to the "
+                          "primary's is below this disagrees (default: the guard's judge.min_cosine, else 0.90).")] = None,
+    min_labels: Annotated[int, typer.Option("--min-labels", help="Judge on labels: every step waits until both "
+                          "versions have this many labelled rows (the 'label' request parameter, or "
+                          "`exporter feedback`) and the candidate is shown no worse than --max-regression; "
+                          "the disagreement limit is then reported, not enforced. 0: labels may stop a "
+                          "candidate, never hold one.")] = 0,
+    max_slice_regression: Annotated[str | None, typer.Option("--max-slice-regression", help="With labels: the "
+                                    "recall one class or named slice may lose, e.g. 5pp (default: the guard's "
+                                    "judge.max_slice_regression, else 5 pp).")] = None,
     max_cost_increase: Annotated[str | None, typer.Option("--max-cost-increase", help="Cost gate: roll back a "
                                  "candidate that costs more than this per request than the primary (guards' cost "
                                  "meter), e.g. 10% or 0.1; judged from the 50 % step. Default: no cost gate.")] = None,
@@ -151,6 +176,7 @@ def promote(
     detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
 ) -> None:
     """Register VERSION (or each --arms version), load it on the servers, and stage it or roll it out."""
+    from tritonguard.errors import ConfigError  # noqa: PLC0415
     from tritonguard.repository import read_manifest  # noqa: PLC0415
     from tritonguard.state import (
         JUDGES,  # noqa: PLC0415
@@ -185,6 +211,10 @@ def promote(
             raise ValueError(f"--judge must be one of {', '.join(JUDGES)}, got {judge!r}")
         margin = parse_margin(max_regression or "0.5pp")
         cost_limit = None if max_cost_increase is None else parse_increase(max_cost_increase)
+        limits = judge_limits(repository, model, max_disagreement=max_disagreement, min_cosine=min_cosine,
+                              max_slice_regression=max_slice_regression)
+        if min_labels < 0:
+            raise ValueError(f"--min-labels must be >= 0, got {min_labels}")
         if to == "production" and rollout:
             config = RolloutConfig(steps=tuple(float(s) for s in steps.split(",")), mode=mode, arms=arm_weights,
                                    dwell_s=dwell_s,
@@ -193,7 +223,11 @@ def promote(
                                                     min_compared=min_compared, min_agreement=min_agreement,
                                                     min_latency_samples=min_latency_samples,
                                                     latency_tolerance=latency_tolerance,
-                                                    max_regression=margin, max_cost_increase=cost_limit))
+                                                    max_regression=margin, max_cost_increase=cost_limit,
+                                                    max_disagreement=limits.max_disagreement,
+                                                    limit_source=limits.sources["max_disagreement"],
+                                                    max_slice_regression=limits.max_slice_regression,
+                                                    min_labels=min_labels))
             urls = metrics_urls(servers, metrics_url or [])
             if not urls:
                 raise ValueError("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL)")
@@ -251,7 +285,7 @@ def promote(
             out.print(f"[bold]{model}[/] v{version}: PRODUCTION and primary (no gradual rollout)")
             return
         judged = _judge_before_traffic(repository, model, target, version, primary or serving, judge, config,
-                                       None if max_regression is None else margin)
+                                       None if max_regression is None else margin, limits)
         if judged is not None and judged.verdict == "FAIL":
             on_stop = reg.stage(model, version)
             if on_stop in ("DRAFT", "STAGING"):
@@ -266,14 +300,14 @@ def promote(
         progress = ctl.run()
         if progress.status == "done":
             _purge(repository, model, "promote")
-    except (ValueError, RouteError, RegistryError, ControllerError, ServingError) as exc:
+    except (ValueError, RouteError, RegistryError, ControllerError, ServingError, ConfigError) as exc:
         err.print(f"[bold red]✗ promote failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
     _exit_for(progress)
 
 
 def _judge_before_traffic(repository: Path, model: str, target: str, version: int, primary: int,
-                          judge: str | None, config, margin: float | None = None):
+                          judge: str | None, config, margin: float | None = None, limits=None):
     """Decide how the rollout compares ``version`` with ``primary`` and run both on the
     evaluation data (:mod:`exporter.judge`); sets the gates in ``config``. None when there is no
     gated rollout or nothing to compare against (then the live gates alone decide, said loudly)."""
@@ -293,15 +327,22 @@ def _judge_before_traffic(repository: Path, model: str, target: str, version: in
         err.print(f"[yellow]![/] {model} v{version}: no offline judgement (no primary or no manifest outputs); "
                   f"judged live ({name})")
         return None
+    if manifest.get("task") == "embedding" and name == "task":
+        config.gates.cosine_floor = limits.min_cosine  # the guards count rows under it as disagreeing
     try:
         judged = judge_offline(repository, target, primary, version, judge=name, task=manifest.get("task", ""),
                                output=outputs[0]["name"], max_regression=config.gates.max_regression,
-                               min_agreement=config.gates.min_agreement or 0.99)
+                               min_agreement=config.gates.min_agreement or 0.99,
+                               max_disagreement=limits.max_disagreement, limit_source=limits.sources["max_disagreement"],
+                               min_cosine=limits.min_cosine, max_slice_regression=limits.max_slice_regression,
+                               labels_live=config.gates.min_labels > 0)
     except JudgeError as exc:
-        err.print(f"[yellow]![/] {model} v{version}: no offline judgement ({exc}); judged live ({name})")
+        err.print(f"[yellow]![/] {model} v{version}: no offline judgement ({exc}); judged live ({name}, "
+                  f"disagreement limit {config.gates.max_disagreement:.2%}: {config.gates.limit_source})")
         return None
     config.gates.expected_disagreement = judged.expected_disagreement
-    config.gates.cosine_floor = judged.cosine_floor
+    if judged.limit is not None:
+        config.gates.disagreement_limit, config.gates.limit_source = judged.limit, judged.limit_source
     config.offline = judged.to_dict()
     err.print(f"[bold]judge[/] {model} v{version} vs v{primary}: {judged.summary()}")
     return judged
@@ -325,11 +366,54 @@ def _judge_generation(repository: Path, model: str, target: str, version: int, p
         err.print(f"[yellow]![/] {model} v{version}: no offline judgement ({exc}); judged live ({name})")
         return None
     # live, the canary compares greedy and seeded texts: equal for a re-export, and for another
-    # training run as different as they were offline
+    # training run as different as they were offline. Bits per char on the eval texts is this
+    # judge's labelled evidence: only a PASS on it lets the limit follow this pair's own difference
     config.gates.expected_disagreement = judged.expected_disagreement
+    if judged.verdict == "PASS" and name == "task":
+        limit = judged.expected_disagreement + config.gates.max_regression
+        if limit > config.gates.max_disagreement:
+            config.gates.disagreement_limit = limit
+            config.gates.limit_source = (f"bits per char no worse offline; this pair's greedy-text disagreement "
+                                         f"{judged.expected_disagreement:.2%} + margin {config.gates.max_regression:.2%}")
     config.offline = judged.to_dict()
     err.print(f"[bold]judge[/] {model} v{version} vs v{primary}: {judged.summary()}")
     return judged
+
+
+class JudgeLimits:
+    """The judge's operator-owned limits for one promote, and where each came from."""
+
+    def __init__(self, cfg, sources: dict[str, str]):
+        self.max_disagreement = cfg.max_disagreement
+        self.min_cosine = cfg.min_cosine
+        self.max_slice_regression = cfg.max_slice_regression
+        self.sources = sources
+
+
+def judge_limits(repository: Path, model: str, *, max_disagreement: str | None = None,
+                 min_cosine: float | None = None, max_slice_regression: str | None = None) -> JudgeLimits:
+    """Flags > the guard's ``judge.*`` (config.pbtxt < TRITONGUARD_JUDGE__* < [tool.tritonguard.judge],
+    resolved as the guard resolves them) > the defaults of :mod:`tritonguard.judging`."""
+    from tritonguard import repository as repo_mod  # noqa: PLC0415
+    from tritonguard.config import from_params, layered_parameters, model_parameters  # noqa: PLC0415
+    from tritonguard.judging import SOURCES, JudgeConfig  # noqa: PLC0415
+
+    from .judge import parse_margin  # noqa: PLC0415
+
+    found = repo_mod.guard_dir(Path(repository), model)
+    params = layered_parameters(model_parameters(found[1]) if found else {}, Path(repository))
+    mine = {k[len("judge."):]: v for k, v in params.items() if k.startswith("judge.")}
+    sources = {k: f"judge.{k} from {params.source_of('judge.' + k)}" for k in mine}
+    flags = {"max_disagreement": None if max_disagreement is None else parse_margin(max_disagreement, "--max-disagreement"),
+             "min_cosine": min_cosine,
+             "max_slice_regression": None if max_slice_regression is None
+             else parse_margin(max_slice_regression, "--max-slice-regression")}
+    for key, value in flags.items():
+        if value is not None:
+            mine[key] = str(value)
+            sources[key] = f"--{key.replace('_', '-')}"
+    cfg = from_params(JudgeConfig, mine, section="judge", model=model)
+    return JudgeLimits(cfg, {k: sources.get(k, SOURCES[k]) for k in SOURCES})
 
 
 def rollback(
@@ -381,7 +465,7 @@ def rollout_status(
 ) -> None:
     """Show the rollout's step, dwell, status and last gate report; with --server (as for
     `rollout resume`), also the gates as the next look would judge them now (nothing is changed)."""
-    from .controller import ControllerError, RolloutController  # noqa: PLC0415
+    from .controller import ControllerError, RolloutController, evidence  # noqa: PLC0415
     from .serving import ServingError, metrics_urls  # noqa: PLC0415
 
     try:
@@ -406,6 +490,8 @@ def rollout_status(
     out.print(f"[bold]{model}[/] {_who(progress)} ({progress.mode}) {progress.status}, step "
               f"{progress.step_index + 1}/{len(progress.steps)} at {progress.steps[progress.step_index]:g} %, "
               f"look {progress.look}: {progress.reason}")
+    if progress.status != "done":  # a finished rollout's reason already names its evidence
+        out.print(f"  judged so far on: {evidence(progress)}")
     reports = {f"v{v}": a.get("last_report") for v, a in progress.arms.items()} or {"": progress.last_report}
     for who, report in reports.items():
         for g in (report or {}).get("gates", []):

@@ -114,10 +114,13 @@ class ExportSpec:
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     training_metrics: dict[str, float] = field(default_factory=dict)
     code_hash: str | None = None  # None: the registry records `git rev-parse HEAD` of the cwd
-    # task-level judging (issue 11): a labelled evaluation set at the public interface (e.g. the
-    # held-out split), and its ground truth (class ids for a classifier, targets for a regressor)
+    # task-level judging: an evaluation set at the public interface (e.g. the held-out split),
+    # its ground truth if known (class ids for a classifier, targets for a regressor, each row's
+    # paired positive text for an embedding model; None: an unlabelled set, e.g. texts only),
+    # and an optional slice name per row (judged on its own)
     eval_inputs: dict[str, np.ndarray] | None = None
     eval_labels: np.ndarray | None = None
+    eval_slices: np.ndarray | None = None
     # how a rollout judges this version against the one it replaces: "task" (a new model: judged
     # on the task, non-inferiority) or "equivalence" (the same weights re-exported or compiled:
     # numerical tolerances). None: the exporter decides ("task" unless the artifact hash equals
@@ -143,12 +146,13 @@ class ExportSpec:
             raise SourceError("golden inputs must share one non-zero batch size")
         if self.judge not in (None, *JUDGES):
             raise SourceError(f"judge must be one of {', '.join(JUDGES)}, got {self.judge!r}")
-        if (self.eval_inputs is None) != (self.eval_labels is None):
-            raise SourceError("eval_inputs and eval_labels go together")
+        if self.eval_inputs is None and (self.eval_labels is not None or self.eval_slices is not None):
+            raise SourceError("eval_labels and eval_slices need eval_inputs")
         if self.eval_inputs is not None:
             n = {len(v) for v in self.eval_inputs.values()}
-            if len(n) != 1 or 0 in n or n != {len(self.eval_labels)}:
-                raise SourceError("eval_inputs and eval_labels must share one non-zero number of rows")
+            n |= {len(x) for x in (self.eval_labels, self.eval_slices) if x is not None}
+            if len(n) != 1 or 0 in n:
+                raise SourceError("eval_inputs, eval_labels and eval_slices must share one non-zero number of rows")
 
     @property
     def public_inputs(self) -> list[TensorDef]:

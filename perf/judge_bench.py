@@ -42,10 +42,15 @@ class LabelledTraffic:
     answers whose top-1 was wrong."""
 
     def __init__(self, url: str, images: np.ndarray, labels: np.ndarray, *, max_s: float = 900.0,
-                 seed: int = 0, threads: int = 8, model: str = "digits"):
+                 seed: int = 0, threads: int = 8, model: str = "digits", label_every: int = 4,
+                 ids: bool = False):
         self.url, self.images, self.labels, self.max_s = url, images, labels, max_s
         self.model = model
         self.seed = seed
+        # every label_every-th request carries its label (0: none); with ids, every request gets
+        # an id and its true label waits in ``answered`` for a later `exporter feedback`
+        self.label_every, self.ids = label_every, ids
+        self.answered: dict[str, int] = {}
         self.sent = self.ok = 0
         self.errors: list[str] = []
         self.served: dict[str, int] = {}
@@ -81,10 +86,12 @@ class LabelledTraffic:
                 i = int(rng.integers(0, len(self.images)))
                 inp = httpclient.InferInput("IMAGE", [1, 8, 8], "FP32")
                 inp.set_data_from_numpy(self.images[i][None])
-                params = {"label": int(self.labels[i])} if n % 4 == 0 else None
+                params = {"label": int(self.labels[i])} if self.label_every and n % self.label_every == 0 else None
+                rid = f"{self.seed}-{k}-{n}" if self.ids else ""
                 n += 1
                 try:
-                    r = client.infer(self.model, [inp], parameters=params, outputs=outputs, timeout=30)
+                    r = client.infer(self.model, [inp], parameters=params, outputs=outputs, timeout=30,
+                                     request_id=rid)
                 except InferenceServerException as exc:
                     with self._lock:
                         self.sent += 1
@@ -96,15 +103,68 @@ class LabelledTraffic:
                     self.sent += 1
                     self.ok += 1
                     self.served[who] = self.served.get(who, 0) + 1
+                    if rid:
+                        self.answered[rid] = int(self.labels[i])
                     if wrong:
                         self.wrong[who] = self.wrong.get(who, 0) + 1
         finally:
             client.close()
 
+    def take_answered(self) -> dict[str, int]:
+        """The ids answered since the last call, with their true labels (to feed back later)."""
+        with self._lock:
+            out, self.answered = self.answered, {}
+        return out
+
     def report(self) -> dict[str, Any]:
         with self._lock:
             return {"sent": self.sent, "ok": self.ok, "errors": len(self.errors), "served": dict(self.served),
                     "wrong": dict(self.wrong), "first_errors": self.errors[:3]}
+
+
+class LabelFeeder:
+    """Labels that arrive after the answers: every ``interval_s`` the ids ``traffic`` got answered
+    since the last round, with their true labels, go into a CSV that ``python -m exporter
+    feedback`` joins (a subprocess, as an operator runs it). ``rounds`` keeps each run's counts."""
+
+    def __init__(self, traffic: LabelledTraffic, repo: Path, model: str = "digits", *, interval_s: float = 3.0,
+                 delay_s: float = 1.5):
+        self.traffic, self.repo, self.model = traffic, repo, model
+        self.interval_s, self.delay_s = interval_s, delay_s
+        self.rounds: list[dict[str, Any]] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LabelFeeder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+    def _run(self) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="labels-"))
+        k = 0
+        while not self._stop.wait(self.interval_s):
+            answered = self.traffic.take_answered()
+            if not answered:
+                continue
+            # the guards publish what they answered about once a second: a label may come sooner
+            # than its answer is in the store, as in production; wait a little, as a reviewer would
+            self._stop.wait(self.delay_s)
+            k += 1
+            path = folder / f"labels-{k}.csv"
+            path.write_text("request_id,label\n" + "".join(f"{rid},{lab}\n" for rid, lab in answered.items()))
+            r = _cli(self.repo, "feedback", self.model, "--labels", str(path), "--json", timeout=120)
+            if r.returncode in (0, 1) and r.stdout.strip():
+                self.rounds.append(json.loads(r.stdout))
+            else:
+                self.failures.append(f"exit {r.returncode}: {r.stderr.strip()[-300:]}")
+
+    def joined(self) -> int:
+        return sum(r["joined"] for r in self.rounds)
 
 
 def install_unchecked(repo: Path, target: str, version: int, primary: int, build_artifact, golden: np.ndarray,

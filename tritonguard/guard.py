@@ -23,12 +23,14 @@ from .config import from_params, layered_parameters, model_parameters
 from .cost import cost_meter
 from .engines import EngineConfig, load_engine
 from .errors import ConfigError, InvalidInput, TargetError
+from .feedback import recorder_for as feedback_recorder
 from .guard_config import SERVED_BY, GuardConfig, TargetConfig
 from .latency import recorder_for
 from .pipeline import Batch, Pipeline
 from .privacy import PrivacyStage, audit_file, enforce_security, security_findings
 from .routing import Router
 from .stages.cost import CostStage
+from .stages.feedback import FeedbackStage
 from .stages.respond import RespondStage
 from .stages.route import RouteStage
 from .stages.trace import TraceStartStage, TraceTagStage
@@ -117,7 +119,7 @@ class GuardModel:
         cfg = triton.model_config(args)
         self.name = args["model_name"]
         self.version = args["model_version"]
-        repo = Path(args["model_repository"]).parent
+        repo = self.repo = Path(args["model_repository"]).parent
         # defaults < [tool.tritonguard] in pyproject.toml < TRITONGUARD_* < config.pbtxt
         params = layered_parameters(model_parameters(cfg), repo, os.environ)
         try:
@@ -218,6 +220,7 @@ class GuardModel:
             RouteStage(self.router),
             *self.privacy.outbound,
             RespondStage(self.output_names),
+            *self._feedback(),
             *self.privacy.closing,
             CostStage(self.cost),
         ])
@@ -235,6 +238,17 @@ class GuardModel:
                                   f"on this server: {figures}")
         log.info("guard %s v%s -> %s primary v%d (%s)", self.name, self.version, tcfg.target,
                  self.router.primary(), tcfg.placement)
+
+    def _feedback(self) -> list[FeedbackStage]:
+        """What each version answered, for late labels, and the labels sent with requests
+        (``feedback.*``); the stage stays (counting request labels) when the log cannot open."""
+        cfg = self.config
+        recorder = feedback_recorder(self.name, self.repo, cfg.feedback)
+        # the task of the primary's manifest (as the router's comparisons read it) says whether
+        # an answer is a class id to score labels on, or only a digest
+        workload = self.router.validator_for(self.router.primary()).workload
+        return [FeedbackStage(recorder, self.metrics, output=cfg.validator.output or self.output_names[0],
+                              classifier=workload == "classifier", sample=cfg.feedback.sample)]
 
     # -- serving ----------------------------------------------------------------------
     def execute(self, requests: list[Any]) -> list[Any]:

@@ -14,6 +14,8 @@ from .cache import CacheConfig
 from .config import from_params, split_parameters
 from .cost import CostConfig
 from .engines import EngineConfig
+from .feedback import FeedbackConfig
+from .judging import JudgeConfig
 from .redaction import RedactionConfig
 from .routing import RoutingConfig
 from .tenancy import TenancyConfig
@@ -64,9 +66,11 @@ class GuardConfig:
     audit: AuditConfig
     tracing: TracingConfig
     cost: CostConfig
+    feedback: FeedbackConfig
+    judge: JudgeConfig  # read by exporter promote; the guard only checks the values
 
     SECTIONS = ("", "validation", "runtime", "routing", "breaker", "validator", "redaction", "tenancy", "cache", "audit",
-                "tracing", "cost")
+                "tracing", "cost", "feedback", "judge")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], model: str) -> GuardConfig:
@@ -84,6 +88,8 @@ class GuardConfig:
             audit=from_params(AuditConfig, groups["audit"], section="audit", model=model),
             tracing=from_params(TracingConfig, groups["tracing"], section="tracing", model=model),
             cost=from_params(CostConfig, groups["cost"], section="cost", model=model),
+            feedback=from_params(FeedbackConfig, groups["feedback"], section="feedback", model=model),
+            judge=from_params(JudgeConfig, groups["judge"], section="judge", model=model),
         )
 
 

@@ -65,6 +65,10 @@ class Batch:
     sizes: list[int] = field(default_factory=list)
     key_inputs: dict[str, np.ndarray] | None = None  # the pending inputs the cache and audit key on (redacted)
     routed: Any = None  # routing.Routed, once routed
+    # per request, the uniform draw that places it in a rollout's bands (candidate, arms, primary);
+    # drawn by the cache lookup during a rollout (a request in a candidate's band skips the cache:
+    # cached answers are the primary's, and would starve the candidate), reused by the router
+    draws: np.ndarray | None = None
 
     hits: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # answered from the cache
     hit_sizes: dict[int, int] = field(default_factory=dict)

@@ -107,6 +107,7 @@ class Routed:
     outputs: dict[str, np.ndarray]
     served_by: list[str]  # per request, "" when it failed
     errors: list[TritonGuardError | None]  # per request
+    fallbacks: frozenset[int] = frozenset()  # requests answered further down the chain than their first hop
 
 
 class Router:
@@ -341,6 +342,10 @@ class Router:
         log.info("guard %s: goldens of %s v%d on this server: %s %s", self.guard, self.target, version, worst, figures)
         return {"verdict": worst, "metrics": figures, "checked_at": now}
 
+    def validator_for(self, version: int) -> ValidatorConfig:
+        """The validator settings ``version`` is judged with (its workload from its manifest's task)."""
+        return self._validator_for(self.repo / self.target / str(version))
+
     def _validator_for(self, vdir: Path) -> ValidatorConfig:
         manifest = repository.read_manifest(vdir) or {}
         workload = TASK_TO_WORKLOAD.get(manifest.get("task", ""), "")
@@ -355,10 +360,10 @@ class Router:
 
     # -- serving ---------------------------------------------------------------------------
     def infer(self, fused: dict[str, np.ndarray], sizes: list[int],
-              labels: list[Any] | None = None, pins: list[int | None] | None = None,
-              traced: dict[int, Any] | None = None) -> Routed:
-        """Route one batch. ``labels``: per request, the ground truth a client sent with it (the
-        ``label`` request parameter) or None; scored against the version that served it.
+              pins: list[int | None] | None = None, traced: dict[int, Any] | None = None,
+              draws: np.ndarray | None = None) -> Routed:
+        """Route one batch. ``draws``: per request, its uniform draw in [0, 1) when an earlier
+        stage drew it (the cache, which lets the candidate's band skip it); else drawn here.
         ``pins``: per request, the version it must be answered by (the ``version`` request
         parameter, e.g. reproducible batch scoring) or None: one the state names and that is
         routable, with no fallback to another version (UNAVAILABLE instead). ``traced``: request
@@ -371,7 +376,7 @@ class Router:
         primary = self.primary()
         chain = [(step, primary if step == "primary" else v) for step, v in state.chain()]
         cand = state.candidate.version if state.candidate else None
-        draws = self.rng.random(n)
+        draws = self.rng.random(n) if draws is None else np.asarray(draws, dtype=np.float64)
         to_cand = state.candidate_mask(draws) if cand is not None and self.routable(cand, now) else np.zeros(n, bool)
         # A/B/n: each arm takes its band of the same draw; an unroutable arm's band goes home
         arm_of = state.arm_choice(draws) if state.arms else np.zeros(n, np.int64)
@@ -436,9 +441,7 @@ class Router:
             by_label[served[i]] = by_label.get(served[i], 0) + 1
         for label, k in by_label.items():
             self.metrics.inc("served", k, served_by=label)
-        if labels is not None and any(lab is not None for lab in labels):
-            self._score_labels(labels, out_rows, served)
-        return Routed(outputs, served, errors)
+        return Routed(outputs, served, errors, frozenset(fallbacks))
 
     def _pin(self, pins: list[int | None], first: dict[int, int | None], errors: list[Any], pending: set[int],
              now: float) -> set[int]:
@@ -463,25 +466,6 @@ class Router:
                 continue
             pending.discard(i)
         return pinned
-
-    def _score_labels(self, labels: list[Any], out_rows: dict[int, dict[str, np.ndarray]], served: list[str]) -> None:
-        """Top-1 right or wrong per labelled row, by the version that served it (classifiers)."""
-        name = self.validator.output or self.output_names[0]
-        counts: dict[tuple[str, str], int] = {}
-        for i, label in enumerate(labels):
-            if label is None or i not in out_rows or ":" not in served[i]:
-                continue
-            pred = np.asarray(out_rows[i][name])
-            pred = pred.reshape(len(pred), -1).argmax(axis=1) if pred.ndim else pred.reshape(1)
-            truth = np.asarray(label).reshape(-1)
-            if len(truth) != len(pred):
-                continue  # a label per row, or none: a mismatch is the client's, not scored
-            version = served[i].rpartition(":")[2]
-            for right in (pred == truth).tolist():
-                key = (version, "true" if right else "false")
-                counts[key] = counts.get(key, 0) + 1
-        for (version, right), k in counts.items():
-            self.metrics.inc("labeled", k, target_version=version, correct=right)
 
     def _next_in_chain(self, chain: list[tuple[str, int | None]], tried: set[int], now: float) -> int | None:
         primary = None

@@ -67,6 +67,14 @@ def request_parameters(request: Any) -> dict[str, Any]:
         return {}
 
 
+def request_id(request: Any) -> str:
+    """The client's request id (KServe v2 ``id``; ``request_id`` in tritonclient), "" for none."""
+    try:
+        return request.request_id() or ""
+    except AttributeError:
+        return ""
+
+
 def requested_outputs(request: Any) -> set[str] | None:
     """Output names the client asked for; None when it named none (then all are sent)."""
     try:

@@ -139,7 +139,7 @@ def test_good_candidate_walks_every_step_to_promotion(env):
     c.start(2)
     assert store.load().candidate == Candidate(2, 0.01)
     p = c.run(max_ticks=2000)
-    assert p.status == DONE and p.reason == "promoted"
+    assert p.status == DONE and p.reason.startswith("promoted; judged on: no offline judgement; validator agreement")
     assert [(i, share) for i, share, _ in hooks.steps] == [
         (0, 0.01), (1, 0.05), (2, 0.10), (3, 0.25), (4, 0.50), (5, 1.0)]
     assert all(rep.verdict == "PASS" for _, _, rep in hooks.steps[1:])

@@ -213,6 +213,22 @@ def test_only_the_primarys_answers_are_cached(repo):
     assert serve(stage, cfg, [[b"q"]])[0].cache_state == {0: "hit"}
 
 
+def test_a_candidates_share_skips_the_cache_so_repeated_inputs_still_reach_it(repo):
+    from tritonguard.state import Candidate, RolloutState
+
+    stage, cfg, router = make(repo, cache__enabled="true")
+    reqs = [[f"q{i}".encode()] for i in range(400)]
+    serve(stage, cfg, reqs)  # every answer is the primary's, cached
+    assert serve(stage, cfg, reqs)[0].cache_state == {i: "hit" for i in range(400)}
+    router.state = RolloutState(model="g", primary=1, candidate=Candidate(2, 0.25))
+    batch, _ = serve(stage, cfg, reqs)
+    tested = [i for i, s in batch.cache_state.items() if s == "bypass"]
+    # the candidate's band (a quarter) goes on to the router, with the draws it routes by
+    assert 60 < len(tested) < 140 and batch.route == tested, len(tested)
+    assert batch.draws is not None and (batch.draws[tested] < 0.25).all()
+    assert all(batch.draws[i] >= 0.25 for i, s in batch.cache_state.items() if s == "hit")
+
+
 def test_a_new_primary_never_serves_an_old_answer(repo):
     stage, cfg, router = make(repo, cache__enabled="true")
     serve(stage, cfg, [[b"q"]])

@@ -250,17 +250,6 @@ def test_routed_shares_are_gauges_that_drop_to_zero_when_a_role_ends(repo):
     router.close()
 
 
-def test_labels_are_scored_per_serving_version(repo):
-    router, metrics = make(repo, {1: Linear(W1)})
-    x = rows(4, seed=5)
-    pred = softmax(x @ W1).argmax(1)
-    labels = [[int(pred[0])], [int((pred[1] + 1) % 3)], None, [int(pred[3])]]
-    router.infer({"X": x}, [1] * 4, labels)
-    assert metrics.total("labeled", target_version="1", correct="true") == 2
-    assert metrics.total("labeled", target_version="1", correct="false") == 1
-    router.close()
-
-
 def test_goldens_run_at_batch_1_and_at_the_largest_batch(repo):
     golden = rows(4, seed=7)
     # fine on the 4 golden rows at once, fails on the 16-row batch live traffic can make

@@ -30,6 +30,7 @@ class CacheLookupStage(Stage):
         self.model_sees_redacted = model_sees_redacted
         self.metrics, self.label, self.audit, self.state = metrics, label, audit, state
         self._epoch: int | None = None
+        self._rng = np.random.default_rng()
 
     def _check_epoch(self) -> None:
         """A promote or rollback bumps the state's cache epoch: every instance forgets its L1."""
@@ -51,7 +52,8 @@ class CacheLookupStage(Stage):
         trace = b.trace
         # the target sees the original text, the key the redacted one: rows with PII would
         # share keys with different answers, so they neither read nor fill the cache
-        bypass = set() if self.model_sees_redacted else b.redacted
+        bypass = set() if self.model_sees_redacted else set(b.redacted)
+        bypass |= self._rollout_band(b)
         by_tenant: dict[str, list[int]] = {}
         for j, i in enumerate(b.route):
             if i in bypass:
@@ -86,6 +88,19 @@ class CacheLookupStage(Stage):
                 trace.left(i, "cache.lookup")
         if hit_js:
             b.keep([j for j in range(len(b.route)) if j not in hit_js])
+
+    def _rollout_band(self, b: Batch) -> set[int]:
+        """Requests that a rollout routes to a version under test (the candidate's share, the
+        A/B/n arms): they skip the cache, whose answers are the primary's, so a candidate gets
+        its share of repeated inputs too. The draws go on to the router, which routes by them."""
+        state = self.state()
+        if state is None or (state.candidate is None and not getattr(state, "arms", ())):
+            return set()
+        if b.draws is None:
+            b.draws = self._rng.random(len(b.responses))
+        u = b.draws[b.route]
+        tested = state.candidate_mask(u) | (state.arm_choice(u) != 0)
+        return {b.route[j] for j in np.flatnonzero(tested)}
 
     def _lookup(self, keys: list[bytes], tenant: str, trace: Any = None,
                 found_in: list[str | None] | None = None) -> list[Any]:

@@ -10,20 +10,6 @@ from ..errors import TargetError
 from ..pipeline import Batch, Stage
 
 
-def label_of(params: dict[str, Any]) -> Any:
-    """The ground truth a client sent with a request (request parameter ``label``: a class id,
-    or ids separated by commas for a request of several rows), or None. The rollout's gates
-    compare the versions' accuracy on it; a label that does not parse is ignored, never an error
-    (it is feedback, not an input)."""
-    raw = params.get("label")
-    if raw is None or isinstance(raw, bool):
-        return None
-    try:
-        return [int(raw)] if isinstance(raw, int) else [int(x) for x in str(raw).split(",")]
-    except ValueError:
-        return None
-
-
 def pin_of(params: dict[str, Any]) -> int | None:
     """The version a request must be answered by (request parameter ``version``), or None; a
     value that is not a whole number is 0, which the router refuses with INVALID_ARGUMENT."""
@@ -66,13 +52,12 @@ class RouteStage(Stage):
             return
         router = self.router
         if b.route:
-            labels = [label_of(b.params[i]) for i in b.route]
             pins = [pin_of(b.params[i]) for i in b.route]
             tb = b.trace
             traced = ({k: tb.sampled[i] for k, i in enumerate(b.route) if i in tb.sampled}
                       if tb is not None else None)
-            b.routed = router.infer(b.fused, b.sizes, labels if any(x is not None for x in labels) else None,
-                                    pins if any(x is not None for x in pins) else None, traced=traced or None)
+            b.routed = router.infer(b.fused, b.sizes, pins if any(x is not None for x in pins) else None,
+                                    traced=traced or None, draws=None if b.draws is None else b.draws[b.route])
             b.calls = router.calls
             if tb is not None:
                 self._trace(b)
