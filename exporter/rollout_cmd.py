@@ -365,16 +365,12 @@ def _judge_generation(repository: Path, model: str, target: str, version: int, p
     except JudgeError as exc:
         err.print(f"[yellow]![/] {model} v{version}: no offline judgement ({exc}); judged live ({name})")
         return None
-    # live, the canary compares greedy and seeded texts: equal for a re-export, and for another
-    # training run as different as they were offline. Bits per char on the eval texts is this
-    # judge's labelled evidence: only a PASS on it lets the limit follow this pair's own difference
+    # live, the canary compares greedy texts: equal for a re-export (the agreement gate judges
+    # them); for another training run they differ by nature, and bits per char on the eval texts,
+    # this judge's task metric, has decided: live disagreement is then reported, not judged
     config.gates.expected_disagreement = judged.expected_disagreement
-    if judged.verdict == "PASS" and name == "task":
-        limit = judged.expected_disagreement + config.gates.max_regression
-        if limit > config.gates.max_disagreement:
-            config.gates.disagreement_limit = limit
-            config.gates.limit_source = (f"bits per char no worse offline; this pair's greedy-text disagreement "
-                                         f"{judged.expected_disagreement:.2%} + margin {config.gates.max_regression:.2%}")
+    if name == "task":
+        config.gates.judge_disagreement = False
     config.offline = judged.to_dict()
     err.print(f"[bold]judge[/] {model} v{version} vs v{primary}: {judged.summary()}")
     return judged

@@ -1,12 +1,16 @@
 """The rollout judge on genuine candidates, with the default steps and gates, under real traffic.
 
     python -m perf.judge_bench [--retrain-runs 10] [--dwell-s 10] [--interval-s 2]
+                               [--users labelled,unlabelled,feedback] [--only NAME,...]
 
-One tritonserver on loopback serves a private repository: digits v1 (`examples.digits:build`)
-and the candidates of `examples.candidates` / `examples.faults`. For each candidate, traffic of
-load_digits images (8 in flight, every fourth request labelled) runs while `python -m exporter
-promote digits --version N` walks it through the default steps (1, 5, 10, 25, 50, 100 %) with
-the default gates; between runs the primary is put back to v1. The honest retrains (seeds 1, 2,
+For each kind of user, one tritonserver on loopback serves a private repository: digits v1
+(`examples.digits:build`) and the candidates of `examples.candidates` / `examples.faults`. The
+*labelled* user exports them with their labelled evaluation sets and labels every fourth request;
+the *unlabelled* one has sample inputs only, and no labels anywhere; the *feedback* one has no
+labels at export but sends request ids, and their labels come later through `exporter feedback`
+(promote --min-labels). For each candidate, traffic of load_digits images (8 in flight) runs while
+`python -m exporter promote digits --version N` walks it through the default steps (1, 5, 10, 25,
+50, 100 %) with the default gates; between runs the primary is put back to v1. The honest retrains (seeds 1, 2,
 3, in turn) are promoted ``--retrain-runs`` times in a row. Per candidate it reports the outcome,
 the reason, the step and the candidate requests served before the decision, user-visible errors
 and the candidate's wrong answers. Results: ``perf/results/judge-<timestamp>.json``.
@@ -190,24 +194,68 @@ def _cli(repo: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout)
 
 
+USERS = ("labelled", "unlabelled", "feedback")
+
+
+def _plan(user: str, retrain_runs: int) -> list[str]:
+    """The candidates a user meets: retrains (seeds 1, 2, 3 in turn) ``retrain_runs`` times, then faults."""
+    plan = [("retrain" if k % 3 == 0 else f"retrain{k % 3 + 1}") for k in range(retrain_runs)]
+    if user == "labelled":
+        return plan + ["worse", "worse5pp", "one_class_fault", "nan_subset", "raises_above_batch", "slow13", "slow2",
+                       "loose"]
+    if user == "unlabelled":
+        return plan + ["worse5pp", "worse"]
+    return plan + ["worse5pp"]
+
+
+def _unlabelled(spec: Any) -> Any:
+    """The spec as a user with only sample inputs exports it: no evaluation set."""
+    import dataclasses  # noqa: PLC0415
+
+    return dataclasses.replace(spec, eval_inputs=None, eval_labels=None, eval_slices=None)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """One server and repository per user kind: ``labelled`` (labelled evaluation sets, every fourth
+    request labelled), ``unlabelled`` (sample inputs only, no labels anywhere), ``feedback``
+    (sample inputs only; every request carries an id and its label arrives later through
+    `exporter feedback`, with ``promote --min-labels``)."""
+    rows = []
+    for user in args.users.split(","):
+        if user not in USERS:
+            raise SystemExit(f"--users: {user!r} is not one of {', '.join(USERS)}")
+        rows += _run_user(user, args)
+    return {"when": dt.datetime.now().isoformat(timespec="seconds"), "dwell_s": args.dwell_s,
+            "interval_s": args.interval_s, "runs": rows}
+
+
+def _run_user(user: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     from examples import candidates, digits, faults  # noqa: PLC0415
     from exporter.export import export  # noqa: PLC0415
     from tritonguard.server import Server  # noqa: PLC0415
 
-    work = Path(tempfile.mkdtemp(prefix="judge-bench-"))
+    work = Path(tempfile.mkdtemp(prefix=f"judge-bench-{user}-"))
     repo = work / "repo"
     v: dict[str, int] = {}
     sources = {"v1": digits.build, "retrain": candidates.retrain, "retrain2": candidates.retrain2,
-               "retrain3": candidates.retrain3, "worse": candidates.worse, "nan_subset": faults.nan_subset,
+               "retrain3": candidates.retrain3, "worse": candidates.worse, "worse5pp": candidates.worse5pp,
+               "one_class_fault": candidates.one_class_fault, "nan_subset": faults.nan_subset,
                "slow13": candidates.slow13, "slow2": candidates.slow2, "loose": candidates.loose}
+    plan = _plan(user, args.retrain_runs)
+    if args.only:
+        plan = [p for p in plan if p in args.only.split(",")]
     for name, fn in sources.items():
-        v[name] = export(fn(), name="digits", repository=repo, source=name).version
-        console.print(f"exported {name} as v{v[name]}")
-    v["raises_above_batch"] = max(v.values()) + 1
-    golden = faults.load_all()[0][:4]
-    install_unchecked(repo, "digits_raw", v["raises_above_batch"], v["v1"], candidates.raises_above_batch_artifact,
-                      golden, candidates.run_in_chunks(candidates.trained(0)[0], golden))
+        if name != "v1" and name not in plan:
+            continue
+        spec = fn() if user == "labelled" else _unlabelled(fn())
+        v[name] = export(spec, name="digits", repository=repo, source=name).version
+        console.print(f"[{user}] exported {name} as v{v[name]}")
+    if "raises_above_batch" in plan:
+        v["raises_above_batch"] = max(v.values()) + 1
+        golden = faults.load_all()[0][:4]
+        install_unchecked(repo, "digits_raw", v["raises_above_batch"], v["v1"],
+                          candidates.raises_above_batch_artifact, golden,
+                          candidates.run_in_chunks(candidates.trained(0)[0], golden))
     images, labels = faults.load_all()
     # the guard pins the newest version on disk as primary on its first load: pin v1 first
     pinned = _cli(repo, "route", "digits", "--primary", str(v["v1"]))
@@ -215,40 +263,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError(f"route --primary failed: {pinned.stderr}")
     server = Server(repository=repo, log_path=work / "tritonserver.log", env=dict(os.environ))
     server.start(wait_models=["digits", "digits_raw"])
-    plan = [("retrain" if k % 3 == 0 else f"retrain{k % 3 + 1}") for k in range(args.retrain_runs)]
-    plan += ["worse", "nan_subset", "raises_above_batch", "slow13", "slow2", "loose"]
-    if args.only:
-        plan = [p for p in plan if p in args.only.split(",")]
     rows = []
     try:
         for k, name in enumerate(plan):
             _cli(repo, "route", "digits", "--primary", str(v["v1"]), "--candidate", "0")
             time.sleep(1.0)
             t0 = time.monotonic()
-            with LabelledTraffic(server.http_url, images, labels, seed=k) as traffic:
-                r = _cli(repo, "promote", "digits", "--version", str(v[name]), "--dwell-s", str(args.dwell_s),
-                         "--interval-s", str(args.interval_s), "--server", server.http_url,
-                         "--metrics-url", server.metrics_url)
+            extra = ["--min-labels", str(args.min_labels)] if user == "feedback" else []
+            traffic = LabelledTraffic(server.http_url, images, labels, seed=k,
+                                      label_every=4 if user == "labelled" else 0, ids=user == "feedback")
+            feeder = LabelFeeder(traffic, repo) if user == "feedback" else None
+            with traffic:
+                if feeder is not None:
+                    feeder.__enter__()
+                try:
+                    r = _cli(repo, "promote", "digits", "--version", str(v[name]), "--dwell-s", str(args.dwell_s),
+                             "--interval-s", str(args.interval_s), *extra, "--server", server.http_url,
+                             "--metrics-url", server.metrics_url)
+                finally:
+                    if feeder is not None:
+                        feeder.__exit__(None, None, None)
             took = time.monotonic() - t0
             progress_file = repo / "digits" / "rollout_controller.json"
             p = json.loads(progress_file.read_text()) if progress_file.exists() else {}
             before_traffic = "before any traffic" in r.stdout
             rep = traffic.report()
             who = f"digits_raw:{v[name]}"
-            row = {"candidate": name, "version": v[name], "exit": r.returncode,
+            last = (r.stdout.strip().splitlines() or [""])[-1]
+            row = {"user": user, "candidate": name, "version": v[name], "exit": r.returncode,
                    "outcome": "rolled back before traffic" if before_traffic else p.get("status", "?"),
                    "step": None if before_traffic else p.get("steps", [0])[p.get("step_index", 0)],
-                   "reason": (r.stdout.strip().splitlines() or [""])[-1][:400] if before_traffic else p.get("reason", "")[:400],
-                   "candidate_requests": rep["served"].get(who, 0), "candidate_wrong": rep["wrong"].get(who, 0),
-                   "requests": rep["sent"], "user_errors": rep["errors"], "seconds": round(took, 1)}
+                   "reason": last[:600], "candidate_requests": rep["served"].get(who, 0),
+                   "candidate_wrong": rep["wrong"].get(who, 0), "requests": rep["sent"], "user_errors": rep["errors"],
+                   "labels_joined": feeder.joined() if feeder is not None else None, "seconds": round(took, 1)}
             rows.append(row)
             console.print(json.dumps(row))
-            if _cli(repo, "rollout", "status", "digits").returncode != 0:
-                console.print("rollout status failed")
     finally:
         server.stop()
-    return {"when": dt.datetime.now().isoformat(timespec="seconds"), "dwell_s": args.dwell_s,
-            "interval_s": args.interval_s, "runs": rows, "work": str(work)}
+    return rows
 
 
 def main() -> None:
@@ -257,15 +309,19 @@ def main() -> None:
     ap.add_argument("--dwell-s", type=float, default=10.0)
     ap.add_argument("--interval-s", type=float, default=2.0)
     ap.add_argument("--only", default="", help="comma-separated candidate names to run (default: all)")
+    ap.add_argument("--users", default=",".join(USERS), help=f"which users to play: {', '.join(USERS)}")
+    ap.add_argument("--min-labels", type=int, default=150, help="feedback user: promote --min-labels")
     args = ap.parse_args()
     result = run(args)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"judge-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     out.write_text(json.dumps(result, indent=1))
-    console.print(f"\n{'candidate':<20}{'outcome':<28}{'step':>6}{'cand req':>10}{'wrong':>7}{'errors':>8}{'s':>7}  reason")
+    console.print(f"\n{'user':<11}{'candidate':<17}{'outcome':<28}{'step':>6}{'cand req':>10}{'wrong':>7}{'errors':>8}"
+                  f"{'s':>7}  reason")
     for row in result["runs"]:
-        console.print(f"{row['candidate']:<20}{row['outcome']:<28}{row['step'] or '-':>6}{row['candidate_requests']:>10}"
-              f"{row['candidate_wrong']:>7}{row['user_errors']:>8}{row['seconds']:>7}  {row['reason'][:120]}")
+        console.print(f"{row['user']:<11}{row['candidate']:<17}{row['outcome']:<28}{row['step'] or '-':>6}"
+                      f"{row['candidate_requests']:>10}{row['candidate_wrong']:>7}{row['user_errors']:>8}"
+                      f"{row['seconds']:>7}  {row['reason'][:160]}")
     console.print(f"results: {out}")
 
 

@@ -130,3 +130,20 @@ def test_recall_at_k_counts_a_query_whose_own_document_is_near():
     assert recall_at_k(q, d, k=1).all()
     d_shuffled = d[[1, 0, 3, 2]]
     assert not recall_at_k(q, d_shuffled, k=1).any() and recall_at_k(q, d_shuffled, k=4).all()
+
+
+def test_digits_one_class_fault_is_stopped_on_its_class_and_a_genuine_retrain_is_not(tmp_path):
+    """Real digits models on the imbalanced evaluation set (class 3 is 1 % of the rows): dim 3s
+    read as 8s halve that class's recall while overall accuracy moves 0.5 pp; a retrain (seed 1)
+    moves every class by a row or two."""
+    from examples import candidates, digits
+
+    v1 = export(digits.build(), name="digits", repository=tmp_path, source="v1").version
+    fault = export(candidates.one_class_fault(), name="digits", repository=tmp_path, source="fault").version
+    retrain = export(candidates.retrain_imbalanced(), name="digits", repository=tmp_path, source="retrain").version
+    kw = {"judge": "task", "task": "classifier", "output": "PROBS"}
+    res = judge_offline(tmp_path, "digits_raw", v1, fault, **kw)
+    assert res.verdict == FAIL and [s.split(":")[0] for s in res.slices_failed] == ["class 3"], res.summary()
+    assert res.upper > -0.005, "the overall test alone would not have stopped it"
+    ok = judge_offline(tmp_path, "digits_raw", v1, retrain, **kw)
+    assert ok.verdict != FAIL and not ok.slices_failed, ok.summary()

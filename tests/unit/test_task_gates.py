@@ -75,6 +75,12 @@ def test_pass_needs_the_upper_bound_below_the_limit_and_holds_in_between():
     assert g.verdict == PASS
 
 
+def test_a_generator_judged_on_bits_per_char_has_its_disagreement_reported_not_judged():
+    cfg = GateConfig(judge="task", latency=False, judge_disagreement=False)
+    g = gate(evaluate(None, reading(n=500, disagree=450), cfg), "disagreement")
+    assert g.verdict == SKIPPED and "the task metric decided offline" in g.reason and g.figures["disagree"] == 450
+
+
 def test_disagreement_needs_its_minimum_rows_either_way():
     cfg = GateConfig(judge="task", min_compared=100, latency=False)
     assert gate(evaluate(None, reading(n=60, disagree=30), cfg), "disagreement").verdict == INCONCLUSIVE
