@@ -86,6 +86,7 @@ HELD_OUT_MOD = 5  # a module is held out when crc32(name) % HELD_OUT_MOD == 0
 # the recipe
 SEED = 0
 STEPS = 40  # ~1 epoch
+BROKEN_STEPS = 120  # the broken twin: 3 epochs of shuffled pairs (see broken())
 BATCH = 32  # pairs per step: 31 in-batch negatives per anchor
 LR = 2e-5
 WARMUP = 0.1  # share of the steps with a linear warm-up, then linear decay to 0
@@ -341,8 +342,13 @@ def finetuned_with_eval() -> ExportSpec:
 
 
 def broken() -> ExportSpec:
-    """The broken twin: the same recipe trained on shuffled pairs (:func:`train`)."""
-    return finetuned_spec(shuffled=True)
+    """The broken twin: the recipe on shuffled pairs (:func:`train`), for :data:`BROKEN_STEPS`
+    (3 epochs). One epoch of shuffled pairs is not enough to break it: at 40 steps it still
+    moved held-out recall@10 from 69.8 % to 73.2 % (the genuine fine-tune: 80.6 %), a domain
+    adaptation of sorts, while 18.9 % of the held-out texts fell under a 0.90 cosine to the base;
+    at 120 steps recall@10 is 63.5 %, top-1 21.8 % (base 25.5 %), the untrained neighbour task
+    4.6 % (base 11.6 %), and 98.6 % of the texts are under 0.90 (median cosine 0.706)."""
+    return finetuned_spec(BROKEN_STEPS, shuffled=True)
 
 
 def broken_with_eval() -> ExportSpec:
