@@ -50,7 +50,7 @@ RUN python3 -m pip install --no-deps --no-build-isolation -e . \
  # CMD runs the launcher, not Triton's binary: /opt/tritonserver/bin comes first on the image's
  # PATH, so a bare `tritonserver` would be the binary. Fail the build if pip put it elsewhere.
  && head -n1 /usr/local/bin/tritonserver | grep -q python \
- && python3 -c 'import tritonguard.config, tritonguard.launcher as l; assert l.NGC_TRITONSERVER.exists()'
+ && python3 -c 'import tritonguard.core.config, tritonguard.ops.launcher as l; assert l.NGC_TRITONSERVER.exists()'
 
 # Example models are generated, not shipped: the exporter builds them from packaged data.
 RUN python3 -m exporter export --source examples.digits:build --name digits --repository /models \

@@ -64,7 +64,7 @@ import torch
 from torch import nn
 
 from examples import digits, faults
-from exporter.sources import ExportSpec
+from exporter.build.sources import ExportSpec
 
 RETRAIN_SEEDS = {"retrain": 1, "retrain2": 2, "retrain3": 3}
 # worse: v1's recipe (seed 0) stopped after this many epochs
@@ -138,7 +138,7 @@ def raises_above_batch() -> ExportSpec:
 def raises_above_batch_artifact(dest_dir: Path) -> Path:
     """Write :func:`raises_above_batch` as ``dest_dir/model.onnx`` the way the exporter builds
     artifacts, without its checks; returns the path."""
-    from exporter import artifacts  # noqa: PLC0415
+    from exporter.build import artifacts  # noqa: PLC0415
 
     return artifacts.build(raises_above_batch(), "onnx", Path(dest_dir))
 
@@ -174,8 +174,8 @@ def latency_ratios(specs: dict[str, ExportSpec] | None = None, batches: tuple[in
     test asserts on timings."""
     import tempfile  # noqa: PLC0415
 
-    from exporter import artifacts  # noqa: PLC0415
-    from tritonguard.engines import EngineConfig, OnnxEngine  # noqa: PLC0415
+    from exporter.build import artifacts  # noqa: PLC0415
+    from tritonguard.models.engines import EngineConfig, OnnxEngine  # noqa: PLC0415
 
     specs = {"slow13": slow13(), "slow2": slow2()} if specs is None else specs
     images = faults.load_all()[0]

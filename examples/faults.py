@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from examples import digits
-from exporter.sources import ExportSpec
+from exporter.build.sources import ExportSpec
 
 N_GOLDEN = digits.N_GOLDEN
 N_CLASSES = 10
@@ -226,7 +226,7 @@ def _artifact_dir() -> Path:
 
 def raises() -> ExportSpec:
     """TorchScript only. The spec's ``artifact_path`` is the saved script module, which makes
-    :func:`exporter.artifacts.default_format` choose torchscript; the artifact is a copy of
+    :func:`exporter.build.artifacts.default_format` choose torchscript; the artifact is a copy of
     that file and the reference is the same script module run in-process."""
     golden = golden_images(raise_trigger)
     # DigitsCNN reads a module-level constant, which TorchScript cannot compile: trace the base

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from exporter.sources import ExportSpec
+from exporter.build.sources import ExportSpec
 
 from . import minilm
 

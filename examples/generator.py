@@ -2,7 +2,7 @@
 
 Trained in seconds on CPU, offline, on the docstrings of a fixed list of standard-library
 modules; exported to ONNX as one GRU step with explicit state, so decoding costs O(1) per
-token; served by the decoupled ``generator`` backend (:mod:`tritonguard.generator`)::
+token; served by the decoupled ``generator`` backend (:mod:`tritonguard.generation.generator`)::
 
     python -m examples.generator --repository model_repository --name tinylm --version 1
 
@@ -41,9 +41,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from tritonguard import repository as repo_mod
-from tritonguard.generator import CharTokenizer, Decoder, StepModel, parse_sampling
-from tritonguard.repository import atomic_write, write_config
+from tritonguard.core import repository as repo_mod
+from tritonguard.core.repository import atomic_write, write_config
+from tritonguard.generation.generator import CharTokenizer, Decoder, StepModel, parse_sampling
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from exporter.sources import ExportSpec
+from exporter.build.sources import ExportSpec
 
 from . import minilm
 
@@ -302,7 +302,7 @@ def finetune(steps: int = STEPS, seed: int = SEED, *, shuffled: bool = False,
 def eval_pairs() -> tuple[np.ndarray, np.ndarray]:
     """The held-out name-summary pairs as an evaluation set: TEXT [N,1] queries and, as their
     labels, each query's own summary (scored as recall@10 over all held-out summaries)."""
-    from exporter.sources import text_array  # noqa: PLC0415
+    from exporter.build.sources import text_array  # noqa: PLC0415
 
     _, test = docstring_pairs()
     return text_array([q for q, _ in test]), np.array([d.encode() for _, d in test], dtype=object)
@@ -367,7 +367,7 @@ def report(steps: int = STEPS, seed: int = SEED, *, shuffled: bool = False) -> d
     embeddings over every held-out text of both tasks plus the golden sentences (``cosine_*``,
     ``under_0.90``: the share below the judge's default floor), and over the golden sentences
     alone (``golden_cosine_*``)."""
-    from exporter.judge import recall_at_k  # noqa: PLC0415
+    from exporter.rollout.judge import recall_at_k  # noqa: PLC0415
 
     base = minilm.build().module
     tuned = finetuned_spec(steps, seed, shuffled=shuffled).module

@@ -1,4 +1,4 @@
-from exporter.cli import main
+from exporter.cli.app import main
 
 if __name__ == "__main__":
     main()

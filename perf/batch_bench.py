@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from examples.batch_tables import write_digits
-from tritonguard import repository
-from tritonguard.launcher import resolve_perf_analyzer
-from tritonguard.server import Server
+from tritonguard.core import repository
+from tritonguard.ops.launcher import resolve_perf_analyzer
+from tritonguard.ops.server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "perf" / "results"

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from tritonguard import repository
-from tritonguard.launcher import perf_analyzer_run
-from tritonguard.server import Server
+from tritonguard.core import repository
+from tritonguard.ops.launcher import perf_analyzer_run
+from tritonguard.ops.server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "perf" / "results"
@@ -195,7 +195,7 @@ def plot(results: list[Measurement], path: Path) -> None:
 def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
-    from exporter.consoles import console
+    from exporter.cli.consoles import console
 
     table = Table(title="guarded vs raw (one run, same server; ratios are what to read)")
     for col in ("model", "c", "guarded inf/s", "raw inf/s", "guarded/raw", "per round", "target",

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from exporter.export import export
-from exporter.route import RouteChange, apply
-from tritonguard import repository
-from tritonguard.server import Server
+from exporter.build.export import export
+from exporter.rollout.route import RouteChange, apply
+from tritonguard.core import repository
+from tritonguard.ops.server import Server
 
 CANDIDATES = {"digits": "examples.faults:good", "minilm": "examples.minilm:build"}
 

@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.modules["triton_python_backend_utils"] = pb
     from sklearn.datasets import load_digits  # noqa: PLC0415
 
-    from tritonguard.guard import GuardModel  # noqa: PLC0415
-    from tritonguard.repository import mirror, read_config  # noqa: PLC0415
-    from tritonguard.runtime import RuntimeModel  # noqa: PLC0415
+    from tritonguard.core.repository import mirror, read_config  # noqa: PLC0415
+    from tritonguard.guard.model import GuardModel  # noqa: PLC0415
+    from tritonguard.models.runtime import RuntimeModel  # noqa: PLC0415
 
     repo = mirror(args.repository.resolve(), Path(tempfile.mkdtemp(prefix="inprocess-")) / "repo")
 

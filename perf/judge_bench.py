@@ -175,7 +175,7 @@ def install_unchecked(repo: Path, target: str, version: int, primary: int, build
                       golden_out: np.ndarray) -> Path:
     """Place a version the exporter would refuse (its artifact via ``build_artifact(dir)``, a
     manifest copied from ``primary``'s, 4-row goldens) as a user could by hand."""
-    from tritonguard.repository import GOLDENS, MANIFEST, read_manifest  # noqa: PLC0415
+    from tritonguard.core.repository import GOLDENS, MANIFEST, read_manifest  # noqa: PLC0415
 
     vdir = repo / target / str(version)
     vdir.mkdir(parents=True)
@@ -231,8 +231,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_user(user: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     from examples import candidates, digits, faults  # noqa: PLC0415
-    from exporter.export import export  # noqa: PLC0415
-    from tritonguard.server import Server  # noqa: PLC0415
+    from exporter.build.export import export  # noqa: PLC0415
+    from tritonguard.ops.server import Server  # noqa: PLC0415
 
     work = Path(tempfile.mkdtemp(prefix=f"judge-bench-{user}-"))
     repo = work / "repo"

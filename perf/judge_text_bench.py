@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from examples import minilm_candidates as mc  # noqa: PLC0415
     from examples.texts import stdlib_sentences  # noqa: PLC0415
-    from exporter.export import export  # noqa: PLC0415
-    from tritonguard.server import Server  # noqa: PLC0415
+    from exporter.build.export import export  # noqa: PLC0415
+    from tritonguard.ops.server import Server  # noqa: PLC0415
 
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="judge-text-bench-"))

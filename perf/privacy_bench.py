@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from tritonguard import repository
-from tritonguard.server import Server
+from tritonguard.core import repository
+from tritonguard.ops.server import Server
 
 TIER_TARGETS_MS = {"l1": 0.1, "l2": 1.0, "l3": 2.0}  # added p50 per hit
 REDACTION_TARGET = 0.95  # minilm throughput, redaction on / off, c=16
@@ -134,12 +134,12 @@ def stage_hit_us(src: Path, tier: str, redis_url: str | None, workdir: Path, n: 
     """p50 µs of PrivacyStage.before() + after() for a one-image request that hits ``tier``."""
     from sklearn.datasets import load_digits
 
-    from tritonguard.config import model_parameters
-    from tritonguard.guard import GuardConfig
-    from tritonguard.privacy import PrivacyStage
-    from tritonguard.routing import Routed
-    from tritonguard.tensors import ModelSignature
-    from tritonguard.validation import BatchValidator
+    from tritonguard.core.config import model_parameters
+    from tritonguard.core.tensors import ModelSignature
+    from tritonguard.guard.model import GuardConfig
+    from tritonguard.guard.routing.router import Routed
+    from tritonguard.guard.services import PrivacyStage
+    from tritonguard.guard.validation import BatchValidator
 
     if tier == "l3" and not redis_url:
         return None

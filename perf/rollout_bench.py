@@ -25,10 +25,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from exporter.export import export
-from tritonguard import repository
-from tritonguard.launcher import resolve_perf_analyzer
-from tritonguard.server import Server
+from exporter.build.export import export
+from tritonguard.core import repository
+from tritonguard.ops.launcher import resolve_perf_analyzer
+from tritonguard.ops.server import Server
 
 from .canary import private_repo
 

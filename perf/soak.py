@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from examples.texts import stdlib_sentences
-from tritonguard.repository import mirror
-from tritonguard.server import Server
-from tritonguard.supervisor import scan_stubs
+from tritonguard.core.repository import mirror
+from tritonguard.ops.server import Server
+from tritonguard.ops.supervisor import scan_stubs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

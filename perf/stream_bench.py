@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from tritonguard.repository import write_config
-from tritonguard.server import Server
+from tritonguard.core.repository import write_config
+from tritonguard.ops.server import Server
 
 TTFT_ADDED_MS = 5.0
 JOIN_S = 300.0  # one measurement's clients must be done by then

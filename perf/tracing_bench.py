@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from tritonguard import repository
-from tritonguard.server import Server
+from tritonguard.core import repository
+from tritonguard.ops.server import Server
 
 TARGET = 0.97  # guarded throughput, tracing at 1 % / tracing off, c=16
 VARIANTS = {"digits_trace_off": None, "digits_trace_1pct": "0.01", "digits_trace_0": "0"}
@@ -62,7 +62,7 @@ def run(src_repo: Path, workdir: Path, measure: Callable[..., Any], digits_data:
     med = {n: float(np.median([m.throughput for m in ms])) for n, ms in runs.items()}
     p99 = {n: float(np.median([m.p99_ms for m in ms])) for n, ms in runs.items()}
     off = med["digits_trace_off"]
-    guards = [s for s in spans if s["name"] == "tritonguard.guard"]
+    guards = [s for s in spans if s["name"] == "tritonguard.guard.model"]
     return {
         "model": "digits", "concurrency": 16, "rounds": rounds,
         "off_ips": round(off, 1), "ratio_1pct_ips": round(med["digits_trace_1pct"], 1),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tritonguard.server import free_port
+from tritonguard.ops.server import free_port
 
 
 @pytest.fixture(autouse=True)

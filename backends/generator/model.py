@@ -1,3 +1,3 @@
 """Triton entry of the `generator` backend: a decoupled text generator with vLLM's I/O contract."""
 
-from tritonguard.generator import GeneratorModel as TritonPythonModel  # noqa: F401
+from tritonguard.generation.generator import GeneratorModel as TritonPythonModel  # noqa: F401

@@ -1,3 +1,3 @@
 """Triton entry of the `intake` backend: the unbatched first step in front of a text guard."""
 
-from tritonguard.intake import IntakeModel as TritonPythonModel  # noqa: F401
+from tritonguard.models.intake import IntakeModel as TritonPythonModel  # noqa: F401

@@ -1,3 +1,3 @@
 """Triton entry of the `runtime` backend: serves model.onnx / model.pt / model.pt2 / model.plan."""
 
-from tritonguard.runtime import RuntimeModel as TritonPythonModel  # noqa: F401
+from tritonguard.models.runtime import RuntimeModel as TritonPythonModel  # noqa: F401

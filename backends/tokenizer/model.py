@@ -1,3 +1,3 @@
 """Triton entry of the `tokenizer` backend: TEXT -> input_ids, attention_mask."""
 
-from tritonguard.tokenizer import TokenizerModel as TritonPythonModel  # noqa: F401
+from tritonguard.models.tokenizer import TokenizerModel as TritonPythonModel  # noqa: F401

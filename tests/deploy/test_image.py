@@ -40,7 +40,7 @@ def test_manifests_run_this_version_of_the_image():
     # the launcher the manifests start is the console script the image installs at that path
     assert "head -n1 /usr/local/bin/tritonserver | grep -q python" in DOCKERFILE
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["tritonserver"] == "tritonguard.launcher:tritonserver_main"
+    assert scripts["tritonserver"] == "tritonguard.ops.launcher:tritonserver_main"
     # the example models the chart copies from the image are where the image exports them
     assert values["modelRepository"]["image"]["path"] == "/models"
     assert "--repository /models" in DOCKERFILE

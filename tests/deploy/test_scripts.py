@@ -86,7 +86,7 @@ def _wait_ping(client, proc, timeout: float = 10.0) -> None:
 def test_bundled_redis_command_wants_its_password_and_keeps_its_data(docs, tmp_path):
     import redis
 
-    from tritonguard.server import free_port
+    from tritonguard.ops.server import free_port
 
     script, probe = _redis_script(docs)
     port = free_port()
@@ -163,7 +163,7 @@ def _bin_with(tmp_path: Path, python3: str) -> str:
 def test_rollout_job_exits_with_promotes_exit_code(docs, tmp_path):
     """The real exporter behind the Job's wrapper: a rollout of a model the repository does not
     hold is bad input (2), and the pod exits with that code."""
-    from exporter.rollout_cmd import EXIT_BAD_INPUT, EXIT_HOLDING, EXIT_ROLLED_BACK
+    from exporter.cli.rollout_cmd import EXIT_BAD_INPUT, EXIT_HOLDING, EXIT_ROLLED_BACK
 
     # the codes the chart, its NOTES and docs/kubernetes.md promise
     assert (EXIT_ROLLED_BACK, EXIT_BAD_INPUT, EXIT_HOLDING) == (1, 2, 3)
@@ -222,8 +222,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 
 
 def test_the_jobs_admin_key_is_the_header_the_server_demands(docs, monkeypatch):
-    from exporter import serving
-    from tritonguard.supervisor import repository_headers
+    from exporter.rollout import serving
+    from tritonguard.ops.supervisor import repository_headers
 
     pvc = docs["examples/pvc.yaml"]
     server_args = one(pvc, "Deployment", FULL)["spec"]["template"]["spec"]["containers"][0]["args"]

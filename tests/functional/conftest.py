@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tritonguard.repository import mirror, read_config, write_config
-from tritonguard.server import Server
+from tritonguard.core.repository import mirror, read_config, write_config
+from tritonguard.ops.server import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("digits", "digits_raw", "minilm", "minilm_raw")

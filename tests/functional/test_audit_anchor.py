@@ -21,9 +21,9 @@ import pytest
 import redis
 import tritonclient.http as httpclient
 
-from tritonguard.audit import ANCHOR_HASH, anchor_name
-from tritonguard.repository import read_config, write_config
-from tritonguard.server import Server
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.ops.server import Server
+from tritonguard.privacy.audit import ANCHOR_HASH, anchor_name
 
 pytestmark = pytest.mark.functional
 

@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from examples.batch_tables import write_digits
-from tritonguard.repository import mirror
-from tritonguard.server import Server
+from tritonguard.core.repository import mirror
+from tritonguard.ops.server import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = 50_000

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tritonguard.repository import read_config, write_config
-from tritonguard.server import Server
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional
 

@@ -22,11 +22,11 @@ import pytest
 import tritonclient.http as httpclient
 from typer.testing import CliRunner
 
-from exporter.cli import app
-from exporter.gates import FAIL, PASS, GateConfig, GuardReadings, evaluate, parse
-from exporter.route import RouteChange, apply
-from tritonguard.repository import read_config, read_manifest, write_config
-from tritonguard.server import Server
+from exporter.cli.app import app
+from exporter.rollout.gates.engine import FAIL, PASS, GateConfig, GuardReadings, evaluate, parse
+from exporter.rollout.route import RouteChange, apply
+from tritonguard.core.repository import read_config, read_manifest, write_config
+from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional
 

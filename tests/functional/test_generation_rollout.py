@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 
 from examples import generator as example
-from tritonguard.repository import atomic_write, write_config
-from tritonguard.server import Server
+from tritonguard.core.repository import atomic_write, write_config
+from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional
 
@@ -82,7 +82,7 @@ def poison(repo: Path, src: int, dest: int, char: str) -> None:
     inputs. (NaN weights would not do: onnxruntime's GRU clamps its gate inputs, NaN included.)"""
     from onnx import TensorProto, helper
 
-    from tritonguard.generator import CharTokenizer
+    from tritonguard.generation.generator import CharTokenizer
 
     tok = CharTokenizer.from_dict(json.loads((repo / "tinylm_raw" / str(src) / "vocab.json").read_text()))
     token = tok.encode(char)[0]

@@ -17,8 +17,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from examples import generator as example
-from tritonguard.repository import write_config
-from tritonguard.server import Server
+from tritonguard.core.repository import write_config
+from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional
 

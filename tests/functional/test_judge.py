@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from exporter.export import export
+from exporter.build.export import export
 from perf.judge_bench import LabelledTraffic, install_unchecked
-from tritonguard.repository import read_config, write_config
-from tritonguard.server import Server
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional
 
@@ -85,7 +85,7 @@ def progress(ctx) -> dict:
 
 
 def stage(ctx, version: int) -> str:
-    from exporter.registry import Registry, default_uri
+    from exporter.records.registry import Registry, default_uri
 
     return Registry(default_uri(ctx["repo"])).stage("digits", version)
 

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from perf.judge_bench import LabelFeeder, LabelledTraffic
-from tritonguard.repository import read_config, write_config
-from tritonguard.server import Server
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional
 
@@ -49,7 +49,7 @@ def _onnx(module, path: Path) -> Path:
 def ctx(tmp_path_factory):
     from examples import candidates
     from examples.faults import load_all
-    from exporter.export import export_source
+    from exporter.build.export import export_source
 
     base = tmp_path_factory.mktemp("judge_labels")
     repo = base / "repo"
@@ -146,7 +146,7 @@ def test_late_labels_roll_back_the_worse_model(ctx):
 
 
 def test_late_labels_promote_a_genuine_retrain_and_cache_hits_count_for_who_computed_them(ctx):
-    from tritonguard.feedback import CACHE, LABEL, open_feedback_log
+    from tritonguard.rollout.feedback import CACHE, LABEL, open_feedback_log
 
     cand = ctx["v"]["retrain2"]
     started = time.time()

@@ -19,8 +19,8 @@ import tritonclient.http as httpclient
 from rich.console import Console
 from tritonclient.utils import InferenceServerException
 
-from exporter.gates import parse
-from exporter.watch import watch
+from exporter.cli.watch import watch
+from exporter.rollout.gates.engine import parse
 from tests.functional.test_serving import http_input
 from tests.unit.test_prometheus_rules import declared_families, family, named_metrics
 
@@ -70,7 +70,7 @@ def test_declared_families_are_what_the_server_exports(exported):
     """The declaration the rest is checked against is the server's truth, not a stale copy."""
     guard = {family(m) for m in exported if m.startswith("tritonguard_")}
     assert guard, "the guard exports nothing"
-    assert guard - declared_families() == set(), "exported but not declared in tritonguard.triton.Metrics"
+    assert guard - declared_families() == set(), "exported but not declared in tritonguard.triton.backend.Metrics"
 
 
 def test_watch_shows_routing_breakers_and_live_rates(server, test_repo, exported):

@@ -27,9 +27,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tritonguard.audit import verify
-from tritonguard.repository import read_config, write_config
-from tritonguard.server import Server
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.ops.server import Server
+from tritonguard.privacy.audit import verify
 
 pytestmark = pytest.mark.functional
 
@@ -271,7 +271,7 @@ def test_invalid_tenant_and_quota(env):
     assert codes[:2] == ["ok", "ok"] and "503" in codes[2:], codes
     # the bucket lives in a file every instance of the guard maps: a third process (this one)
     # opening it finds the tenant's burst spent by the server's instance (refill: 1 per 5 s)
-    from tritonguard.tenancy import QUOTA_FILE, SharedQuotaManager, TenancyConfig
+    from tritonguard.privacy.tenancy import QUOTA_FILE, SharedQuotaManager, TenancyConfig
 
     path = env["base"] / "repo" / "minilm_priv" / QUOTA_FILE
     other = SharedQuotaManager(TenancyConfig(quotas={"limited": {"rps": 0.2, "burst": 2}}), path)

@@ -31,9 +31,9 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from exporter.export import export
-from tritonguard.repository import read_config, write_config
-from tritonguard.server import Server
+from exporter.build.export import export
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional
 
@@ -103,7 +103,7 @@ def progress(ctx) -> dict:
 
 
 def registry(ctx):
-    from exporter.registry import Registry, default_uri
+    from exporter.records.registry import Registry, default_uri
 
     return Registry(default_uri(ctx["repo"]))
 

@@ -18,10 +18,10 @@ import pytest
 import redis
 import tritonclient.http as httpclient
 
-from exporter.export import export
-from tritonguard.repository import read_config, write_config
-from tritonguard.server import Server
-from tritonguard.state import open_store
+from exporter.build.export import export
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.ops.server import Server
+from tritonguard.rollout.state import open_store
 
 pytestmark = pytest.mark.functional
 

@@ -21,10 +21,10 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from exporter.export import export
-from exporter.route import RouteChange, apply
-from tritonguard.repository import read_config, write_config
-from tritonguard.server import Server
+from exporter.build.export import export
+from exporter.rollout.route import RouteChange, apply
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from exporter.export import export
-from exporter.route import RouteChange, apply
-from tritonguard.repository import read_config, write_config
-from tritonguard.server import Server
+from exporter.build.export import export
+from exporter.rollout.route import RouteChange, apply
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional
 

@@ -20,8 +20,8 @@ import tritonclient.grpc as grpcclient
 
 from examples import generator as example
 from tests.functional.test_generator import GREEDY, PROMPT, grpc_inputs, post
-from tritonguard.repository import write_config
-from tritonguard.server import Server
+from tritonguard.core.repository import write_config
+from tritonguard.ops.server import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -460,7 +460,7 @@ def test_every_generation_and_refusal_is_audited_on_a_verifiable_chain(server):
     """audit.path set: one 'generation' record per admitted request (who served it, status,
     tokens out, PII redacted in and out, the prompt only as a digest) and one 'reject' per
     refusal, on a hash chain that verifies; no PII in the file."""
-    from tritonguard.audit import verify
+    from tritonguard.privacy.audit import verify
 
     path = server.logs / "stream_audit.jsonl"
     text = "".join(e["text_output"] for e in sse(server, "echo_audited", PII, {"max_tokens": 200}))

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tritonguard.repository import mirror
-from tritonguard.server import Server
-from tritonguard.supervisor import scan_stubs
+from tritonguard.core.repository import mirror
+from tritonguard.ops.server import Server
+from tritonguard.ops.supervisor import scan_stubs
 
 pytestmark = pytest.mark.functional
 

@@ -12,9 +12,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from exporter import tune
-from exporter.tune_cmd import tune_command
-from tritonguard import repository
+from exporter.cli.tune_cmd import tune_command
+from exporter.tune import sweep as tune
+from tritonguard.core import repository
 
 pytestmark = pytest.mark.functional
 
@@ -38,7 +38,7 @@ def test_tune_digits_report_apply_and_hand_edit(exported_repo, tmp_path, monkeyp
     for name in ("digits", "digits_raw"):
         shutil.copytree(exported_repo / name, repo / name, ignore=shutil.ignore_patterns(".latency"))
     if not (repo / "digits" / "rollout_state.json").exists():  # a fresh export: no server loaded it yet
-        from exporter.route import RouteChange, apply  # noqa: PLC0415
+        from exporter.rollout.route import RouteChange, apply  # noqa: PLC0415
 
         apply(repo, "digits", RouteChange(primary=repository.latest_version(repo / "digits_raw")), by="test")
     state_before = (repo / "digits" / "rollout_state.json").read_bytes()

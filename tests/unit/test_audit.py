@@ -5,8 +5,10 @@ from itertools import pairwise
 
 import pytest
 
-from tritonguard import audit
-from tritonguard.audit import (
+from tritonguard.core.config import from_params
+from tritonguard.core.errors import ConfigError
+from tritonguard.privacy import audit
+from tritonguard.privacy.audit import (
     GENESIS,
     AuditConfig,
     AuditLog,
@@ -15,8 +17,6 @@ from tritonguard.audit import (
     rotated_files,
     verify,
 )
-from tritonguard.config import from_params
-from tritonguard.errors import ConfigError
 
 
 def open_log(path, **params):
@@ -543,7 +543,7 @@ def test_unanchored_and_registry_style_chains_still_verify(tmp_path):
 def run_cli(*args, env=None):
     from typer.testing import CliRunner
 
-    from exporter.cli import app
+    from exporter.cli.app import app
 
     return CliRunner().invoke(app, ["audit", "verify", *map(str, args)], env=env or {})
 

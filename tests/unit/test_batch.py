@@ -1,4 +1,4 @@
-"""exporter.batch without a server: planning blocks, reading and encoding them, commits."""
+"""exporter.batch.job without a server: planning blocks, reading and encoding them, commits."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from exporter import batch as b
+from exporter.batch import job as b
 
 IMAGE = b.InputSpec("IMAGE", "image", "FP32", (8, 8))
 TEXT = b.InputSpec("TEXT", "text", "BYTES", (1,))

@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from tritonguard.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerConfig
-from tritonguard.config import from_params
-from tritonguard.errors import ConfigError
+from tritonguard.core.config import from_params
+from tritonguard.core.errors import ConfigError
+from tritonguard.rollout.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerConfig
 
 
 def make(**kw) -> Breaker:
@@ -235,7 +235,7 @@ def test_record_batch_validates_counts():
 
 
 def test_ring_counts_match_a_rescan():
-    from tritonguard.breaker import _Ring
+    from tritonguard.rollout.breaker import _Ring
     rng = np.random.default_rng(0)
     ring = _Ring(50, np.bool_)
     for _ in range(300):
@@ -252,7 +252,7 @@ def test_push_flags_keeps_the_ring_as_push_does():
     than the ring."""
     import numpy as np
 
-    from tritonguard.breaker import _Ring
+    from tritonguard.rollout.breaker import _Ring
 
     rng = np.random.default_rng(5)
     fast, slow = _Ring(50, bool), _Ring(50, bool)

@@ -10,7 +10,9 @@ import uuid
 import numpy as np
 import pytest
 
-from tritonguard.cache import (
+from tritonguard.core.config import from_params
+from tritonguard.core.errors import ConfigError
+from tritonguard.privacy.cache import (
     KEEP_QUARANTINED,
     CacheConfig,
     PrivacyMode,
@@ -23,8 +25,6 @@ from tritonguard.cache import (
     row_keys,
     split_rows,
 )
-from tritonguard.config import from_params
-from tritonguard.errors import ConfigError
 
 KEY_HEX = "8f" * 32
 ENV = {"TRITONGUARD_L2_ENCRYPTION_KEY": KEY_HEX}
@@ -132,7 +132,7 @@ def test_l1_values_are_isolated_from_caller_buffers():
 def test_privacy_modes(tmp_path, caplog):
     assert not make(privacy="hashes_only").enabled
     assert not make(enabled="false").enabled
-    with caplog.at_level(logging.WARNING, logger="tritonguard.cache"):
+    with caplog.at_level(logging.WARNING, logger="tritonguard.privacy.cache"):
         c = make(privacy="ephemeral", l2_path=tmp_path / "x.db")
     assert c.enabled and "ephemeral" in caplog.text and not (tmp_path / "x.db").exists()
     assert CacheConfig().mode is PrivacyMode.EPHEMERAL
@@ -292,7 +292,7 @@ def test_damaged_l2_file_is_quarantined_at_open(tmp_path, caplog, where):
     path = tmp_path / "cache.db"
     _fill_and_checkpoint(path)
     garbage = _damage(path, where)
-    with caplog.at_level(logging.WARNING, logger="tritonguard.cache"):
+    with caplog.at_level(logging.WARNING, logger="tritonguard.privacy.cache"):
         c = persisted(tmp_path, l1_entries=0)
     (bad,) = _quarantined(path)
     assert bad.name.startswith("cache.db.corrupt-") and bad.name.endswith(f"-{os.getpid()}")
@@ -311,7 +311,7 @@ def test_l2_file_with_another_schema_is_quarantined(tmp_path, caplog):
     db.execute("CREATE TABLE entries (key BLOB PRIMARY KEY, value BLOB)")
     db.commit()
     db.close()
-    with caplog.at_level(logging.WARNING, logger="tritonguard.cache"):
+    with caplog.at_level(logging.WARNING, logger="tritonguard.privacy.cache"):
         c = persisted(tmp_path)
     assert len(_quarantined(path)) == 1 and "unexpected schema" in caplog.text
     assert _works(c)
@@ -334,7 +334,7 @@ def test_l2_damaged_at_runtime_heals_once_then_backs_off(tmp_path, caplog, where
     c = persisted(tmp_path, clock, l1_entries=0)
     _fill_and_checkpoint(path)  # other connections wrote: c re-reads the file at its next read
     _damage(path, where)
-    with caplog.at_level(logging.WARNING, logger="tritonguard.cache"):
+    with caplog.at_level(logging.WARNING, logger="tritonguard.privacy.cache"):
         assert c.get_many([key(1), key(2)]) == [None, None]  # the error costs a miss, nothing more
     assert len(_quarantined(path)) == 1 and c.stats["l2_quarantined"] == 1
     assert c.stats["degraded"] == () and c.stats["l2_errors"] == 1, "healed: no backoff"

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from examples import candidates, digits, faults
-from exporter import artifacts
-from exporter.export import ExportError, export
+from exporter.build import artifacts
+from exporter.build.export import ExportError, export
 from tests.unit.test_faults import _run  # the same runner as the faults' tests
-from tritonguard.engines import EngineConfig, OnnxEngine
+from tritonguard.models.engines import EngineConfig, OnnxEngine
 
 RETRAINS = tuple(candidates.RETRAIN_SEEDS)
 CANDIDATES = (*RETRAINS, "worse", "raises_above_batch", "slow13", "slow2", "loose")

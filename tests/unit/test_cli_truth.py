@@ -14,18 +14,18 @@ import torch
 from rich.table import Table
 from typer.testing import CliRunner
 
-from exporter import layout
-from exporter.cli import app
-from exporter.consoles import PIPE_WIDTH, WideConsole
-from exporter.export import DuplicateArtifact, export
+from exporter.build import layout
+from exporter.build.export import DuplicateArtifact, export
+from exporter.cli.app import app
+from exporter.cli.consoles import PIPE_WIDTH, WideConsole
 from tests.unit.test_exporter import tiny_spec, tiny_text_spec
-from tritonguard import repository
-from tritonguard.config import layered_parameters, model_parameters
-from tritonguard.guard import GuardConfig
-from tritonguard.privacy import security_findings
-from tritonguard.server import free_port
-from tritonguard.tensors import ModelSignature
-from tritonguard.validation import BatchValidator
+from tritonguard.core import repository
+from tritonguard.core.config import layered_parameters, model_parameters
+from tritonguard.core.tensors import ModelSignature
+from tritonguard.guard.model import GuardConfig
+from tritonguard.guard.services import security_findings
+from tritonguard.guard.validation import BatchValidator
+from tritonguard.ops.server import free_port
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -112,12 +112,12 @@ def test_writing_commands_name_the_repository_and_registry_on_stderr(tmp_path, m
 
 
 def test_where_names_the_registry_when_one_is_used(tmp_path, monkeypatch):
-    from exporter.cli import _where
-    from exporter.registry import default_uri
+    from exporter.cli.app import _where
+    from exporter.records.registry import default_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     buf = io.StringIO()
-    monkeypatch.setattr("exporter.cli.err", WideConsole(file=buf))
+    monkeypatch.setattr("exporter.cli.app.err", WideConsole(file=buf))
     _where(tmp_path / "repo", registry=True)
     text = buf.getvalue()
     assert f"repository {(tmp_path / 'repo').resolve()}" in text
@@ -199,7 +199,7 @@ def test_status_table_is_not_wrapped_when_piped(tmp_path, monkeypatch):
 def test_piped_log_lines_are_not_padded(monkeypatch):
     import logging
 
-    from exporter.consoles import log_handler
+    from exporter.cli.consoles import log_handler
 
     monkeypatch.delenv("COLUMNS", raising=False)
     buf = io.StringIO()
@@ -248,7 +248,7 @@ def test_fresh_text_guard_has_no_payload_warning_and_admits_a_full_batch(tmp_pat
 def test_payload_limit_from_the_spec():
     spec = tiny_spec()  # X float32 [4], max_batch_size 8: 128 bytes a batch
     assert layout.max_payload_bytes(spec) == 1024  # 2 x 128, at least 1 KiB
-    from exporter.sources import ExportSpec, TensorDef
+    from exporter.build.sources import ExportSpec, TensorDef
 
     big = ExportSpec(module=None, inputs=[TensorDef(name="IMAGE", dtype="float32", dims=(8, 8))],
                      outputs=[TensorDef(name="P", dtype="float32", dims=(10,))],

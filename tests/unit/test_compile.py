@@ -14,15 +14,23 @@ from onnx import TensorProto, helper
 from torch import nn
 from typer.testing import CliRunner
 
-from exporter import goldens
-from exporter.artifacts import sha256_file
-from exporter.cli import app
-from exporter.compile import ADMITTED, REJECTED, SKIPPED, CompileError, Skip, Variant, compile_model
-from exporter.export import export
-from exporter.sources import ExportSpec, TensorDef, TextFront, load_source
-from tritonguard import repository
-from tritonguard.engines import EngineConfig, load_engine
-from tritonguard.errors import ConfigError
+from exporter.build import goldens
+from exporter.build.artifacts import sha256_file
+from exporter.build.compile import (
+    ADMITTED,
+    REJECTED,
+    SKIPPED,
+    CompileError,
+    Skip,
+    Variant,
+    compile_model,
+)
+from exporter.build.export import export
+from exporter.build.sources import ExportSpec, TensorDef, TextFront, load_source
+from exporter.cli.app import app
+from tritonguard.core import repository
+from tritonguard.core.errors import ConfigError
+from tritonguard.models.engines import EngineConfig, load_engine
 
 FAST = {"rounds": 5}  # timing rounds: enough to exercise the measurement, short on a shared box
 
@@ -70,7 +78,7 @@ def _copy_parent(parent, dest: Path) -> dict:
 
 
 def test_ort_opt_admitted_as_new_version_with_lineage_and_registry(repo):
-    from exporter.registry import Registry, default_uri
+    from exporter.records.registry import Registry, default_uri
 
     reg = Registry(default_uri(repo))
     parent, results = compile_model(repo, "digits", 1, ["ort_opt"], min_speedup=0.5, registry=reg, **FAST)

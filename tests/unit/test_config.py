@@ -1,9 +1,9 @@
 import pytest
 
-from tritonguard.config import env_parameters, from_params, model_parameters, split_parameters
-from tritonguard.engines import EngineConfig
-from tritonguard.errors import ConfigError
-from tritonguard.guard import GuardConfig
+from tritonguard.core.config import env_parameters, from_params, model_parameters, split_parameters
+from tritonguard.core.errors import ConfigError
+from tritonguard.guard.model import GuardConfig
+from tritonguard.models.engines import EngineConfig
 
 
 def params(**kv):

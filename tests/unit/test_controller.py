@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import redis
 
-from exporter.controller import (
+from exporter.rollout.controller import (
     ABORTED,
     DONE,
     PAUSED,
@@ -29,8 +29,8 @@ from exporter.controller import (
     RolloutConfig,
     RolloutController,
 )
-from exporter.gates import GuardReadings
-from tritonguard.state import Arm, Candidate, StateError, StateUnavailable, open_store
+from exporter.rollout.gates.engine import GuardReadings
+from tritonguard.rollout.state import Arm, Candidate, StateError, StateUnavailable, open_store
 
 LE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
 MODEL = "digits"
@@ -356,8 +356,8 @@ def test_config_is_validated(kwargs, message):
 # -- progress in Redis: any host can watch, steer or take over a rollout ------------------------
 DRIVER = r"""
 import sys, time
-from exporter.controller import RolloutController
-from exporter.gates import GuardReadings
+from exporter.rollout.controller import RolloutController
+from exporter.rollout.gates.engine import GuardReadings
 
 def idle(primary, candidate):  # no traffic: every look is inconclusive and holds
     return GuardReadings(model="digits", primary=primary, candidate=candidate, breaker_state=0, replicas=1)

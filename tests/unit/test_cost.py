@@ -1,5 +1,5 @@
-"""The cost meter (tritonguard.cost) on the real Router's target calls, and the rollout's cost gate
-(exporter.gates) on counter readings parsed from Prometheus text."""
+"""The cost meter (tritonguard.observe.cost) on the real Router's target calls, and the rollout's cost gate
+(exporter.rollout.gates.engine) on counter readings parsed from Prometheus text."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from exporter.cli import app
-from exporter.gates import (
+from exporter.cli.app import app
+from exporter.rollout.gates.engine import (
     FAIL,
     INCONCLUSIVE,
     PASS,
@@ -22,11 +22,11 @@ from exporter.gates import (
     parse_increase,
 )
 from tests.unit.test_router_judge import W1, Linear, Metrics, make, rows
-from tritonguard.cost import CACHE, CostConfig, CostMeter, target_resource
-from tritonguard.errors import ConfigError
-from tritonguard.guard import GuardConfig
-from tritonguard.privacy import MAX_TENANT_LABELS, OTHER_TENANTS, PrivacyBatch
-from tritonguard.routing import Routed
+from tritonguard.core.errors import ConfigError
+from tritonguard.guard.model import GuardConfig
+from tritonguard.guard.routing.router import Routed
+from tritonguard.guard.services import MAX_TENANT_LABELS, OTHER_TENANTS, PrivacyBatch
+from tritonguard.observe.cost import CACHE, CostConfig, CostMeter, target_resource
 
 
 @pytest.fixture
@@ -174,7 +174,7 @@ def test_unpriced_exports_seconds_only_and_a_meter_error_never_reaches_serving()
 
 
 def test_tenant_labels_go_through_the_cardinality_guard():
-    from tritonguard.tenancy import TenantLabels
+    from tritonguard.privacy.tenancy import TenantLabels
 
     m, metrics, clock = meter(label=TenantLabels())  # the guard's own labels (one per process)
     n = MAX_TENANT_LABELS + 5

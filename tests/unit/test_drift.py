@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tritonguard.config import from_params
-from tritonguard.drift import (
+from tritonguard.core.config import from_params
+from tritonguard.core.errors import ConfigError
+from tritonguard.rollout.drift import (
     DriftConfig,
     DriftMonitor,
     Ewma,
@@ -13,7 +14,6 @@ from tritonguard.drift import (
     ks_2samp_rows,
     text_features,
 )
-from tritonguard.errors import ConfigError
 
 
 def sequential_ewma(alpha, values, value=None):

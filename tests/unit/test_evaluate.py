@@ -1,4 +1,4 @@
-"""exporter.evaluate: eval.npz, task scores, and running exported versions offline (plain
+"""exporter.build.evaluate: eval.npz, task scores, and running exported versions offline (plain
 models and tokenizer -> encoder text models), as the rollout judge will."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from exporter import goldens
-from exporter.compile import ADMITTED, Variant, compile_model
-from exporter.evaluate import (
+from exporter.build import goldens
+from exporter.build.compile import ADMITTED, Variant, compile_model
+from exporter.build.evaluate import (
     EvaluationError,
     eval_sha256,
     load_eval,
@@ -20,10 +20,10 @@ from exporter.evaluate import (
     run_version,
     score,
 )
-from exporter.export import export
-from exporter.sources import ExportSpec, TensorDef
+from exporter.build.export import export
+from exporter.build.sources import ExportSpec, TensorDef
 from tests.unit.test_exporter import Tiny, tiny_text_spec  # the same test models
-from tritonguard import repository
+from tritonguard.core import repository
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from exporter import layout
-from exporter.cli import app
-from exporter.export import ExportError, export, upgrade_layout
-from exporter.sources import ExportSpec, TensorDef, load_source
+from exporter.build import layout
+from exporter.build.export import ExportError, export, upgrade_layout
+from exporter.build.sources import ExportSpec, TensorDef, load_source
+from exporter.cli.app import app
 from tests.unit.test_exporter import Tiny, tiny_text_spec  # the same test models
-from tritonguard import repository
-from tritonguard.config import model_parameters
-from tritonguard.guard import GuardConfig
-from tritonguard.tensors import ModelSignature
-from tritonguard.validation import BatchValidator
+from tritonguard.core import repository
+from tritonguard.core.config import model_parameters
+from tritonguard.core.tensors import ModelSignature
+from tritonguard.guard.model import GuardConfig
+from tritonguard.guard.validation import BatchValidator
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD_DOC = ROOT / "docs" / "guard.md"  # holds the guard parameter table

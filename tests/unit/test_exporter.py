@@ -11,10 +11,9 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from exporter import goldens
-from exporter.cli import app
-from exporter.export import ExportError, GoldenCheckFailed, export
-from exporter.goldens import (
+from exporter.build import goldens
+from exporter.build.export import ExportError, GoldenCheckFailed, export
+from exporter.build.goldens import (
     FAIL,
     MARGINAL,
     PASS,
@@ -23,8 +22,9 @@ from exporter.goldens import (
     check_embedding,
     check_regression,
 )
-from exporter.sources import ExportSpec, SourceError, TensorDef, TextFront, load_source
-from tritonguard import repository
+from exporter.build.sources import ExportSpec, SourceError, TensorDef, TextFront, load_source
+from exporter.cli.app import app
+from tritonguard.core import repository
 
 rng = np.random.default_rng(0)
 
@@ -284,7 +284,7 @@ def test_text_export_writes_tokenizer_encoder_ensemble_and_guard(tmp_path):
 
 def test_native_export_targets_triton_onnxruntime(tmp_path):
     """--native (NGC image): platform onnxruntime_onnx for the target, the guard reaches it by BLS."""
-    from tritonguard.repository import read_config
+    from tritonguard.core.repository import read_config
 
     export(tiny_spec(), name="tiny", repository=tmp_path, source="test", native=True)
     raw = read_config(tmp_path / "tiny_raw")
@@ -448,7 +448,7 @@ def test_build_failure_names_the_step(tmp_path):
 
 # -- judging data: evaluation set, judge ---------------------------------------------------------
 def test_eval_set_is_written_scored_and_hashed(tmp_path):
-    from exporter.evaluate import eval_sha256, load_eval
+    from exporter.build.evaluate import eval_sha256, load_eval
 
     spec = tiny_spec()
     x = np.random.default_rng(6).uniform(0, 1, size=(50, 4)).astype(np.float32)

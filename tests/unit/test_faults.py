@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from examples import faults
-from exporter import artifacts
-from exporter.export import export
-from tritonguard.engines import EngineConfig, OnnxEngine, TorchScriptEngine
+from exporter.build import artifacts
+from exporter.build.export import export
+from tritonguard.models.engines import EngineConfig, OnnxEngine, TorchScriptEngine
 
 # the raises fault is TorchScript, which torch now marks deprecated
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")

@@ -1,4 +1,4 @@
-"""tritonguard.feedback and its stage: what each version answered, kept for late labels (files
+"""tritonguard.rollout.feedback and its stage: what each version answered, kept for late labels (files
 and a real redis-server), joined to a label file, and tallied for the rollout's labels gate;
 labels sent with a request are scored against the version that really answered (a cache hit:
 the cached answer's version, a fallback: the version down the chain)."""
@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 from tests.unit.test_router_judge import Metrics
-from tritonguard.errors import TargetError
-from tritonguard.feedback import (
+from tritonguard.core.errors import TargetError
+from tritonguard.guard.pipeline import Batch
+from tritonguard.guard.routing.router import Routed
+from tritonguard.guard.stages.feedback import FeedbackStage
+from tritonguard.rollout.feedback import (
     CACHE,
     FALLBACK,
     LABEL,
@@ -29,9 +32,6 @@ from tritonguard.feedback import (
     parse_label,
     tally,
 )
-from tritonguard.pipeline import Batch
-from tritonguard.routing import Routed
-from tritonguard.stages.feedback import FeedbackStage
 
 
 class Req:

@@ -11,14 +11,14 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from exporter.cli import app
-from exporter.export import export
-from exporter.feedback_cmd import LabelFileError, read_labels
-from exporter.rollout_cmd import judge_limits
+from exporter.build.export import export
+from exporter.cli.app import app
+from exporter.cli.feedback_cmd import LabelFileError, read_labels
+from exporter.cli.rollout_cmd import judge_limits
 from tests.unit.test_exporter import tiny_spec
-from tritonguard.errors import ConfigError
-from tritonguard.feedback import LABEL, MODEL, PRED, Prediction, open_feedback_log
-from tritonguard.repository import read_config, write_config
+from tritonguard.core.errors import ConfigError
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.rollout.feedback import LABEL, MODEL, PRED, Prediction, open_feedback_log
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import numpy as np
 import pytest
 
-from exporter.gates import (
+from exporter.rollout.gates.engine import (
     FAIL,
     INCONCLUSIVE,
     PASS,

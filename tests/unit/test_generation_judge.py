@@ -1,5 +1,5 @@
 """Versioned tinylm exports (manifest, goldens, eval set) and the offline judge of generative
-versions (exporter.generation) on real trained models: a degraded checkpoint fails the task
+versions (exporter.rollout.generation) on real trained models: a degraded checkpoint fails the task
 judge, an honest retrain passes it, a re-export of the same checkpoint is byte-identical and
 passes the equivalence judge."""
 
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from examples import generator as example
-from exporter.generation import judge_generation
-from exporter.judge import FAIL, PASS, JudgeError, manifest_judge
-from tritonguard.config import model_parameters
-from tritonguard.generator import CharTokenizer, StepModel
-from tritonguard.repository import read_config, read_manifest
-from tritonguard.stream_guard import parse_settings
+from exporter.rollout.generation import judge_generation
+from exporter.rollout.judge import FAIL, PASS, JudgeError, manifest_judge
+from tritonguard.core.config import model_parameters
+from tritonguard.core.repository import read_config, read_manifest
+from tritonguard.generation.generator import CharTokenizer, StepModel
+from tritonguard.guard.stream import parse_settings
 
 DEGRADED_STEPS = 40
 V1, DEGRADED, RETRAIN, REEXPORT, SLIGHT = 1, 2, 3, 4, 5

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from examples import generator as example
-from tritonguard import triton
-from tritonguard.config import from_params
-from tritonguard.errors import ConfigError, InvalidInput
-from tritonguard.generator import (
+from tritonguard.core.config import from_params
+from tritonguard.core.errors import ConfigError, InvalidInput
+from tritonguard.generation.generator import (
     COUNTERS,
     GENERATION_BUCKETS,
     HISTOGRAMS,
@@ -29,6 +28,7 @@ from tritonguard.generator import (
     parse_sampling,
     pick,
 )
+from tritonguard.triton import backend as triton
 
 CAP = 256
 

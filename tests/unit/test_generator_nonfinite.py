@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tritonguard.generator import (
+from tritonguard.generation.generator import (
     NON_FINITE_LOGITS,
     CharTokenizer,
     Decoder,

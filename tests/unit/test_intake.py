@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from exporter import layout
-from tritonguard import repository
-from tritonguard.intake import IntakeModel
+from exporter.build import layout
+from tritonguard.core import repository
+from tritonguard.models.intake import IntakeModel
 
 GUARD = {"name": "t_guard", "backend": "guard", "max_batch_size": 8,
          "input": [{"name": "TEXT", "data_type": "TYPE_STRING", "dims": ["1"]}],
@@ -52,8 +52,8 @@ def test_an_unreadable_input_fails_its_own_request_naming_it(monkeypatch):
     raises InvalidInput for that request (400 naming the input), not an error for the batch."""
     import numpy as np
 
-    from tritonguard import triton
-    from tritonguard.errors import InvalidInput
+    from tritonguard.core.errors import InvalidInput
+    from tritonguard.triton import backend as triton
 
     class Tensor:
         def __init__(self, arr):

@@ -9,9 +9,15 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from exporter.latency_gate import _strata, hodges_lehmann, latency_gate, size_class, van_elteren
+from exporter.rollout.gates.latency import (
+    _strata,
+    hodges_lehmann,
+    latency_gate,
+    size_class,
+    van_elteren,
+)
 from tests.conftest import REDIS_SERVER, RedisServer, _free_port
-from tritonguard.latency import (
+from tritonguard.rollout.latency import (
     MAGIC,
     CorruptBlob,
     FileLatencyLog,
@@ -172,7 +178,7 @@ def test_corrupt_blob_is_skipped_and_counted(sink_factory, caplog):
         for writer, blob in (("bad:1", good[:-9]), ("bad:2", b"\x00" * 64)):
             reader.client.set(reader.key(5, writer), blob)
             reader.client.sadd(reader.index(5), reader.key(5, writer))
-    with caplog.at_level(logging.WARNING, logger="tritonguard.latency"):
+    with caplog.at_level(logging.WARNING, logger="tritonguard.rollout.latency"):
         got = reader.read(5)
         assert got.t.tolist() == [T0] and reader.corrupt == 2
         reader.read(5)

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from tritonguard import launcher
+from tritonguard.ops import launcher
 
 
 def test_python_backends_found():

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tritonguard.config import layered_parameters, pyproject_parameters
-from tritonguard.errors import ConfigError
-from tritonguard.guard import GuardConfig, _with_source
+from tritonguard.core.config import layered_parameters, pyproject_parameters
+from tritonguard.core.errors import ConfigError
+from tritonguard.guard.model import GuardConfig, _with_source
 
 PYPROJECT = """
 [project]

@@ -9,16 +9,16 @@ import time
 import pytest
 
 from examples import generator as example
-from tritonguard.errors import ConfigError
-from tritonguard.generator import SamplingParams
-from tritonguard.local_generator import (
+from tritonguard.core.errors import ConfigError
+from tritonguard.core.repository import write_config
+from tritonguard.generation.generator import SamplingParams
+from tritonguard.generation.local import (
     CODE_NUMBERS,
     END,
     LocalGenerator,
     LocalStream,
     queued_batches,
 )
-from tritonguard.repository import write_config
 
 GREEDY = '{"max_tokens": 32, "temperature": 0}'
 

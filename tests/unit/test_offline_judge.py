@@ -1,6 +1,6 @@
-"""exporter.judge offline: without labels a candidate is held to the operator's disagreement limit
+"""exporter.rollout.judge offline: without labels a candidate is held to the operator's disagreement limit
 (never to its own measured difference), with labels it is judged on the task overall and per
-class / slice; exporter.evaluate's eval sets (unlabelled, sliced). Real exports of small torch
+class / slice; exporter.build.evaluate's eval sets (unlabelled, sliced). Real exports of small torch
 models through onnxruntime; the candidates flip top-1 answers on rows chosen by their inputs, so
 each disagreement is known exactly."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from exporter.evaluate import load_eval_set
-from exporter.export import export, read_eval_file
-from exporter.judge import FAIL, GO_ON, INCONCLUSIVE, PASS, judge_offline, recall_at_k
-from exporter.sources import SourceError
+from exporter.build.evaluate import load_eval_set
+from exporter.build.export import export, read_eval_file
+from exporter.build.sources import SourceError
+from exporter.rollout.judge import FAIL, GO_ON, INCONCLUSIVE, PASS, judge_offline, recall_at_k
 from tests.unit.test_exporter import Tiny, tiny_spec, tiny_text_spec
 
 

@@ -1,6 +1,6 @@
 """The shared pause-after-failure rule (cache tiers, Redis state store, audit anchors)."""
 
-from tritonguard.outage import Backoff
+from tritonguard.core.outage import Backoff
 
 
 def test_pause_doubles_to_its_cap_and_a_success_resets_it():

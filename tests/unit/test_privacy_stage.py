@@ -9,20 +9,20 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from exporter.cli import app
-from tritonguard.audit import verify
-from tritonguard.errors import ConfigError, InvalidInput, QuotaExceeded
-from tritonguard.guard import GuardConfig
-from tritonguard.privacy import (
+from exporter.cli.app import app
+from tritonguard.core.errors import ConfigError, InvalidInput, QuotaExceeded
+from tritonguard.core.tensors import ModelSignature, TensorSpec
+from tritonguard.guard.model import GuardConfig
+from tritonguard.guard.routing.router import Routed
+from tritonguard.guard.services import (
     AuditedMetrics,
     PrivacyStage,
     audit_file,
     enforce_security,
     security_findings,
 )
-from tritonguard.routing import Routed
-from tritonguard.tensors import ModelSignature, TensorSpec
-from tritonguard.validation import BatchValidator
+from tritonguard.guard.validation import BatchValidator
+from tritonguard.privacy.audit import verify
 
 KEY_HEX = "5a" * 32
 ENV = {"TRITONGUARD_L2_ENCRYPTION_KEY": KEY_HEX}
@@ -214,7 +214,7 @@ def test_only_the_primarys_answers_are_cached(repo):
 
 
 def test_a_candidates_share_skips_the_cache_so_repeated_inputs_still_reach_it(repo):
-    from tritonguard.state import Candidate, RolloutState
+    from tritonguard.rollout.state import Candidate, RolloutState
 
     stage, cfg, router = make(repo, cache__enabled="true")
     reqs = [[f"q{i}".encode()] for i in range(400)]
@@ -309,7 +309,7 @@ def test_audit_records_hashes_only_and_verifies(repo, tmp_path):
 
 
 def test_audited_metrics_record_safety_events(tmp_path):
-    from tritonguard.audit import AuditConfig, AuditLog
+    from tritonguard.privacy.audit import AuditConfig, AuditLog
 
     log = AuditLog(AuditConfig(path=str(tmp_path / "a.jsonl"), flush_interval_ms=0))
     inner = Metrics()
@@ -385,7 +385,7 @@ def test_guard_config_has_the_new_sections():
 
 
 def test_key_prefix_memo_and_canonical_params_give_the_same_keys():
-    from tritonguard.cache import canonical_params, row_keys
+    from tritonguard.privacy.cache import canonical_params, row_keys
 
     x = {"TEXT": np.array([[b"a"], [b"b"]], dtype=object)}
     params = {"placement": "bls", "runtime": {"threads": "2"}}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tritonguard.triton import Metrics
+from tritonguard.triton.backend import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"

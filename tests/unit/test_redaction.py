@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from tritonguard.config import from_params
-from tritonguard.errors import ConfigError
-from tritonguard.redaction import RedactionConfig, Redactor, iban_ok, luhn_ok
+from tritonguard.core.config import from_params
+from tritonguard.core.errors import ConfigError
+from tritonguard.privacy.redaction import RedactionConfig, Redactor, iban_ok, luhn_ok
 
 
 def redactor(**params):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from exporter.registry import (
+from exporter.records.registry import (
     ApprovalRefused,
     HistoryCorrupt,
     Registry,
@@ -243,7 +243,7 @@ def test_remote_registry_with_redis_serialises_concurrent_promotions(db, tmp_pat
 def test_remote_registry_waits_for_the_redis_lock_holder(db, tmp_path, redis_server):
     """While another client holds the Redis lease, a transition waits for it, then gives up with
     StageConflict; once released it goes through."""
-    from exporter.progress import RedisProgress
+    from exporter.records.progress import RedisProgress
 
     reg = Registry(db, history_path=tmp_path / "remote.jsonl", lock_url=redis_server.url, settle_s=0)
     reg.lock_path, reg.lock_wait_s = None, 0.5
@@ -299,7 +299,7 @@ def mlflow_server(tmp_path_factory):
 def test_team_tracking_server_with_redis_has_one_winner(mlflow_server, redis_server, tmp_path, monkeypatch):
     """MLFLOW_TRACKING_URI=http://… as a team runs it: the CLI's registry keeps its history beside
     the repository, and with TRITONGUARD_STATE_URL four concurrent promotions have one winner."""
-    from exporter.registry import open_registry
+    from exporter.records.registry import open_registry
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)

@@ -3,9 +3,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from exporter.cli import app
-from exporter.route import RouteChange, RouteError, apply, parse_arms, show
-from tritonguard.repository import write_config
+from exporter.cli.app import app
+from exporter.rollout.route import RouteChange, RouteError, apply, parse_arms, show
+from tritonguard.core.repository import write_config
 
 GUARD = {"name": "m", "backend": "guard", "max_batch_size": 4,
          "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [2]}],
@@ -107,7 +107,7 @@ def test_abn_cli_errors_are_clear(repo):
 def test_status_shows_the_split_and_errors_per_version():
     from rich.console import Console
 
-    from exporter.status import print_live
+    from exporter.cli.status import print_live
 
     st = {"revision": 4, "primary": {"version": 1}, "candidate": None, "shadow_share": 0.0,
           "fallback": ["candidate", "primary"], "breakers": {"3": {"state": "open", "trips": 1}},

@@ -6,12 +6,12 @@ import time
 import numpy as np
 import pytest
 
-from tritonguard import repository
-from tritonguard.breaker import BreakerConfig
-from tritonguard.errors import TargetError
-from tritonguard.routing import Router, RoutingConfig
-from tritonguard.state import Candidate, open_store
-from tritonguard.validators import ValidatorConfig, ValidatorRegistry
+from tritonguard.core import repository
+from tritonguard.core.errors import TargetError
+from tritonguard.guard.routing.router import Router, RoutingConfig
+from tritonguard.rollout.breaker import BreakerConfig
+from tritonguard.rollout.state import Candidate, open_store
+from tritonguard.rollout.validators import ValidatorConfig, ValidatorRegistry
 
 
 class Metrics:
@@ -265,7 +265,7 @@ def test_goldens_run_at_batch_1_and_at_the_largest_batch(repo):
 def test_canary_comparisons_time_both_versions_on_the_same_rows(repo):
     """Paired timings: the candidate runs again beside the primary's re-run, in alternating
     order, so the latency gate compares the versions under the same load and warmth."""
-    from tritonguard.latency import LatencyRecorder, open_latency_log, paired_key
+    from tritonguard.rollout.latency import LatencyRecorder, open_latency_log, paired_key
 
     log = open_latency_log("g", repo, url="")
     recorder = LatencyRecorder(log)
@@ -288,7 +288,7 @@ def test_paired_order_alternates_for_each_version_under_test(repo):
     """Two A/B/n arms whose comparisons interleave: each arm still runs first in exactly half of
     its pairs (one shared counter put one arm first every time, and its first-call cost read as
     a 1.2x slowdown)."""
-    from tritonguard.latency import LatencyRecorder, open_latency_log
+    from tritonguard.rollout.latency import LatencyRecorder, open_latency_log
 
     order: list[int] = []
 
@@ -320,7 +320,7 @@ def test_a_stale_breaker_write_does_not_erase_another_processs_newer_trip(repo):
     (changed_at 50) and records a probe: its write must not put the older state back."""
     router, _ = make(repo, {1: Linear(W1), 2: Linear(W1)}, candidate=2, share=0.0, min_off_s=10)
     other = BreakerConfig(min_off_s=10)
-    from tritonguard.breaker import Breaker  # noqa: PLC0415
+    from tritonguard.rollout.breaker import Breaker  # noqa: PLC0415
 
     newer = Breaker(other, name="t:2")
     newer.trip(90.0, "manual")

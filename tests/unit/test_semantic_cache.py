@@ -5,9 +5,9 @@ import zlib
 import numpy as np
 import pytest
 
-from tritonguard.config import from_params
-from tritonguard.errors import ConfigError
-from tritonguard.semantic_cache import WARN_EVERY_S, Hit, SemanticCache, SemanticCacheConfig
+from tritonguard.core.config import from_params
+from tritonguard.core.errors import ConfigError
+from tritonguard.privacy.semantic_cache import WARN_EVERY_S, Hit, SemanticCache, SemanticCacheConfig
 
 DIM = 384
 NEAR_A, NEAR_B = "Return the list of items", "return the list of items."
@@ -266,7 +266,7 @@ def test_huge_but_finite_embedding_is_normalised_not_rejected():
 def test_failures_warn_at_most_once_a_minute(caplog):
     clock = Clock()
     cache = make(embed=_raises, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="tritonguard.semantic_cache"):
+    with caplog.at_level(logging.WARNING, logger="tritonguard.privacy.semantic_cache"):
         for _ in range(5):
             cache.lookup("acme", NEAR_A, "k")
         clock.t += WARN_EVERY_S - 1

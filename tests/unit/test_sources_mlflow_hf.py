@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from exporter import artifacts, goldens
-from exporter.cli import app
-from exporter.export import export_source
-from exporter.sources import SourceError, load_source, read_texts
-from tritonguard import repository
+from exporter.build import artifacts, goldens
+from exporter.build.export import export_source
+from exporter.build.sources import SourceError, load_source, read_texts
+from exporter.cli.app import app
+from tritonguard.core import repository
 
 
 def flat(text: str) -> str:
@@ -86,7 +86,7 @@ def store(tmp_path_factory) -> dict:
 
 
 def registry_of(repo: Path):
-    from exporter.registry import Registry, default_uri
+    from exporter.records.registry import Registry, default_uri
 
     return Registry(default_uri(repo))
 
@@ -195,7 +195,7 @@ def test_mlflow_cli_errors_are_one_line_and_a_missing_store_is_not_created(store
 
 # -- registration does not decide the export ------------------------------------------------------
 def test_registry_failure_or_timeout_leaves_the_export_standing(store, tmp_path, monkeypatch):
-    from exporter import registry
+    from exporter.records import registry
 
     runner = CliRunner()
     args = ["export", "--source", "models:/tiny_torch/1", "--mlflow-uri", store["uri"], "--name", "tiny",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from filelock import Timeout
 
-from tritonguard.state import (
+from tritonguard.rollout.state import (
     Arm,
     Candidate,
     FileStateStore,
@@ -180,7 +180,7 @@ def test_corrupt_or_missing_file_keeps_last_good(tmp_path, caplog):
     reader = FileStateStore(path)
     assert reader.load() == good
     path.write_text("{ truncated")
-    with caplog.at_level("ERROR", logger="tritonguard.state"):
+    with caplog.at_level("ERROR", logger="tritonguard.rollout.state"):
         assert reader.poll(None) == good
         assert reader.load() == good
         path.write_text('{"format_version": 1, "model": "m", "primary": {"version": 1}, "bogus": 1}')

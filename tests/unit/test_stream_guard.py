@@ -9,14 +9,18 @@ import random
 import numpy as np
 import pytest
 
-from tritonguard.errors import ConfigError, InvalidInput
-from tritonguard.generator import SamplingParams
-from tritonguard.pipeline import Generation
-from tritonguard.redaction import RedactionConfig, Redactor, StreamRedactor
-from tritonguard.stages.cache import generation_key, target_fingerprint
-from tritonguard.stages.validate import StreamValidationConfig, parse_generation, target_sampling
-from tritonguard.stream_guard import DEFAULT_HOLDBACK, parse_settings, replay_pieces
-from tritonguard.tenancy import TokenBudget, TokenBudgetConfig
+from tritonguard.core.errors import ConfigError, InvalidInput
+from tritonguard.generation.generator import SamplingParams
+from tritonguard.guard.pipeline import Generation
+from tritonguard.guard.stages.cache import generation_key, target_fingerprint
+from tritonguard.guard.stages.validate import (
+    StreamValidationConfig,
+    parse_generation,
+    target_sampling,
+)
+from tritonguard.guard.stream import DEFAULT_HOLDBACK, parse_settings, replay_pieces
+from tritonguard.privacy.redaction import RedactionConfig, Redactor, StreamRedactor
+from tritonguard.privacy.tenancy import TokenBudget, TokenBudgetConfig
 
 REDACTOR = Redactor(RedactionConfig())
 PII_TEXT = ("Call me at (555) 867-5309 or mail john.smith@example.com, thanks. "

@@ -1,4 +1,4 @@
-"""The decoupled guard's stage list (tritonguard.pipeline.StreamPipeline) over real stages,
+"""The decoupled guard's stage list (tritonguard.guard.pipeline.StreamPipeline) over real stages,
 without a server: admission in order, release in reverse, answers that stop admission, and the
 answer's text through output redaction.
 
@@ -13,16 +13,16 @@ import json
 import numpy as np
 import pytest
 
-from tritonguard.cache import CacheConfig, TieredCache
-from tritonguard.errors import InvalidInput, QuotaExceeded
-from tritonguard.pipeline import Generation, Stage, StreamPipeline
-from tritonguard.redaction import RedactionConfig, Redactor
-from tritonguard.stages.cache import Fingerprints, StreamCacheStage
-from tritonguard.stages.redact import RedactInStage, RedactOutStage
-from tritonguard.stages.route import NoVersion, RouteStage
-from tritonguard.stages.tenancy import TenancyStage
-from tritonguard.stages.validate import StreamValidateStage, StreamValidationConfig
-from tritonguard.tenancy import TenancyConfig, TokenBudget, TokenBudgetConfig
+from tritonguard.core.errors import InvalidInput, QuotaExceeded
+from tritonguard.guard.pipeline import Generation, Stage, StreamPipeline
+from tritonguard.guard.stages.cache import Fingerprints, StreamCacheStage
+from tritonguard.guard.stages.redact import RedactInStage, RedactOutStage
+from tritonguard.guard.stages.route import NoVersion, RouteStage
+from tritonguard.guard.stages.tenancy import TenancyStage
+from tritonguard.guard.stages.validate import StreamValidateStage, StreamValidationConfig
+from tritonguard.privacy.cache import CacheConfig, TieredCache
+from tritonguard.privacy.redaction import RedactionConfig, Redactor
+from tritonguard.privacy.tenancy import TenancyConfig, TokenBudget, TokenBudgetConfig
 
 
 class Metrics:

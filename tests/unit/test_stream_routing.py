@@ -10,16 +10,16 @@ import zlib
 import numpy as np
 import pytest
 
-from tritonguard.breaker import BreakerConfig
-from tritonguard.errors import TargetError
-from tritonguard.routing import RoutingConfig
-from tritonguard.state import Candidate, open_store
-from tritonguard.stream_routing import (
+from tritonguard.core.errors import TargetError
+from tritonguard.guard.routing.router import RoutingConfig
+from tritonguard.guard.routing.stream import (
     StreamRouter,
     embedding_similarity,
     load_generation_goldens,
     trigram_cosine,
 )
+from tritonguard.rollout.breaker import BreakerConfig
+from tritonguard.rollout.state import Candidate, open_store
 
 from .test_router_judge import Metrics
 
@@ -303,7 +303,7 @@ def test_a_failing_embedding_falls_back_to_trigrams_and_counts(tmp_path, caplog)
     router, metrics, *_ = make(tmp_path, {1: echo, 2: reorder}, candidate=2, share=0.0, shadow=1.0,
                                similarity=embedding_similarity(unloaded))
     try:
-        with caplog.at_level(logging.WARNING, logger="tritonguard.stream_routing"):
+        with caplog.at_level(logging.WARNING, logger="tritonguard.guard.routing.stream"):
             for _ in range(3):
                 router.after_served(1, 0.5, "colours", "{}", "red green blue", deterministic=False)
                 drain(router)
@@ -336,7 +336,7 @@ def test_the_latency_gate_gets_whole_generations_sized_by_their_tokens(tmp_path)
     """The breaker times a generation to its first response; the rollout's latency gate gets the
     whole call, with its tokens as the call's size (the gate compares equal sizes only). A call
     without a token, or a failed one, gives the gate nothing."""
-    from tritonguard.latency import LatencyRecorder, open_latency_log
+    from tritonguard.rollout.latency import LatencyRecorder, open_latency_log
 
     router, metrics, *_ = make(tmp_path, {1: echo, 2: echo}, candidate=2, share=1.0)
     log = open_latency_log("g", tmp_path / "repo", url="")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from tritonguard.supervisor import (
+from tritonguard.ops.supervisor import (
     STALL_S,
     StallWatch,
     Stub,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter.controller import ROLLED_BACK, RolloutConfig, RolloutController
-from exporter.gates import (
+from exporter.rollout.controller import ROLLED_BACK, RolloutConfig, RolloutController
+from exporter.rollout.gates.engine import (
     FAIL,
     INCONCLUSIVE,
     PASS,
@@ -18,9 +18,9 @@ from exporter.gates import (
     parse,
     wilson,
 )
-from exporter.judge import Z95, parse_margin, upper_bound
-from tritonguard.feedback import Tally
-from tritonguard.state import open_store
+from exporter.rollout.judge import Z95, parse_margin, upper_bound
+from tritonguard.rollout.feedback import Tally
+from tritonguard.rollout.state import open_store
 
 
 def reading(*, n=2000, disagree=0, fused=0, errors=0, labeled=None) -> GuardReadings:
@@ -201,7 +201,7 @@ def test_the_controller_rolls_back_a_candidate_whose_goldens_fail_on_the_server(
 
 
 def test_judge_is_validated_in_the_state_document():
-    from tritonguard.state import RolloutState, StateError
+    from tritonguard.rollout.state import RolloutState, StateError
 
     d = RolloutState(model="m", primary=1).to_dict()
     d["judges"] = {"2": {"judge": "vibes"}}
@@ -220,7 +220,7 @@ def test_wilson_is_a_proper_interval():
 
 
 def test_looks_count_by_information_not_by_clock():
-    from exporter.gates import information_look
+    from exporter.rollout.gates.engine import information_look
 
     assert [information_look(n, 60) for n in (0, 60, 120, 121, 240, 241, 480, 1000)] == [1, 1, 1, 2, 2, 3, 3, 5]
     # a retrain's 2 of 443 disagreeing rows against a 2.16 % limit: the bound no longer depends on
@@ -232,7 +232,7 @@ def test_looks_count_by_information_not_by_clock():
 
 
 def test_latency_is_not_judged_below_its_share():
-    from tritonguard.latency import Samples
+    from tritonguard.rollout.latency import Samples
 
     slow = Samples(t=np.arange(500.0), rows=np.ones(500), seconds=np.full(500, 2e-3))
     fast = Samples(t=np.arange(500.0), rows=np.ones(500), seconds=np.full(500, 1e-3))
@@ -244,7 +244,7 @@ def test_latency_is_not_judged_below_its_share():
 
 
 def test_latency_is_not_judged_at_100_percent():
-    from tritonguard.latency import Samples
+    from tritonguard.rollout.latency import Samples
 
     slow = Samples(t=np.arange(500.0), rows=np.ones(500), seconds=np.full(500, 2e-3))
     old = Samples(t=np.arange(500.0), rows=np.ones(500), seconds=np.full(500, 1e-3))

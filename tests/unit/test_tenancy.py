@@ -9,9 +9,9 @@ import time
 import jwt
 import pytest
 
-from tritonguard.config import from_params
-from tritonguard.errors import ConfigError, InvalidInput
-from tritonguard.tenancy import (
+from tritonguard.core.config import from_params
+from tritonguard.core.errors import ConfigError, InvalidInput
+from tritonguard.privacy.tenancy import (
     MAX_TRACKED,
     AuthenticationError,
     QuotaManager,
@@ -362,7 +362,7 @@ def test_keys_rotate_without_restart(keys_file, caplog):
     clock.t += 1.1
     assert ok(KEY_A) is None and ok(KEY_A2) == "alpha" and ok(KEY_B) == "beta"
     # a broken file (a non-atomic write caught half way) and a deleted one keep the keys in force
-    with caplog.at_level(logging.WARNING, logger="tritonguard.tenancy"):
+    with caplog.at_level(logging.WARNING, logger="tritonguard.privacy.tenancy"):
         keys_file.write_text('{"alpha": [')
         clock.t += 1.1
         assert ok(KEY_A2) == "alpha"
@@ -427,9 +427,9 @@ def test_startup_refuses_missing_keys_file_or_secret(tmp_path):
 def test_security_check_fails_the_load_naming_the_key(tmp_path):
     import numpy as np  # noqa: PLC0415
 
-    from tritonguard.guard import GuardConfig  # noqa: PLC0415
-    from tritonguard.privacy import enforce_security, security_findings  # noqa: PLC0415
-    from tritonguard.tensors import ModelSignature, TensorSpec  # noqa: PLC0415
+    from tritonguard.core.tensors import ModelSignature, TensorSpec  # noqa: PLC0415
+    from tritonguard.guard.model import GuardConfig  # noqa: PLC0415
+    from tritonguard.guard.services import enforce_security, security_findings  # noqa: PLC0415
 
     sig = ModelSignature(inputs=(TensorSpec("IMAGE", np.dtype(np.float32), (8, 8)),),
                          outputs=(TensorSpec("PROBS", np.dtype(np.float32), (10,)),), max_batch_size=8)
@@ -543,7 +543,7 @@ def test_jwt_verification_is_cheap():
 def test_tenant_key_command_prints_a_key_and_its_digest():
     from typer.testing import CliRunner  # noqa: PLC0415
 
-    from exporter.cli import app  # noqa: PLC0415
+    from exporter.cli.app import app  # noqa: PLC0415
 
     res = CliRunner().invoke(app, ["tenant-key", "acme"])
     assert res.exit_code == 0, res.output

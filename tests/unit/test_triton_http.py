@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from tritonguard import triton_http
-from tritonguard.server import free_port
+from tritonguard.ops.server import free_port
+from tritonguard.triton import http as triton_http
 
 
 class Handler(http.server.BaseHTTPRequestHandler):

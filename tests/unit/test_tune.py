@@ -10,8 +10,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from exporter import tune
-from exporter.tune import (
+from exporter.cli.tune_cmd import tune_command
+from exporter.tune import sweep as tune
+from exporter.tune.sweep import (
     GUARD_DELAY,
     GUARD_INSTANCES,
     PREFERRED,
@@ -24,8 +25,7 @@ from exporter.tune import (
     Stat,
     TuneError,
 )
-from exporter.tune_cmd import tune_command
-from tritonguard import repository
+from tritonguard.core import repository
 
 IO = {"input": [{"name": "IMAGE", "data_type": "TYPE_FP32", "dims": [8, 8]}],
       "output": [{"name": "PROBS", "data_type": "TYPE_FP32", "dims": [10]}]}

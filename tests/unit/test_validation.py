@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from tritonguard.config import from_params
-from tritonguard.errors import ConfigError
-from tritonguard.tensors import ModelSignature, offsets, rows_any
-from tritonguard.validation import BatchValidator, ValidationConfig
+from tritonguard.core.config import from_params
+from tritonguard.core.errors import ConfigError
+from tritonguard.core.tensors import ModelSignature, offsets, rows_any
+from tritonguard.guard.validation import BatchValidator, ValidationConfig
 
 DIGITS = ModelSignature.from_config({
     "max_batch_size": 8,

@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from tritonguard.config import from_params
-from tritonguard.errors import ConfigError
-from tritonguard.validators import (
+from tritonguard.core.config import from_params
+from tritonguard.core.errors import ConfigError
+from tritonguard.rollout.validators import (
     FAIL,
     MARGINAL,
     PASS,

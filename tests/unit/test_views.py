@@ -13,14 +13,26 @@ import threading
 import pytest
 from typer.testing import CliRunner
 
-from exporter.cli import app
-from exporter.controller import DONE, ROLLED_BACK, SUPERSEDED, RolloutConfig, RolloutController
-from exporter.gates import GateConfig, GuardReadings, evaluate, golden_reason, trip_reason
-from exporter.registry import Registry, default_uri, reconcile_registry
-from exporter.route import RouteChange, RouteError, apply, show
-from tritonguard.repository import write_config
-from tritonguard.state import open_store
-from tritonguard.validators import ValidatorConfig
+from exporter.cli.app import app
+from exporter.records.registry import Registry, default_uri, reconcile_registry
+from exporter.rollout.controller import (
+    DONE,
+    ROLLED_BACK,
+    SUPERSEDED,
+    RolloutConfig,
+    RolloutController,
+)
+from exporter.rollout.gates.engine import (
+    GateConfig,
+    GuardReadings,
+    evaluate,
+    golden_reason,
+    trip_reason,
+)
+from exporter.rollout.route import RouteChange, RouteError, apply, show
+from tritonguard.core.repository import write_config
+from tritonguard.rollout.state import open_store
+from tritonguard.rollout.validators import ValidatorConfig
 
 MODEL = "m"
 GUARD = {"name": MODEL, "backend": "guard", "max_batch_size": 4,
@@ -350,7 +362,7 @@ def test_rollout_status_server_shows_the_gates_as_of_now_and_changes_nothing(rep
     port = metrics_server.server_address[1]
     url = f"http://127.0.0.1:{port}/metrics"
     _Metrics.body = _exposition(100, 10, 0)
-    from exporter.controller import metrics_reader
+    from exporter.rollout.controller import metrics_reader
 
     ctl = RolloutController(MODEL, repo, metrics_reader([url], MODEL, target="m_raw"),
                             config=RolloutConfig(steps=(10, 100)))

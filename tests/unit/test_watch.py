@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from exporter.watch import cost_per_1k, rates, view
+from exporter.cli.watch import cost_per_1k, rates, view
 
 
 def _cost(cost: float, requests: float) -> dict:

@@ -1,0 +1,349 @@
+"""The ``python -m exporter`` command group. Each command is a thin call into the library;
+new commands (compile, promote, rollback, route) are added as further ``@app.command()``s."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from exporter.cli.consoles import console, log_handler
+
+app = typer.Typer(
+    help="Export models into a Triton model repository, behind a tritonguard guard.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,  # locals hold tensors and weights: unreadable
+)
+# results to stdout, progress and logs to stderr, so `status --json | jq` stays clean; full-width
+# lines when piped (a CI log, `| cat`), $COLUMNS respected (exporter.cli.consoles)
+out = console()
+err = console(stderr=True)
+
+EXIT_GOLDEN_FAILED = 1
+EXIT_BAD_INPUT = 2  # also: an artifact identical to an existing version's (export without --force)
+EXIT_UNREACHABLE = 2  # status --server/--metrics-url: a replica that cannot be reached
+
+Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
+
+
+class Format(str, Enum):
+    onnx = "onnx"
+    torchscript = "torchscript"
+
+
+class Task(str, Enum):
+    classifier = "classifier"
+    embedding = "embedding"
+    regression = "regression"
+
+
+class Judge(str, Enum):
+    task = "task"
+    equivalence = "equivalence"
+
+
+@app.callback()
+def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
+                        handlers=[log_handler(err)], force=True)
+
+
+def _where(repository: Path, registry: bool = False) -> None:
+    from exporter.cli.consoles import where  # noqa: PLC0415
+
+    where(err, repository, registry)
+
+
+@contextmanager
+def _step(label: str):
+    t0 = time.perf_counter()
+    with err.status(f"{label}…"):
+        yield
+    err.print(f"[green]✓[/] {label} [dim]({time.perf_counter() - t0:.2f} s)[/]")
+
+
+@app.command()
+def export(
+    source: Annotated[str, typer.Option(help="package.module:function, a .onnx/.pt file, a Hugging Face "
+                                        "model folder, or models:/name@alias, models:/name/version, runs:/…")],
+    name: Annotated[str, typer.Option(help="Public model name (the guard); targets get suffixes.")],
+    repository: Repository = Path("model_repository"),
+    fmt: Annotated[Format | None, typer.Option("--format", help="Artifact format (default: onnx; a .pt source stays torchscript).")] = None,
+    opset: Annotated[int, typer.Option(help="ONNX opset.")] = 17,
+    inputs: Annotated[Path | None, typer.Option(help="Golden inputs .npz (file and MLflow sources); for a "
+                                                "Hugging Face folder .txt (one sentence a line) or .npz.")] = None,
+    task: Annotated[Task | None, typer.Option(help="Task (file and MLflow sources; inferred for Hugging Face).")] = None,
+    input_name: Annotated[list[str] | None, typer.Option(help="Artifact input names, in order (repeat).")] = None,
+    output_name: Annotated[list[str] | None, typer.Option(help="Artifact output names, in order (repeat).")] = None,
+    native: Annotated[bool, typer.Option(help="Serve the artifact with Triton's onnxruntime backend "
+                                          "(platform onnxruntime_onnx; NGC image) instead of `runtime`.")] = False,
+    mlflow_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI that models:/ and runs:/ sources "
+                                                   "are read from (default: $MLFLOW_TRACKING_URI).")] = None,
+    register: Annotated[bool, typer.Option(help="Register the version in the MLflow registry beside the "
+                                           "repository (or $MLFLOW_TRACKING_URI) as DRAFT.")] = True,
+    register_timeout: Annotated[float, typer.Option(help="Seconds to wait for the registry; the export "
+                                                    "stands either way.")] = 60.0,
+    judge: Annotated[Judge | None, typer.Option(help="How a rollout judges this version: on the task (a new "
+                                                "model) or on equivalence (the same weights). Default: the "
+                                                "source's choice, else equivalence when an earlier version has "
+                                                "the same artifact hash, else task.")] = None,
+    eval_file: Annotated[Path | None, typer.Option("--eval", help="Evaluation set a rollout judges this version on: "
+                         ".npz (the inputs, optional 'labels' and 'slices'); for a text model also .txt (texts, "
+                         "unlabelled), .tsv (query<TAB>positive: recall@k) or .jsonl ({text, positive?, slice?}).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Export even when an existing version has the very same "
+                                        "artifact (same SHA-256); it becomes a new version judged by "
+                                        "equivalence. Without it such an export is refused (exit 2).")] = False,
+) -> None:
+    """Export SOURCE as a new version, check it against its goldens, write it behind a guard,
+    and register it in the MLflow model registry. Settings in existing config.pbtxt files
+    (guard parameters, instance groups, batching) are kept. An export whose artifact is identical
+    to an existing version's is refused unless --force is given."""
+    from rich.markup import escape  # noqa: PLC0415
+
+    from exporter.build.export import ExportError, GoldenCheckFailed, export_source  # noqa: PLC0415
+    from exporter.build.sources import SourceError  # noqa: PLC0415
+    from tritonguard.core.errors import ConfigError  # noqa: PLC0415
+
+    _quiet_onnxruntime()
+    _where(repository, registry=register)
+    try:
+        result = export_source(
+            source, name=name, repository=repository, fmt=fmt.value if fmt else None, opset=opset,
+            inputs=inputs, task=task.value if task else None, input_names=input_name or (),
+            output_names=output_name or (), step=_step, native=native, mlflow_uri=mlflow_uri,
+            register=register, register_timeout=register_timeout, judge=judge.value if judge else None,
+            force=force, eval_path=eval_file)
+    except GoldenCheckFailed as exc:
+        # soft_wrap: one line however long (an engine's message), markup escaped ("[ONNXRuntimeError]")
+        err.print(f"[bold red]✗ {escape(str(exc))}[/]", soft_wrap=True)
+        raise typer.Exit(EXIT_GOLDEN_FAILED) from None
+    except (ExportError, SourceError, ConfigError) as exc:
+        err.print(f"[bold red]✗ export failed:[/] {escape(str(exc))}", soft_wrap=True)
+        err.print(f"nothing was written to {escape(str(Path(repository).resolve()))}", soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    for notice in result.notices:
+        err.print(f"[yellow]![/] {escape(notice)}", soft_wrap=True)
+    rep = result.report
+    style = "green" if rep.verdict == "PASS" else "yellow"
+    figures = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in rep.metrics.items())
+    out.print(f"[bold]{result.name}[/] version [bold]{result.version}[/]: golden [{style}]{rep.verdict}[/] "
+              f"on {rep.n} samples ({figures})")
+    out.print(f"  artifact {result.artifact}  sha256 {result.sha256[:16]}…")
+    out.print(f"  models   {', '.join(result.models)}  (total {sum(result.timings.values()):.1f} s)")
+    same = f" (same weights as v{result.same_weights_as})" if result.same_weights_as is not None else ""
+    out.print(f"  judge    {result.judge}{same}")
+    if result.evaluation is not None:
+        ev = result.evaluation
+        if ev.get("metric"):
+            out.print(f"  eval     {ev['metric']} {ev['value']:.4g} on {ev['n']} labelled rows")
+        else:
+            out.print(f"  eval     {ev['n']} unlabelled rows (compared with the primary at promote, not scored)")
+    if result.registration is not None:
+        reg = result.registration
+        out.print(f"  registry {reg.name} v{reg.version} = MLflow version {reg.mlflow_version}, "
+                  f"stage [bold]{reg.stage}[/]  ({result.registry_uri})")
+    elif result.registration_error:
+        err.print(f"[bold yellow]! not registered:[/] {result.registration_error}\n"
+                  "  the export stands; `exporter promote` registers the version when it is promoted")
+    else:
+        out.print("  registry skipped (--no-register)")
+
+
+def _quiet_onnxruntime() -> None:
+    """onnxruntime logs a failing kernel to stderr itself, in red, before raising; the export
+    reports the same error as its one line, so its logger only speaks of fatal errors here."""
+    try:
+        import onnxruntime  # noqa: PLC0415
+    except ImportError:
+        return
+    onnxruntime.set_default_logger_severity(4)
+
+
+@app.command()
+def status(
+    repository: Repository = Path("model_repository"),
+    server: Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of a replica (repeat): "
+                      "live breaker states, drift and answers per version from its metrics port (+2).")] = None,
+    metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of a replica (repeat).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="A live view of every guard (routing, rollout gates, "
+                     "breakers, traffic rates), redrawn every 2 s from the --server metrics; Ctrl-C stops.")] = False,
+) -> None:
+    """Models with versions, hashes and goldens; per guard: routing, rollout step and gates,
+    registry stages, and (with --server) live breaker states and drift. A --server or
+    --metrics-url that cannot be reached is an error (exit 2), named on stderr; under --watch
+    only at the start (a replica lost later is shown in the view)."""
+    from rich.markup import escape  # noqa: PLC0415
+
+    from exporter.cli.status import collect, live, print_live, table, unreachable  # noqa: PLC0415
+    from exporter.rollout.serving import ServingError, metrics_urls  # noqa: PLC0415
+
+    if watch and as_json:
+        err.print("[bold red]✗ status failed:[/] --watch draws a live view; use --json without it")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    try:
+        urls = metrics_urls(list(server or []), metrics_url or [])
+    except ServingError as exc:
+        err.print(f"[bold red]✗ status failed:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    if problems := unreachable(list(server or []), urls, explicit_metrics=bool(metrics_url)):
+        for problem in problems:
+            err.print(f"[bold red]✗ status failed:[/] {escape(problem)}", soft_wrap=True)
+        raise typer.Exit(EXIT_UNREACHABLE)
+    if watch:
+        from exporter.cli.watch import watch as watch_view  # noqa: PLC0415
+
+        watch_view(out, repository, list(server or []), urls)
+        return
+    models = collect(repository)
+    guards = live(repository, urls, servers=list(server or []))
+    if as_json:
+        typer.echo(json.dumps({"repository": str(repository), "models": models, "guards": guards}, indent=2))
+        return
+    if not models:
+        out.print(f"no models in {repository}")
+        return
+    out.print(table(models, repository))
+    print_live(out, guards)
+
+
+@app.command()
+def route(
+    model: Annotated[str, typer.Argument(help="Guard model name, e.g. digits.")],
+    repository: Repository = Path("model_repository"),
+    primary: Annotated[int | None, typer.Option(help="Primary version.")] = None,
+    candidate: Annotated[int | None, typer.Option(help="Candidate version (0 removes it).")] = None,
+    share: Annotated[float | None, typer.Option(help="Candidate's share of live traffic, 0..1.")] = None,
+    shadow: Annotated[float | None, typer.Option(help="Share of primary traffic mirrored to the candidate.")] = None,
+    fallback: Annotated[str | None, typer.Option(help="Chain, e.g. candidate,primary,previous_primary,default.")] = None,
+    default: Annotated[str | None, typer.Option(help="End of the chain: abstain (503) or none.")] = None,
+    reset_breaker: Annotated[int | None, typer.Option(help="Close this version's breaker now.")] = None,
+    arms: Annotated[str | None, typer.Option(
+        help="A/B/n split: VERSION=WEIGHT,... (e.g. 2=0.3,3=0.2); the primary answers the rest. "
+             "'none' ends it.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the state as JSON.")] = False,
+) -> None:
+    """Show or set a guarded model's rollout state (guards pick it up within a second)."""
+    from exporter.rollout.route import (  # noqa: PLC0415
+        RouteChange,
+        RouteError,
+        apply,
+        describe_arms,
+        parse_arms,
+        show,
+    )
+
+    try:
+        change = RouteChange(primary=primary, candidate=candidate, share=share, shadow=shadow,
+                             fallback=fallback.split(",") if fallback else None, default=default,
+                             reset_breaker=reset_breaker, arms=None if arms is None else parse_arms(arms))
+        if any(v is not None for v in vars(change).values()):
+            _where(repository)
+            apply(repository, model, change)
+        state = show(repository, model)
+    except RouteError as exc:
+        err.print(f"[bold red]✗ route failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    if as_json:
+        typer.echo(json.dumps(state, indent=2))
+        return
+    if state.get("state", "") is None:
+        out.print(f"{model}: no rollout state yet (the guard writes one when it first loads)")
+        return
+    cand = state["candidate"]
+    out.print(f"[bold]{model}[/] r{state['revision']}: primary v{state['primary']['version']}"
+              + (f", candidate v{cand['version']} at {cand['share']:.0%}" if cand else ", no candidate")
+              + f", shadow {state['shadow_share']:.0%}, chain {' → '.join(state['fallback'])}")
+    if arms_line := describe_arms(state):
+        out.print(f"  {arms_line}")
+    for v, g in sorted(state.get("goldens", {}).items()):
+        out.print(f"  goldens v{v}: {g.get('summary') or g.get('verdict')}")
+    for v, b in sorted(state.get("breakers", {}).items()):
+        last = f"; last trip {b['last_trip_text']}" if b.get("last_trip_text") else ""
+        out.print(f"  breaker v{v}: {b['state']} (trips {b['trips']}{last})")
+
+
+@app.command()
+def upgrade(repository: Repository = Path("model_repository")) -> None:
+    """Move the repository to the current layout, adding no version: a guard with a text (BYTES)
+    input becomes the ensemble NAME = NAME_intake -> NAME_guard, so one malformed request cannot
+    fail the batch it lands in. Settings and rollout state are kept. `export` does this too."""
+    from rich.markup import escape  # noqa: PLC0415
+
+    from exporter.build.export import ExportError, upgrade_layout  # noqa: PLC0415
+
+    if not (repository.is_dir()):
+        err.print(f"[bold red]✗[/] no model repository at {escape(str(repository.resolve()))}", soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    _where(repository)
+    try:
+        moved = upgrade_layout(repository)
+    except ExportError as exc:
+        err.print(f"[bold red]✗ upgrade failed:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    for line in moved:
+        out.print(f"[green]✓[/] {escape(line)}", soft_wrap=True)
+    if not moved:
+        out.print(f"{escape(str(repository.resolve()))}: already up to date", soft_wrap=True)
+
+
+@app.command("tenant-key")
+def tenant_key(tenant: Annotated[str, typer.Argument(help="Tenant id the key is for.")]) -> None:
+    """A fresh random API key for TENANT on stdout (hand it over; it is stored nowhere) and, on
+    stderr, its SHA-256 digest as the line to add to tenancy.keys_file."""
+    from rich.markup import escape  # noqa: PLC0415
+
+    from tritonguard.privacy.tenancy import TenancyConfig, new_api_key  # noqa: PLC0415
+
+    if not TenancyConfig().pattern.match(tenant):
+        err.print(f"[bold red]✗[/] tenant id must match {escape(TenancyConfig.tenant_pattern)}")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    key, digest = new_api_key()
+    typer.echo(key)
+    err.print(f'add to tenancy.keys_file (TOML):  "{tenant}" = ["{digest}"]\n'
+              f'                        (JSON):  "{tenant}": ["{digest}"]', markup=False, highlight=False, soft_wrap=True)
+
+
+def main() -> None:
+    app()
+
+
+# `python -m exporter audit verify PATH` (exit 0 intact, 1 tampered, 2 no log, 3 truncated, 4 gaps,
+# 5 unanchored with --require-anchor)
+from exporter.cli.audit_cmd import audit_app  # noqa: E402
+
+app.add_typer(audit_app, name="audit")
+
+# registry stages and progressive rollouts
+from exporter.cli.rollout_cmd import promote, rollback, rollout_app  # noqa: E402
+
+app.command()(promote)
+app.command()(rollback)
+app.add_typer(rollout_app, name="rollout")
+
+# labels that arrive after the answer, joined to what each version answered
+from exporter.cli.feedback_cmd import feedback_command  # noqa: E402
+
+app.command("feedback")(feedback_command)
+
+# optimised variants of an exported version, admitted on goldens and measured speed
+from exporter.cli.compile_cmd import compile_command  # noqa: E402
+
+app.command("compile")(compile_command)
+
+# the profiling level for a guarded pipeline: sweep guard + target serving knobs together
+from exporter.cli.tune_cmd import tune_command  # noqa: E402
+
+app.command("tune")(tune_command)
+
+# offline scoring of whole tables through a guard, on Ray Data: resumable, exactly once
+from exporter.cli.batch_cmd import batch_command  # noqa: E402
+
+app.command("batch")(batch_command)

@@ -1,0 +1,578 @@
+"""``python -m exporter promote | rollback | rollout …``: registry stages and progressive rollouts.
+
+``promote`` registers the version in the MLflow registry (idempotent), stages it, and walks it
+through the traffic steps with the statistical gates between them; PRODUCTION comes from the
+rollout's last passing gate (through the approvers, if any), ARCHIVED from a failing one.
+Exit codes: 0 promoted/done, 1 rolled back or aborted, 2 bad input, 3 paused/holding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from exporter.cli.consoles import WideConsole, where
+
+# no wraps at 80 columns when piped (tables included): a CI log keeps whole lines
+out = WideConsole(soft_wrap=True)
+err = WideConsole(stderr=True, soft_wrap=True)
+EXIT_ROLLED_BACK, EXIT_BAD_INPUT, EXIT_HOLDING = 1, 2, 3
+
+Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
+Model = Annotated[str, typer.Argument(help="Guard model name, e.g. digits.")]
+rollout_app = typer.Typer(help="Inspect or steer a progressive rollout.", no_args_is_help=True, add_completion=False)
+
+
+def _registry(repository: Path, approve_cmd: list[str] | None = None):
+    from exporter.records.registry import open_registry  # noqa: PLC0415
+
+    return open_registry(repository, approvers={"PRODUCTION": approve_cmd} if approve_cmd else None)
+
+
+def _purge(repository: Path, model: str, why: str) -> None:
+    from exporter.rollout.serving import purge_cache  # noqa: PLC0415
+
+    try:
+        done = purge_cache(repository, model, by=why)
+    except Exception as exc:  # noqa: BLE001 - keys carry the artifact hash: a failed purge is not fatal
+        err.print(f"[yellow]![/] cache purge of {model} failed: {exc}")
+        return
+    tiers = ", ".join(f"{k} {v}" for k, v in done.items() if k != "epoch") or "no shared tiers"
+    err.print(f"[green]✓[/] cache of {model} purged (epoch {done['epoch']}; {tiers})")
+
+
+def _controller(model: str, repository: Path, urls: list[str], *, approver: str | None = None,
+                approve_cmd: list[str] | None = None, config=None):
+    from exporter.rollout.controller import (  # noqa: PLC0415
+        RolloutController,
+        metrics_reader,
+        store_labels_reader,
+        store_latency_reader,
+    )
+    from exporter.rollout.route import _guard_target  # noqa: PLC0415
+
+    target = _guard_target(repository, model)
+    reg = _registry(repository, approve_cmd)
+
+    # hooks are idempotent: a resumed rollout may call them again
+    def on_promote(v: int) -> None:
+        stage = reg.stage(model, v)
+        if stage != "PRODUCTION":
+            reg.transition(model, v, "PRODUCTION", stage, approver, reason="rollout gates passed")
+
+    def on_rollback(v: int, reason: str) -> None:
+        stage = reg.stage(model, v)
+        if stage in ("DRAFT", "STAGING"):
+            reg.transition(model, v, "ARCHIVED", stage, approver, reason=reason)
+        err.print(f"[bold red]↩[/] v{v} rolled back: {reason}")
+        _purge(repository, model, "rollback")
+
+    def on_step(step: int, share: float, report) -> None:
+        err.print(f"[green]→[/] step {step + 1}: {share:.0%}" + (f"  ({report.summary()})" if report else ""))
+
+    try:  # exact per-call latencies from the store; without them the gate reads histogram buckets
+        latency = store_latency_reader(model, repository)
+    except Exception as exc:  # noqa: BLE001 - e.g. Redis unreachable at start: the buckets still judge
+        err.print(f"[yellow]![/] latency samples unavailable ({type(exc).__name__}: {exc}); judging histograms")
+        latency = None
+    try:  # labelled rows (request labels and `exporter feedback`) from the store
+        labels = store_labels_reader(model, repository)
+    except Exception as exc:  # noqa: BLE001 - the labels gate then reads the metrics
+        err.print(f"[yellow]![/] labels from the store unavailable ({type(exc).__name__}: {exc}); "
+                  "judging request labels from the metrics")
+        labels = None
+    return RolloutController(model, repository, metrics_reader(urls, model, target=target), config=config,
+                             on_promote=on_promote, on_rollback=on_rollback, on_step=on_step,
+                             latency_reader=latency, labels_reader=labels), reg, target
+
+
+def _reconcile(repository: Path, model: str, **kwargs) -> None:
+    """The registry's PRODUCTION follows the routing's primary; problems are warnings."""
+    from exporter.records.registry import reconcile_registry  # noqa: PLC0415
+
+    done = reconcile_registry(repository, model, warn=lambda msg: err.print(f"[yellow]![/] {msg}"), **kwargs)
+    if done:
+        err.print(f"[green]✓[/] {done}")
+
+
+def _who(progress) -> str:
+    """``v2``, or for an A/B/n rollout ``arms v2=0.3, v3 (rolled_back)``."""
+    if progress.mode != "abn":
+        return f"v{progress.candidate}"
+    return "arms " + ", ".join(f"v{v}={a['weight']:g}" + ("" if a["status"] == "running" else f" ({a['status']})")
+                               for v, a in progress.arms.items())
+
+
+def _exit_for(progress) -> None:
+    style = {"done": "green", "running": "yellow", "paused": "yellow", "superseded": "yellow"}.get(progress.status, "red")
+    out.print(f"[bold]{progress.model}[/] {_who(progress)}: [{style}]{progress.status}[/] at step "
+              f"{progress.step_index + 1}/{len(progress.steps)} ({progress.steps[progress.step_index]:g} %): "
+              f"{progress.reason}")
+    if progress.status in ("rolled_back", "aborted"):
+        raise typer.Exit(EXIT_ROLLED_BACK)
+    if progress.status in ("running", "paused"):
+        raise typer.Exit(EXIT_HOLDING)
+
+
+Servers = Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of each replica "
+                                                   "(repeat): the version is loaded there if needed.")]
+
+
+def promote(
+    model: Model,
+    version: Annotated[int | None, typer.Option("--version", help="Version of the guard's target to promote.")] = None,
+    to: Annotated[str, typer.Option("--to", help="staging (registered, loaded, no traffic) or production.")] = "production",
+    rollout: Annotated[bool, typer.Option("--rollout/--no-rollout", help="production: walk the traffic steps "
+                                          "with gates (default), or switch at once (goldens still apply).")] = True,
+    server: Servers = None,
+    metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Triton metrics URL of each "
+                           "replica (repeat; default: each --server's port + 2).")] = None,
+    repository: Repository = Path("model_repository"),
+    primary: Annotated[int | None, typer.Option(help="Primary version (default: the state's).")] = None,
+    mode: Annotated[str, typer.Option(help="split (A/B share) or shadow (mirrored traffic).")] = "split",
+    arms: Annotated[str | None, typer.Option("--arms", help="A/B/n instead of --version: VERSION=WEIGHT,... "
+                    "(e.g. 2=0.3,3=0.2); each arm walks the steps at that share of its weight, gated on "
+                    "its own; a failing arm leaves alone; the rest stay at full weight.")] = None,
+    steps: Annotated[str, typer.Option(help="Percent steps.")] = "1,5,10,25,50,100",
+    dwell_s: Annotated[float, typer.Option(help="Minimum seconds at each step.")] = 300.0,
+    interval_s: Annotated[float, typer.Option(help="Seconds between looks.")] = 30.0,
+    max_step_s: Annotated[float | None, typer.Option(help="Roll back a step inconclusive this long.")] = None,
+    min_requests: Annotated[int, typer.Option(help="Candidate requests before a gate may pass.")] = 200,
+    max_error_rate: Annotated[float, typer.Option(help="Error rate that must fail (SPRT p1).")] = 0.01,
+    min_compared: Annotated[int, typer.Option(help="Compared candidate rows before the agreement gate may pass.")] = 100,
+    min_agreement: Annotated[float, typer.Option(help="Validator agreement the candidate needs on compared rows.")] = 0.98,
+    min_latency_samples: Annotated[int, typer.Option(help="Target calls per version before the latency gate may pass.")] = 100,
+    latency_tolerance: Annotated[float, typer.Option(help="Candidate may be this fraction slower than the "
+                                                     "primary (per call, at the same batch size) before the "
+                                                     "rank test may fail it.")] = 0.15,
+    judge: Annotated[str | None, typer.Option("--judge", help="task (a new model: judged on the task, "
+                     "non-inferiority) or equivalence (the same weights: numerical tolerances); default: what "
+                     "the version's manifest says.")] = None,
+    max_regression: Annotated[str | None, typer.Option("--max-regression", help="Task judge: accuracy the "
+                              "candidate may lose against the primary, e.g. 0.5pp (default); for a generative "
+                              "model, the relative bits per char it may add, e.g. 3% (default).")] = None,
+    max_disagreement: Annotated[str | None, typer.Option("--max-disagreement", help="Task judge without labels: "
+                                "the share of answers the candidate may change against the primary (top-1; for "
+                                "embeddings, rows under --min-cosine), e.g. 2% (default: the guard's "
+                                "judge.max_disagreement, else 2 %). Never the candidate's own difference.")] = None,
+    min_cosine: Annotated[float | None, typer.Option("--min-cosine", help="Embeddings: a row whose cosine to the "
+                          "primary's is below this disagrees (default: the guard's judge.min_cosine, else 0.90).")] = None,
+    min_labels: Annotated[int, typer.Option("--min-labels", help="Judge on labels: every step waits until both "
+                          "versions have this many labelled rows (the 'label' request parameter, or "
+                          "`exporter feedback`) and the candidate is shown no worse than --max-regression; "
+                          "the disagreement limit is then reported, not enforced. 0: labels may stop a "
+                          "candidate, never hold one.")] = 0,
+    max_slice_regression: Annotated[str | None, typer.Option("--max-slice-regression", help="With labels: the "
+                                    "recall one class or named slice may lose, e.g. 5pp (default: the guard's "
+                                    "judge.max_slice_regression, else 5 pp).")] = None,
+    max_cost_increase: Annotated[str | None, typer.Option("--max-cost-increase", help="Cost gate: roll back a "
+                                 "candidate that costs more than this per request than the primary (guards' cost "
+                                 "meter), e.g. 10% or 0.1; judged from the 50 % step. Default: no cost gate.")] = None,
+    approver: Annotated[str | None, typer.Option(help="Who approves (recorded in the history).")] = None,
+    approve_cmd: Annotated[list[str] | None, typer.Option(help="Shell command that must exit 0 before PRODUCTION (repeat).")] = None,
+    detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
+) -> None:
+    """Register VERSION (or each --arms version), load it on the servers, and stage it or roll it out."""
+    from exporter.records.registry import RegistryError  # noqa: PLC0415
+    from exporter.rollout.controller import ControllerError, RolloutConfig  # noqa: PLC0415
+    from exporter.rollout.gates.engine import GateConfig, parse_increase  # noqa: PLC0415
+    from exporter.rollout.judge import parse_margin  # noqa: PLC0415
+    from exporter.rollout.route import RouteChange, RouteError, apply  # noqa: PLC0415
+    from exporter.rollout.serving import ServingError, ensure_loaded, metrics_urls  # noqa: PLC0415
+    from tritonguard.core.errors import ConfigError  # noqa: PLC0415
+    from tritonguard.core.repository import read_manifest  # noqa: PLC0415
+    from tritonguard.rollout.state import (
+        JUDGES,  # noqa: PLC0415
+        open_store,  # noqa: PLC0415
+    )
+
+    to = to.lower()
+    servers = list(server or [])
+    where(err, repository, registry=True)
+    try:
+        if to not in ("staging", "production"):
+            raise ValueError(f"--to must be staging or production, got {to!r}")
+        if (version is None) == (arms is None):
+            raise ValueError("pass --version N (one candidate) or --arms V=W,... (A/B/n), not both or neither")
+        arm_weights = None
+        if arms is not None:
+            from exporter.rollout.route import parse_arms  # noqa: PLC0415
+
+            arm_weights = dict(parse_arms(arms))
+            if not arm_weights or to != "production" or not rollout:
+                raise ValueError("--arms needs at least one VERSION=WEIGHT and a gated rollout to production")
+            mode = "abn"
+        config = None
+        if judge is not None and judge not in JUDGES:
+            raise ValueError(f"--judge must be one of {', '.join(JUDGES)}, got {judge!r}")
+        margin = parse_margin(max_regression or "0.5pp")
+        cost_limit = None if max_cost_increase is None else parse_increase(max_cost_increase)
+        limits = judge_limits(repository, model, max_disagreement=max_disagreement, min_cosine=min_cosine,
+                              max_slice_regression=max_slice_regression)
+        if min_labels < 0:
+            raise ValueError(f"--min-labels must be >= 0, got {min_labels}")
+        if to == "production" and rollout:
+            config = RolloutConfig(steps=tuple(float(s) for s in steps.split(",")), mode=mode, arms=arm_weights,
+                                   dwell_s=dwell_s,
+                                   interval_s=interval_s, max_step_s=max_step_s,
+                                   gates=GateConfig(min_requests=min_requests, max_error_rate=max_error_rate,
+                                                    min_compared=min_compared, min_agreement=min_agreement,
+                                                    min_latency_samples=min_latency_samples,
+                                                    latency_tolerance=latency_tolerance,
+                                                    max_regression=margin, max_cost_increase=cost_limit,
+                                                    max_disagreement=limits.max_disagreement,
+                                                    limit_source=limits.sources["max_disagreement"],
+                                                    max_slice_regression=limits.max_slice_regression,
+                                                    min_labels=min_labels))
+            urls = metrics_urls(servers, metrics_url or [])
+            if not urls:
+                raise ValueError("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL)")
+        else:
+            urls = []
+        ctl, reg, target = _controller(model, repository, urls, approver=approver,
+                                       approve_cmd=approve_cmd, config=config)
+
+        def register(v: int):
+            vdir = repository / target / str(v)
+            manifest = read_manifest(vdir)
+            if manifest is None:
+                raise RegistryError(f"v{v} of '{target}' has no manifest in {vdir}: not an exported version")
+            return reg.register(model, v, manifest, {}, source=str(vdir.resolve()))
+
+        # the version serving now is PRODUCTION (registered if it was not: a guard pins its
+        # first version as primary without the registry), so that a later `rollback` has
+        # somewhere to go back to; a registry that fails here is said, and register() below decides
+        state = open_store(model, repository).load()
+        serving = primary or (state.primary if state else -1)
+        if serving > 0 and serving not in (version, *(arm_weights or ())):
+            _reconcile(repository, model, primary=serving, create=True, registry=reg)
+
+        def stage_version(v: int):
+            info = register(v)
+            for item in ensure_loaded(servers, repository, model, v):
+                err.print(f"[green]✓[/] loaded {item}")
+            if info.stage in ("DRAFT", "ARCHIVED"):
+                reason = "staged" if to == "staging" else "rollout started"
+                info = reg.transition(model, v, "STAGING", info.stage, approver, reason=reason)
+            return info
+
+        if arm_weights is not None:
+            for v in arm_weights:
+                stage_version(v)
+            progress = ctl.start(None, primary=primary)
+            if not detach:
+                progress = ctl.run()
+            else:
+                out.print(f"[bold]{model}[/]: A/B/n rollout of {arms} started at {progress.steps[0]:g} % of the "
+                          f"weights; drive it with `exporter rollout resume {model} --server …`")
+                return
+            _exit_for(progress)
+            return
+        info = stage_version(version)
+        if to == "staging":
+            out.print(f"[bold]{model}[/] v{version}: STAGING (no traffic; `promote --to production` rolls it out)")
+            return
+        if not rollout:
+            if info.stage != "PRODUCTION":
+                reg.transition(model, version, "PRODUCTION", info.stage, approver, reason="promoted without rollout")
+            apply(repository, model, RouteChange(primary=version, candidate=0), by="promote",
+                  reason=f"v{version} made primary by promote --no-rollout")
+            _purge(repository, model, "promote")
+            out.print(f"[bold]{model}[/] v{version}: PRODUCTION and primary (no gradual rollout)")
+            return
+        judged = _judge_before_traffic(repository, model, target, version, primary or serving, judge, config,
+                                       None if max_regression is None else margin, limits)
+        if judged is not None and judged.verdict == "FAIL":
+            on_stop = reg.stage(model, version)
+            if on_stop in ("DRAFT", "STAGING"):
+                reg.transition(model, version, "ARCHIVED", on_stop, approver, reason=judged.summary())
+            out.print(f"[bold]{model}[/] v{version}: [red]rolled_back[/] before any traffic: {judged.summary()}")
+            raise typer.Exit(EXIT_ROLLED_BACK)
+        progress = ctl.start(version, primary=primary)
+        if detach:
+            out.print(f"[bold]{model}[/] v{version}: rollout started at {progress.steps[0]:g} %; "
+                      f"drive it with `exporter rollout resume {model} --server …`")
+            return
+        progress = ctl.run()
+        if progress.status == "done":
+            _purge(repository, model, "promote")
+    except (ValueError, RouteError, RegistryError, ControllerError, ServingError, ConfigError) as exc:
+        err.print(f"[bold red]✗ promote failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    _exit_for(progress)
+
+
+def _judge_before_traffic(repository: Path, model: str, target: str, version: int, primary: int,
+                          judge: str | None, config, margin: float | None = None, limits=None):
+    """Decide how the rollout compares ``version`` with ``primary`` and run both on the
+    evaluation data (:mod:`exporter.rollout.judge`); sets the gates in ``config``. None when there is no
+    gated rollout or nothing to compare against (then the live gates alone decide, said loudly)."""
+    from exporter.rollout.judge import JudgeError, judge_offline, manifest_judge  # noqa: PLC0415
+    from tritonguard.core.repository import read_manifest  # noqa: PLC0415
+
+    if config is None:
+        return None
+    name = judge or manifest_judge(repository, target, version)
+    config.gates.judge = name
+    manifest = read_manifest(repository / target / str(version)) or {}
+    if manifest.get("task") == "generation":
+        return _judge_generation(repository, model, target, version, primary, name, config, margin)
+    outputs = manifest.get("outputs") or [{}]
+    if primary is None or primary < 1 or not outputs[0].get("name"):
+        err.print(f"[yellow]![/] {model} v{version}: no offline judgement (no primary or no manifest outputs); "
+                  f"judged live ({name})")
+        return None
+    if manifest.get("task") == "embedding" and name == "task":
+        config.gates.cosine_floor = limits.min_cosine  # the guards count rows under it as disagreeing
+    try:
+        judged = judge_offline(repository, target, primary, version, judge=name, task=manifest.get("task", ""),
+                               output=outputs[0]["name"], max_regression=config.gates.max_regression,
+                               min_agreement=config.gates.min_agreement or 0.99,
+                               max_disagreement=limits.max_disagreement, limit_source=limits.sources["max_disagreement"],
+                               min_cosine=limits.min_cosine, max_slice_regression=limits.max_slice_regression,
+                               labels_live=config.gates.min_labels > 0)
+    except JudgeError as exc:
+        err.print(f"[yellow]![/] {model} v{version}: no offline judgement ({exc}); judged live ({name}, "
+                  f"disagreement limit {config.gates.max_disagreement:.2%}: {config.gates.limit_source})")
+        return None
+    config.gates.expected_disagreement = judged.expected_disagreement
+    if judged.limit is not None:
+        config.gates.disagreement_limit, config.gates.limit_source = judged.limit, judged.limit_source
+    config.offline = judged.to_dict()
+    err.print(f"[bold]judge[/] {model} v{version} vs v{primary}: {judged.summary()}")
+    return judged
+
+
+def _judge_generation(repository: Path, model: str, target: str, version: int, primary: int, name: str,
+                      config, margin: float | None):
+    """A generative version (``task: generation``): greedy texts and bits per char of both
+    versions on the evaluation texts (:mod:`exporter.rollout.generation`)."""
+    from exporter.rollout.generation import MAX_REGRESSION, judge_generation  # noqa: PLC0415
+    from exporter.rollout.judge import JudgeError  # noqa: PLC0415
+
+    if primary is None or primary < 1:
+        err.print(f"[yellow]![/] {model} v{version}: no offline judgement (no primary); judged live ({name})")
+        return None
+    try:
+        judged = judge_generation(repository, target, primary, version, judge=name,
+                                  max_regression=MAX_REGRESSION if margin is None else margin,
+                                  min_agreement=config.gates.min_agreement or 0.99)
+    except JudgeError as exc:
+        err.print(f"[yellow]![/] {model} v{version}: no offline judgement ({exc}); judged live ({name})")
+        return None
+    # live, the canary compares greedy texts: equal for a re-export (the agreement gate judges
+    # them); for another training run they differ by nature, and bits per char on the eval texts,
+    # this judge's task metric, has decided: live disagreement is then reported, not judged
+    config.gates.expected_disagreement = judged.expected_disagreement
+    if name == "task":
+        config.gates.judge_disagreement = False
+    config.offline = judged.to_dict()
+    err.print(f"[bold]judge[/] {model} v{version} vs v{primary}: {judged.summary()}")
+    return judged
+
+
+class JudgeLimits:
+    """The judge's operator-owned limits for one promote, and where each came from."""
+
+    def __init__(self, cfg, sources: dict[str, str]):
+        self.max_disagreement = cfg.max_disagreement
+        self.min_cosine = cfg.min_cosine
+        self.max_slice_regression = cfg.max_slice_regression
+        self.sources = sources
+
+
+def judge_limits(repository: Path, model: str, *, max_disagreement: str | None = None,
+                 min_cosine: float | None = None, max_slice_regression: str | None = None) -> JudgeLimits:
+    """Flags > the guard's ``judge.*`` (config.pbtxt < TRITONGUARD_JUDGE__* < [tool.tritonguard.judge],
+    resolved as the guard resolves them) > the defaults of :mod:`tritonguard.rollout.judging`."""
+    from exporter.rollout.judge import parse_margin  # noqa: PLC0415
+    from tritonguard.core import repository as repo_mod  # noqa: PLC0415
+    from tritonguard.core.config import from_params, layered_parameters, model_parameters  # noqa: PLC0415
+    from tritonguard.rollout.judging import SOURCES, JudgeConfig  # noqa: PLC0415
+
+    found = repo_mod.guard_dir(Path(repository), model)
+    params = layered_parameters(model_parameters(found[1]) if found else {}, Path(repository))
+    mine = {k[len("judge."):]: v for k, v in params.items() if k.startswith("judge.")}
+    sources = {k: f"judge.{k} from {params.source_of('judge.' + k)}" for k in mine}
+    flags = {"max_disagreement": None if max_disagreement is None else parse_margin(max_disagreement, "--max-disagreement"),
+             "min_cosine": min_cosine,
+             "max_slice_regression": None if max_slice_regression is None
+             else parse_margin(max_slice_regression, "--max-slice-regression")}
+    for key, value in flags.items():
+        if value is not None:
+            mine[key] = str(value)
+            sources[key] = f"--{key.replace('_', '-')}"
+    cfg = from_params(JudgeConfig, mine, section="judge", model=model)
+    return JudgeLimits(cfg, {k: sources.get(k, SOURCES[k]) for k in SOURCES})
+
+
+def rollback(
+    model: Model,
+    repository: Repository = Path("model_repository"),
+    server: Servers = None,
+    approver: Annotated[str | None, typer.Option(help="Who decided (recorded in the history).")] = None,
+    reason: Annotated[str, typer.Option(help="Why (recorded in the history).")] = "manual rollback",
+) -> None:
+    """Abort MODEL's active rollout, or else restore the previous production version; purge the cache."""
+    from exporter.records.registry import RegistryError  # noqa: PLC0415
+    from exporter.rollout.controller import ACTIVE, ControllerError  # noqa: PLC0415
+    from exporter.rollout.route import RouteChange, RouteError, apply  # noqa: PLC0415
+    from exporter.rollout.serving import ServingError, ensure_loaded  # noqa: PLC0415
+
+    where(err, repository, registry=True)
+    try:
+        ctl, reg, _ = _controller(model, repository, [], approver=approver)
+        progress = ctl.status()
+        if progress is not None and progress.status in ACTIVE:
+            progress = ctl.abort(reason)
+            _purge(repository, model, "rollback")
+            _reconcile(repository, model, registry=reg)
+            out.print(f"[bold]{model}[/]: rollout of {_who(progress)} aborted, taken out of the routing")
+            return
+        target_version = reg.previous_production(model)
+        if target_version is None:
+            raise RegistryError(f"'{model}' has no previous production version to roll back to")
+        ensure_loaded(list(server or []), repository, model, target_version)
+        info = reg.rollback(model, approver=approver, reason=reason)
+        apply(repository, model, RouteChange(primary=info.version, candidate=0), by="rollback",
+              reason=f"rolled back to v{info.version} by `exporter rollback` ({reason})", rolled_back=True)
+        _purge(repository, model, "rollback")
+    except (RouteError, RegistryError, ControllerError, ServingError) as exc:
+        err.print(f"[bold red]✗ rollback failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    _reconcile(repository, model, registry=reg)
+    out.print(f"[bold]{model}[/]: v{info.version} is primary and PRODUCTION again")
+
+
+@rollout_app.command("status")
+def rollout_status(
+    model: Model,
+    server: Servers = None,
+    metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of each replica "
+                           "(repeat; default: each --server's port + 2).")] = None,
+    repository: Repository = Path("model_repository"),
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable progress on stdout.")] = False,
+) -> None:
+    """Show the rollout's step, dwell, status and last gate report; with --server (as for
+    `rollout resume`), also the gates as the next look would judge them now (nothing is changed)."""
+    from exporter.rollout.controller import ControllerError, RolloutController, evidence  # noqa: PLC0415
+    from exporter.rollout.serving import ServingError, metrics_urls  # noqa: PLC0415
+
+    try:
+        urls = metrics_urls(list(server or []), metrics_url or [])
+        progress = RolloutController(model, repository, reader=None).status()
+    except (ControllerError, ServingError) as exc:  # unreadable progress, or its Redis unreachable
+        err.print(f"[bold red]✗ status failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    _reconcile(repository, model)
+    live = None
+    if urls and progress is not None and progress.status in ("running", "paused"):
+        live = _peek(model, repository, urls)
+    if as_json:
+        doc = progress.to_dict() if progress else None
+        if doc is not None and urls:
+            doc["live"] = live
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    if progress is None:
+        out.print(f"{model}: no rollout")
+        return
+    out.print(f"[bold]{model}[/] {_who(progress)} ({progress.mode}) {progress.status}, step "
+              f"{progress.step_index + 1}/{len(progress.steps)} at {progress.steps[progress.step_index]:g} %, "
+              f"look {progress.look}: {progress.reason}")
+    if progress.status != "done":  # a finished rollout's reason already names its evidence
+        out.print(f"  judged so far on: {evidence(progress)}")
+    reports = {f"v{v}": a.get("last_report") for v, a in progress.arms.items()} or {"": progress.last_report}
+    for who, report in reports.items():
+        for g in (report or {}).get("gates", []):
+            out.print(f"  {who:<4}{g['name']:<11} {g['verdict']:<12} n={g['samples']:<7} {g['reason']}")
+    if urls and live is None:
+        out.print(f"  live: the rollout is {progress.status}; no window to look at")
+    elif live is not None and "error" in live:
+        out.print(f"  live: [red]{live['error']}[/]")
+    elif live is not None:
+        for v, w in live["windows"].items():
+            rep = w["report"]
+            head = f"  live v{v}: " + (f"{rep['verdict']} now (not recorded; the driver decides)" if rep
+                                       else w["reason"])
+            out.print(head)
+            for g in (rep or {}).get("gates", []):
+                out.print(f"    {g['name']:<11} {g['verdict']:<12} n={g['samples']:<7} {g['reason']}")
+
+
+def _peek(model: str, repository: Path, urls: list[str]) -> dict | None:
+    """The gates over the running window as of now, from the replicas' metrics (read only)."""
+    from exporter.rollout.controller import (  # noqa: PLC0415
+        ControllerError,
+        RolloutController,
+        metrics_reader,
+        store_latency_reader,
+    )
+    from exporter.rollout.route import RouteError, _guard_target  # noqa: PLC0415
+
+    try:
+        target = _guard_target(repository, model)
+        try:
+            latency = store_latency_reader(model, repository)
+        except Exception:  # noqa: BLE001 - the buckets still judge
+            latency = None
+        ctl = RolloutController(model, repository, metrics_reader(urls, model, target=target),
+                                latency_reader=latency)
+        return ctl.peek()
+    except (ControllerError, RouteError) as exc:
+        return {"error": str(exc)}
+
+
+@rollout_app.command("abort")
+def rollout_abort(model: Model, repository: Repository = Path("model_repository"),
+                  reason: Annotated[str, typer.Option(help="Why.")] = "aborted by operator") -> None:
+    """Stop MODEL's rollout and take the candidate out of the routing state."""
+    from exporter.rollout.controller import ControllerError  # noqa: PLC0415
+
+    try:
+        ctl, _, _ = _controller(model, repository, [])
+        progress = ctl.abort(reason)
+    except ControllerError as exc:
+        err.print(f"[bold red]✗ abort failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    out.print(f"[bold]{model}[/] {_who(progress)}: aborted, taken out of the routing ({reason})")
+
+
+@rollout_app.command("pause")
+def rollout_pause(model: Model, repository: Repository = Path("model_repository")) -> None:
+    """Hold the rollout at its current step (the candidate keeps its share)."""
+    from exporter.rollout.controller import ControllerError, RolloutController  # noqa: PLC0415
+
+    try:
+        progress = RolloutController(model, repository, reader=None).pause()
+    except ControllerError as exc:
+        err.print(f"[bold red]✗ pause failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    _exit_for(progress)
+
+
+@rollout_app.command("resume")
+def rollout_resume(model: Model, server: Servers = None,
+                   metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of "
+                                          "each replica (repeat; default: each --server's port + 2).")] = None,
+                   repository: Repository = Path("model_repository"),
+                   approver: Annotated[str | None, typer.Option(help="Who approves PRODUCTION.")] = None) -> None:
+    """Continue a paused or interrupted rollout where it stopped (step, dwell and baseline)."""
+    from exporter.rollout.controller import ControllerError  # noqa: PLC0415
+    from exporter.rollout.serving import ServingError, metrics_urls  # noqa: PLC0415
+
+    try:
+        urls = metrics_urls(list(server or []), metrics_url or [])
+        if not urls:
+            raise ControllerError("resume reads the guards' metrics: pass --server URL (or --metrics-url URL)")
+        ctl, _, _ = _controller(model, repository, urls, approver=approver)
+        progress = ctl.resume()
+        if progress.status == "done":
+            _purge(repository, model, "promote")
+    except (ControllerError, ServingError) as exc:
+        err.print(f"[bold red]✗ resume failed:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    _exit_for(progress)

@@ -1,0 +1,594 @@
+"""Model registry on MLflow: versions, stages, approvals and a tamper-evident record of who was live.
+
+Every exported version is an MLflow model version (its ``source`` is the version folder in the
+model repository, so MLflow copies no artifact and nothing lands in ``./mlruns``) tagged with
+the artifact's SHA-256, the golden verdict and figures, and its lineage. Stages are modelled with
+the tag ``tritonguard.stage`` (DRAFT -> STAGING -> PRODUCTION -> ARCHIVED) plus the aliases
+``production`` and ``staging``: MLflow deprecated its own stages.
+
+MLflow has no compare-and-set, so :meth:`Registry.transition` adds one:
+
+- embedded sqlite store (the default, :func:`default_uri`): an exclusive ``flock`` on
+  ``<db>.lock`` around "re-read the stage, compare, write, append history". Two processes
+  promoting at once are serialised; the second finds the stage moved and gets StageConflict.
+- any other tracking URI (a team server) with a Redis to share (``lock_url``, default
+  ``$TRITONGUARD_STATE_URL``, the store the guards already follow): the same section under a
+  Redis lease ``tritonguard:registry:<model>:lock`` (token, renewed while held, lapsing 15 s
+  after a holder dies; :mod:`exporter.records.progress`). Every client using that Redis is serialised.
+- a team server without Redis: no lock can span clients, so a transition writes a unique token
+  into the registered model's tag ``tritonguard.txn``, waits ``settle_s``, and proceeds only if
+  its token is still there. This narrows the race window but is NOT linearisable (two clients
+  whose write-then-read sequences do not overlap can both pass); set ``TRITONGUARD_STATE_URL``
+  or run promotions from one place (a CI job).
+
+Exactly one PRODUCTION per model: promoting archives the previous one in the same locked
+section. The alias is authoritative: if a crash left a stale PRODUCTION tag, the next promotion
+archives it. Every registration and transition is appended to a hash-chained JSON Lines file
+(records carry ``seq``/``prev``/``hash`` as in :mod:`tritonguard.privacy.audit`, whose ``verify`` checks
+it); it is only ever appended to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import hashlib
+import importlib
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+from tritonguard.core.errors import TritonGuardError
+from tritonguard.privacy.audit import GENESIS, VerifyResult, canonical, verify
+from tritonguard.rollout.state import file_lock
+
+log = logging.getLogger(__name__)
+
+STAGES = ("DRAFT", "STAGING", "PRODUCTION", "ARCHIVED")
+ALIASES = {"PRODUCTION": "production", "STAGING": "staging"}
+T = "tritonguard."  # tag prefix
+HISTORY_FILE = "registry_history.jsonl"
+Approver = str | Callable[[dict[str, Any]], Any]
+_CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class RegistryError(TritonGuardError):
+    """The registry refused an operation, or could not be read or written."""
+
+
+class StageConflict(RegistryError):
+    """The version is not in the stage the caller expected (someone else moved it)."""
+
+
+class ApprovalRefused(RegistryError):
+    """An approval callback or command refused the transition."""
+
+
+class HistoryCorrupt(RegistryError):
+    """The stage history's hash chain is broken: it was edited, truncated or reordered."""
+
+
+@dataclass(kw_only=True)
+class ModelVersionInfo:
+    name: str
+    version: int  # the model repository's version
+    mlflow_version: str
+    sha256: str
+    stage: str
+    tags: dict[str, str]
+
+
+def default_uri(repository: str | os.PathLike) -> str:
+    """``$MLFLOW_TRACKING_URI`` if set, else a sqlite file beside the repository
+    (``<parent>/<repository name>.registry/mlflow.db``: Triton treats every folder *inside* the
+    repository as a model, so the registry must live outside it)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if env:
+        return env
+    repo = Path(repository).resolve()
+    return f"sqlite:///{repo.parent / (repo.name + '.registry') / 'mlflow.db'}"
+
+
+def open_registry(repository: str | os.PathLike, **kwargs: Any) -> Registry:
+    """The registry the CLI uses for ``repository``: :func:`default_uri`; for a remote tracking
+    server the history file is kept beside the repository (``<repository>.registry/``), the place
+    the embedded store would use, since MLflow itself has no append-only record."""
+    uri = default_uri(repository)
+    if _sqlite_path(uri) is None and "history_path" not in kwargs:
+        repo = Path(repository).resolve()
+        kwargs["history_path"] = repo.parent / (repo.name + ".registry") / HISTORY_FILE
+    return Registry(uri, **kwargs)
+
+
+RECONCILE_TIMEOUT_S = 20.0
+
+
+def registry_exists(repository: str | os.PathLike) -> bool:
+    """Whether there is a registry to read for ``repository``: ``$MLFLOW_TRACKING_URI`` is set,
+    or the embedded sqlite store beside the repository exists (reads never create one)."""
+    uri = default_uri(repository)
+    db = _sqlite_path(uri)
+    return db is None or db.exists()
+
+
+def reconcile_registry(repository: str | os.PathLike, model: str, *, state: Any = None,
+                       primary: int | None = None, create: bool = False, registry: Registry | None = None,
+                       timeout: float = RECONCILE_TIMEOUT_S,
+                       warn: Callable[[str], Any] | None = None) -> str | None:
+    """Make the registry agree with the routing: the rollout state's primary (``primary``
+    overrides it), which serves the traffic, is PRODUCTION (registered from its manifest if it
+    was not), any other PRODUCTION becomes ARCHIVED (:meth:`Registry.ensure_production`).
+
+    For every CLI command that reads or changes rollout state. Skipped while a rollout of
+    ``model`` is active (its controller moves the stages; its promotion is not atomic with the
+    routing change), for a primary of -1 (none pinned yet) and, unless ``create``, when there is
+    no registry (:func:`registry_exists`). Never raises: a registry that fails or does not
+    answer within ``timeout`` seconds (a daemon thread) is reported through ``warn`` (default:
+    the log) and the command goes on. Returns a line saying what changed, or None."""
+    import threading  # noqa: PLC0415
+
+    say = warn or (lambda msg: log.warning("%s", msg))
+    repo = Path(repository)
+    try:
+        from exporter.rollout.controller import ACTIVE, RolloutController  # noqa: PLC0415
+        from exporter.rollout.route import _guard_target  # noqa: PLC0415
+        from tritonguard.core.repository import read_manifest  # noqa: PLC0415
+        from tritonguard.rollout.state import open_store  # noqa: PLC0415
+
+        if primary is None:
+            if state is None:
+                state = open_store(model, repo).load()
+            primary = state.primary if state is not None else -1
+        if primary is None or primary < 1 or (not create and registry is None and not registry_exists(repo)):
+            return None
+        progress = RolloutController(model, repo, reader=None).status()  # type: ignore[arg-type]
+        if progress is not None and progress.status in ACTIVE:
+            return None
+        vdir = repo / _guard_target(repo, model) / str(primary)
+    except Exception as exc:  # noqa: BLE001 - a view must not fail on the registry's account
+        say(f"registry not reconciled for '{model}': {type(exc).__name__}: {exc}")
+        return None
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            reg = registry or open_registry(repo)
+            info, changed = reg.ensure_production(
+                model, primary, manifest=read_manifest(vdir), source=str(vdir.resolve()),
+                reason=f"reconcile: v{primary} is the primary of the rollout state (it serves the traffic)")
+            box["changed"] = changed
+        except Exception as exc:  # noqa: BLE001 - reported below
+            lines = str(exc).strip().splitlines()
+            box["error"] = f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    worker = threading.Thread(target=work, name="tritonguard-reconcile", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    where = registry.uri if registry is not None else default_uri(repo)
+    if worker.is_alive():
+        say(f"registry {where} did not answer within {timeout:g} s: '{model}' v{primary} (the primary) "
+            "not checked for PRODUCTION")
+        return None
+    if "error" in box:
+        say(f"registry {where}: could not make '{model}' v{primary} (the primary) PRODUCTION: {box['error']}")
+        return None
+    if box.get("changed"):
+        return f"registry: '{model}' v{primary} is the primary, now PRODUCTION (any other PRODUCTION ARCHIVED)"
+    return None
+
+
+def code_hash(cwd: str | os.PathLike | None = None) -> str | None:
+    """``git rev-parse HEAD`` (suffixed ``-dirty`` with uncommitted changes), None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "") if head else None
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite URI as SQLAlchemy reads it: ``sqlite:///rel.db`` is
+    relative, ``sqlite:////abs.db`` absolute; None for other URIs and in-memory databases."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = unquote(uri[len("sqlite:///"):].split("?", 1)[0])
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _who(approver: str | None) -> str:
+    with contextlib.suppress(OSError, KeyError):
+        return f"{approver or getpass.getuser()}@{socket.gethostname()}"
+    return approver or "unknown"
+
+
+class Registry:
+    """See the module docstring. ``approvers`` maps a target stage to callbacks that must all
+    approve a move into it: a callable, ``"pkg.mod:fn"`` (called with the request dict; falsy or
+    raising refuses) or a shell command (environment ``TRITONGUARD_*``; exit 0 approves)."""
+
+    def __init__(self, tracking_uri: str, *, history_path: str | os.PathLike | None = None,
+                 lock_path: str | os.PathLike | None = None,
+                 approvers: Mapping[str, Sequence[Approver]] | None = None,
+                 settle_s: float = 0.2, clock: Callable[[], float] = time.time,
+                 lock_url: str | None = None):
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        self.uri = tracking_uri
+        db = _sqlite_path(tracking_uri)
+        if db is not None:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        if history_path is None and db is None:
+            raise RegistryError(f"registry {tracking_uri}: pass history_path (a file this host "
+                                "keeps) for a registry that is not a local sqlite file")
+        self.history_path = Path(history_path) if history_path else db.parent / HISTORY_FILE
+        self.lock_path = Path(lock_path) if lock_path else (db.with_name(db.name + ".lock") if db else None)
+        # a remote registry: a Redis lease when there is a Redis, else the optimistic tag token
+        self.lock_url = (lock_url if lock_url is not None else os.environ.get("TRITONGUARD_STATE_URL", "")) or None
+        self.approvers = {k: list(v) for k, v in (approvers or {}).items()}
+        for stage in self.approvers:
+            _check_stage(stage)
+        self.settle_s, self.clock = settle_s, clock
+        self.lock_wait_s = 30.0
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            from mlflow import MlflowClient  # noqa: PLC0415 - seconds to import: only when used
+
+            self._client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+        return self._client
+
+    # -- reads ------------------------------------------------------------------------------
+    def _find(self, name: str, version: int) -> Any | None:
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+
+        try:
+            found = self.client.search_model_versions(
+                f"name = '{_quote(name)}' and tags.`{T}version` = '{int(version)}'")
+        except MlflowException as exc:
+            if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")):
+                return None
+            raise RegistryError(f"registry {self.uri}: {exc}") from None
+        return max(found, key=lambda mv: int(mv.version)) if found else None
+
+    def _info(self, name: str, mv: Any) -> ModelVersionInfo:
+        tags = dict(mv.tags)
+        return ModelVersionInfo(name=name, version=int(tags[f"{T}version"]), mlflow_version=str(mv.version),
+                                sha256=tags.get(f"{T}sha256", ""), stage=tags.get(f"{T}stage", "DRAFT"),
+                                tags=tags)
+
+    def get(self, name: str, version: int) -> ModelVersionInfo:
+        mv = self._find(name, version)
+        if mv is None:
+            raise RegistryError(f"'{name}' v{version} is not registered")
+        return self._info(name, mv)
+
+    def stage(self, name: str, version: int) -> str:
+        return self.get(name, version).stage
+
+    def versions(self, name: str) -> list[ModelVersionInfo]:
+        mvs = self.client.search_model_versions(f"name = '{_quote(name)}'")
+        return sorted((self._info(name, mv) for mv in mvs if f"{T}version" in mv.tags),
+                      key=lambda i: i.version)
+
+    def production(self, name: str) -> int | None:
+        """The version behind the ``production`` alias, None if there is none."""
+        return self._alias(name, ALIASES["PRODUCTION"])
+
+    def _alias(self, name: str, alias: str) -> int | None:
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+
+        try:
+            mv = self.client.get_model_version_by_alias(name, alias)
+        except MlflowException:
+            return None
+        return int(mv.tags[f"{T}version"]) if f"{T}version" in mv.tags else None
+
+    # -- writes -----------------------------------------------------------------------------
+    def register(self, name: str, version: int, manifest: Mapping[str, Any],
+                 lineage: Mapping[str, Any] | None = None, *, source: str = "") -> ModelVersionInfo:
+        """Register repository version ``version`` as DRAFT; a no-op for an already registered
+        (name, version) with the same SHA-256, a RegistryError with another."""
+        sha = manifest.get("sha256")
+        if not isinstance(sha, str) or not sha:
+            raise RegistryError(f"manifest of '{name}' v{version} has no sha256")
+        with self._locked(name):
+            existing = self._find(name, version)
+            if existing is not None:
+                info = self._info(name, existing)
+                if info.sha256 != sha:
+                    raise RegistryError(f"'{name}' v{version} is registered with sha256 {info.sha256[:12]}, "
+                                        f"this artifact is {sha[:12]}: export a new version instead")
+                return info
+            self._ensure_model(name)
+            lineage = dict(lineage or {})
+            lineage.setdefault("code_hash", code_hash())
+            lineage.setdefault("parent_version", self.production(name))
+            golden = manifest.get("golden") or {}
+            tags = {f"{T}version": str(int(version)), f"{T}sha256": sha, f"{T}stage": "DRAFT",
+                    f"{T}golden.verdict": str(golden.get("verdict", "")),
+                    f"{T}golden.figures": json.dumps(golden.get("metrics", {}), sort_keys=True),
+                    f"{T}golden.n": str(golden.get("n", "")),
+                    f"{T}task": str(manifest.get("task", "")), f"{T}created": str(manifest.get("created", ""))}
+            for key in ("data_version", "code_hash", "parent_version"):
+                tags[f"lineage.{key}"] = "" if lineage.get(key) is None else str(lineage[key])
+            for key in ("hyperparameters", "metrics"):
+                tags[f"lineage.{key}"] = json.dumps(lineage.get(key) or {}, sort_keys=True, default=str)
+            mv = self.client.create_model_version(name, source=self._source(source, name, version), tags=tags)
+            self._append({"type": "register", "model": name, "version": int(version),
+                          "mlflow_version": str(mv.version), "sha256": sha, "by": _who(None)})
+        log.info("registered '%s' v%d as MLflow version %s (DRAFT)", name, version, mv.version)
+        return self._info(name, mv)
+
+    def _source(self, source: str, name: str, version: int) -> str:
+        """Where the version's files are. A tracking server refuses local paths (they would name
+        files on the server), so for a remote registry a local folder becomes
+        ``tritonguard://<this host>/<absolute path>``: what it is, and where to find it."""
+        source = source or f"{name}/{int(version)}"
+        if _sqlite_path(self.uri) is not None or "://" in source:
+            return source
+        return f"tritonguard://{socket.gethostname()}{Path(source).resolve().as_posix()}"
+
+    def _ensure_model(self, name: str) -> None:
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+
+        try:
+            self.client.get_registered_model(name)
+        except MlflowException:
+            self.client.create_registered_model(name, tags={f"{T}managed": "true"})
+
+    def transition(self, name: str, version: int, to: str, expected_current: str,
+                   approver: str | None = None, *, reason: str = "",
+                   rollback: bool = False) -> ModelVersionInfo:
+        """Move ``version`` to ``to`` if it is still in ``expected_current`` (else StageConflict)."""
+        _check_stage(to)
+        _check_stage(expected_current)
+        if to == expected_current:
+            raise StageConflict(f"'{name}' v{version}: already {to}")
+        info = self.get(name, version)
+        if info.stage != expected_current:  # cheap early answer; re-checked under the lock
+            raise StageConflict(f"'{name}' v{version} is {info.stage}, not {expected_current}")
+        if to in ("STAGING", "PRODUCTION") and info.tags.get(f"{T}golden.verdict") == "FAIL":
+            raise RegistryError(f"'{name}' v{version} failed its golden check; it cannot become {to}")
+        # approvals run outside the lock: a human-in-the-loop command must not block other models
+        self._approve({"model": name, "version": int(version), "from": expected_current, "to": to,
+                       "sha256": info.sha256, "approver": approver or "", "reason": reason})
+        with self._locked(name):
+            mv = self._find(name, version)
+            current = self._info(name, mv).stage
+            if current != expected_current:
+                raise StageConflict(f"'{name}' v{version} is {current}, not {expected_current}")
+            archived, live = self._apply(name, mv, to, current, rollback)
+            self._append({"type": "transition", "model": name, "version": int(version),
+                          "mlflow_version": str(mv.version), "sha256": info.sha256, "from": current,
+                          "to": to, "archived": archived, "live": live,
+                          "approver": approver or "", "by": _who(approver), "reason": reason,
+                          "rollback": rollback})
+        log.info("'%s' v%d: %s -> %s%s", name, version, current, to,
+                 f" (archived {archived})" if archived else "")
+        info.stage, info.tags[f"{T}stage"] = to, to
+        return info
+
+    def _apply(self, name: str, mv: Any, to: str, current: str, rollback: bool) -> tuple[list[int], int | None]:
+        """Write the move; returns (versions archived, version live afterwards)."""
+        c, mlv, archived = self.client, str(mv.version), []
+        version = int(mv.tags[f"{T}version"])
+        aliases = {k: str(v) for k, v in c.get_registered_model(name).aliases.items()}
+        if to == "PRODUCTION":
+            # the new version first, then the alias, then the old ones: a crash in between leaves
+            # the alias on the new version and a stale tag that the next promotion archives
+            c.set_model_version_tag(name, mlv, f"{T}stage", "PRODUCTION")
+            c.set_registered_model_alias(name, ALIASES["PRODUCTION"], mlv)
+            for other in self.versions(name):
+                if other.mlflow_version != mlv and other.stage == "PRODUCTION":
+                    c.set_model_version_tag(name, other.mlflow_version, f"{T}stage", "ARCHIVED")
+                    if rollback:
+                        c.set_model_version_tag(name, other.mlflow_version, f"{T}rolled_back", "true")
+                    archived.append(other.version)
+        else:
+            c.set_model_version_tag(name, mlv, f"{T}stage", to)
+            if to == "STAGING":
+                c.set_registered_model_alias(name, ALIASES["STAGING"], mlv)
+        for stage, alias in ALIASES.items():
+            if stage != to and aliases.get(alias) == mlv:
+                c.delete_registered_model_alias(name, alias)
+        if to == "PRODUCTION":
+            return archived, version
+        return archived, None if current == "PRODUCTION" else self.production(name)
+
+    def ensure_production(self, name: str, version: int, *, manifest: Mapping[str, Any] | None = None,
+                          source: str = "", reason: str = "") -> tuple[ModelVersionInfo, bool]:
+        """Make the registry say ``version`` is PRODUCTION because it *is* live (the routing's
+        primary): registers it first if needed (from ``manifest``), moves it to PRODUCTION with
+        the alias, archives every other PRODUCTION, and appends the move to the history
+        (``"reconcile": true``). Idempotent: (info, False) when the registry already agrees,
+        stale PRODUCTION tags and a misplaced alias included. Runs no approvers: it records
+        where traffic already went; approval belongs to the command that moved it (promote)."""
+        if self._find(name, version) is None:
+            if manifest is None:
+                raise RegistryError(f"'{name}' v{version} is not registered and has no manifest to register")
+            self.register(name, version, manifest, {}, source=source)
+        with self._locked(name):
+            mv = self._find(name, version)
+            info = self._info(name, mv)
+            others = [o.version for o in self.versions(name)
+                      if o.stage == "PRODUCTION" and o.mlflow_version != str(mv.version)]
+            if info.stage == "PRODUCTION" and self.production(name) == version and not others:
+                return info, False
+            if info.tags.get(f"{T}golden.verdict") == "FAIL":
+                raise RegistryError(f"'{name}' v{version} failed its golden check; it cannot become PRODUCTION")
+            archived, live = self._apply(name, mv, "PRODUCTION", info.stage, False)
+            self._append({"type": "transition", "model": name, "version": int(version),
+                          "mlflow_version": str(mv.version), "sha256": info.sha256, "from": info.stage,
+                          "to": "PRODUCTION", "archived": archived, "live": live, "approver": "",
+                          "by": _who(None), "reason": reason or "reconcile: the routing's primary",
+                          "rollback": False, "reconcile": True})
+        log.info("'%s' v%d: %s -> PRODUCTION (reconciled with the routing)%s", name, version, info.stage,
+                 f" (archived {archived})" if archived else "")
+        info.stage, info.tags[f"{T}stage"] = "PRODUCTION", "PRODUCTION"
+        return info, True
+
+    def rollback(self, name: str, *, approver: str | None = None, reason: str = "") -> ModelVersionInfo:
+        """Make :meth:`previous_production` PRODUCTION again; the current one is ARCHIVED."""
+        target = self.previous_production(name)
+        if target is None:
+            raise RegistryError(f"'{name}' has no previous production version to roll back to")
+        info = self.get(name, target)
+        return self.transition(name, target, "PRODUCTION", info.stage, approver=approver,
+                               reason=reason or "rollback", rollback=True)
+
+    # -- approvals ---------------------------------------------------------------------------
+    def _approve(self, request: dict[str, Any]) -> None:
+        for spec in self.approvers.get(request["to"], []):
+            label = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+            try:
+                ok = _run_approver(spec, request)
+            except Exception as exc:  # noqa: BLE001 - a failing approver is a refusal, named
+                raise ApprovalRefused(f"approval '{label}' failed: {type(exc).__name__}: {exc}") from None
+            if not ok:
+                raise ApprovalRefused(f"approval '{label}' refused '{request['model']}' "
+                                      f"v{request['version']} -> {request['to']}")
+
+    # -- locking -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self, name: str):
+        if self.lock_path is not None:
+            self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+            with file_lock(self.lock_path):
+                yield
+            return
+        if self.lock_url:
+            from exporter.records.progress import (  # noqa: PLC0415
+                ControllerError,
+                ProgressUnavailable,
+                RedisProgress,
+            )
+
+            locks = RedisProgress(self.lock_url, name, key=f"tritonguard:registry:{name}", lock_wait_s=self.lock_wait_s)
+            try:
+                with locks.lock():
+                    yield
+            except ProgressUnavailable as exc:
+                raise RegistryError(f"'{name}': the registry lock's Redis is unreachable: {exc}") from None
+            except ControllerError as exc:  # waited lock_wait_s
+                raise StageConflict(f"'{name}': another transition holds the registry lock ({exc})") from None
+            return
+        token = f"{uuid.uuid4().hex}:{self.clock() + 60:.0f}"
+        self._ensure_model(name)
+        held = self.client.get_registered_model(name).tags.get(f"{T}txn", "")
+        if held and float(held.rsplit(":", 1)[-1]) > self.clock():
+            raise StageConflict(f"'{name}': another transition is in progress ({held.split(':')[0][:8]})")
+        self.client.set_registered_model_tag(name, f"{T}txn", token)
+        time.sleep(self.settle_s)
+        if self.client.get_registered_model(name).tags.get(f"{T}txn") != token:
+            raise StageConflict(f"'{name}': another transition took the registry first")
+        try:
+            yield
+        finally:
+            if self.client.get_registered_model(name).tags.get(f"{T}txn") == token:
+                self.client.delete_registered_model_tag(name, f"{T}txn")
+
+    # -- history -----------------------------------------------------------------------------
+    def _append(self, fields: dict[str, Any]) -> None:
+        """One hash-chained record; the caller holds the registry lock, this file lock covers
+        remote registries whose lock is only optimistic."""
+        path = self.history_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(f"{path}.lock"):
+            seq, prev = _tail(path)
+            rec = {"seq": seq, "ts": self.clock(), "prev": prev, **fields}
+            body = canonical(rec)
+            line = b'{"hash":"' + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:] + b"\n"
+            with open(path, "ab") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def verify_history(self) -> VerifyResult:
+        if not self.history_path.exists():
+            return VerifyResult(True, 0, None, "no history yet")
+        return verify(self.history_path)
+
+    def history(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Records of ``name`` (all models if None), oldest first; HistoryCorrupt if tampered."""
+        result = self.verify_history()
+        if not result.ok:
+            raise HistoryCorrupt(f"registry history {self.history_path}: {result.reason}")
+        if not self.history_path.exists():
+            return []
+        with open(self.history_path, "rb") as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        return [r for r in recs if name is None or r.get("model") == name]
+
+    def previous_production(self, name: str) -> int | None:
+        """The latest version that was PRODUCTION before the current one and did not leave
+        production through a rollback (the version a rollback should restore)."""
+        current = self.production(name)
+        records = self.history(name)
+        rolled_back: set[int] = set()
+        for rec in records:
+            if rec["type"] == "transition" and rec.get("rollback"):
+                rolled_back.update(rec.get("archived", []))
+            elif rec["type"] == "transition" and rec["to"] == "PRODUCTION":
+                rolled_back.discard(rec["version"])  # promoted again on purpose
+        for rec in reversed(records):
+            v = rec.get("version")
+            if rec["type"] == "transition" and rec["to"] == "PRODUCTION" and v != current \
+                    and v not in rolled_back:
+                return v
+        return None
+
+
+def _tail(path: Path) -> tuple[int, str]:
+    """(next seq, hash of the last record) of the history file."""
+    if not path.exists() or path.stat().st_size == 0:
+        return 0, GENESIS
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - (1 << 16)))
+        last = f.read().splitlines()[-1]
+    try:
+        rec = json.loads(last)
+        return int(rec["seq"]) + 1, str(rec["hash"])
+    except (ValueError, KeyError, TypeError):
+        # chain on from the raw line so verify() still points at the damage, not past it
+        log.error("registry history %s: last line is not a record", path)
+        return 0, hashlib.sha256(last).hexdigest()
+
+
+def _run_approver(spec: Approver, request: dict[str, Any]) -> bool:
+    if callable(spec):
+        return bool(spec(dict(request)))
+    if _CALLABLE.match(spec):
+        mod, _, fn = spec.partition(":")
+        return bool(getattr(importlib.import_module(mod), fn)(dict(request)))
+    env = {**os.environ, **{f"TRITONGUARD_{k.upper()}": str(v) for k, v in request.items()}}
+    proc = subprocess.run(spec, shell=True, env=env, capture_output=True, text=True, timeout=600)  # noqa: S602
+    if proc.returncode != 0:
+        log.warning("approval command %r exited %d: %s", spec, proc.returncode, proc.stderr.strip()[-500:])
+    return proc.returncode == 0
+
+
+def _check_stage(stage: str) -> None:
+    if stage not in STAGES:
+        raise RegistryError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+
+
+def _quote(name: str) -> str:
+    if "'" in name or "`" in name:
+        raise RegistryError(f"model name {name!r} may not contain quotes")
+    return name

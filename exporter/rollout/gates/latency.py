@@ -1,0 +1,193 @@
+"""The rollout latency gate on exact per-call latencies (:mod:`tritonguard.rollout.latency`).
+
+Why stratify: a call's latency depends on its sub-batch size, and the split makes the sizes
+differ by version. At a 1 % share the candidate's calls carry a row or two while the primary's
+carry the rest of each batch (~8), so pooled latencies would make any candidate look fast. Calls
+are compared only with calls of the same size class: exact sizes up to 31 rows, then classes
+sharing their top ``stratum_bits`` bits (at most 1/16 wide at the default 5 bits). Plain log2 bins
+(``stratum_bits=1``: 1, 2-3, 4-7, ...) are too wide: for a model whose time grows with rows, a
+class of 4-7 rows spans a factor ~1.6, and at a step where the candidate has the larger calls of
+a class, that alone reads as a slowdown.
+
+The test: in each class both versions served, Mann-Whitney U on log latency; classes combine as
+van Elteren's stratified test (each class's U deviation weighted by 1/(N+1), the locally most
+powerful weights for a common shift; tie-corrected variances; normal approximation). The size of
+the effect is the Hodges-Lehmann estimate of log(candidate / primary) pooled over the classes: the
+median of all within-class pairwise differences (so each class weighs n1*n2), reported as a ratio.
+
+FAIL only when the ratio exceeds ``1 + tolerance`` (below ``1 / (1 + tolerance)`` also counts with
+``direction="both"``) AND p < alpha_k, with alpha spent over looks as in :mod:`exporter.rollout.gates.engine`
+(alpha_k = 6 alpha / (pi^2 k^2)), so the false FAIL rate stays below ``alpha`` however often the
+controller looks. PASS needs evidence too: the same stratified test of the candidate's latencies
+divided by ``1 + tolerance`` must find them faster than the primary's at ``beta`` (the one-sided
+upper confidence bound of the ratio is below ``1 + tolerance``; with ``direction="both"`` the
+lower bound must be above ``1 / (1 + tolerance)`` as well). Between the two the gate is
+INCONCLUSIVE and the controller holds: a window too small or too noisy to tell a 1.2x slower
+build from an equal one does not pass it (before, anything short of a significant FAIL passed,
+and a 1.27x slower generation build went through a 50 % step on ~30 calls a side). Fewer than
+``min_samples`` comparable calls on either side is INCONCLUSIVE.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from exporter.rollout.gates.engine import FAIL, INCONCLUSIVE, PASS, GateResult, spent_alpha
+from tritonguard.rollout.latency import Samples
+
+NAME = "latency"
+MIN_SECONDS = 1e-9  # a zero duration (coarse clock) must not become log(0)
+
+
+@dataclass
+class _Stratum:
+    lo: int  # smallest and largest sub-batch rows present in the class
+    hi: int
+    n1: int  # comparable calls before subsampling
+    n2: int
+    x: np.ndarray  # candidate log seconds (subsampled to the cap)
+    y: np.ndarray  # primary log seconds, sorted
+
+    def figures(self) -> dict[str, Any]:
+        return {"rows": str(self.lo) if self.lo == self.hi else f"{self.lo}-{self.hi}",
+                "candidate_n": self.n1, "primary_n": self.n2,
+                "candidate_median_s": float(np.exp(np.median(self.x))),
+                "primary_median_s": float(np.exp(np.median(self.y)))}
+
+
+def size_class(rows: np.ndarray, bits: int = 5) -> np.ndarray:
+    """Rows rounded down to their top ``bits`` significant bits: the stratum key of each call."""
+    rows = np.maximum(np.asarray(rows, dtype=np.int64), 1)
+    shift = np.maximum(np.frexp(rows.astype(np.float64))[1] - bits, 0)  # frexp: bit length
+    return (rows >> shift) << shift
+
+
+def _strata(cand: Samples, prim: Samples, bits: int, cap: int,
+            rng: np.random.Generator) -> list[_Stratum]:
+    kc, kp = size_class(cand.rows, bits), size_class(prim.rows, bits)
+    lc = np.log(np.maximum(cand.seconds.astype(np.float64), MIN_SECONDS))
+    lp = np.log(np.maximum(prim.seconds.astype(np.float64), MIN_SECONDS))
+    out = []
+    for key in np.intersect1d(kc, kp):
+        ic, ip = np.flatnonzero(kc == key), np.flatnonzero(kp == key)
+        rows = np.concatenate([cand.rows[ic], prim.rows[ip]])
+        x, y = lc[ic], lp[ip]
+        # uniform subsample: a 10^5-call window costs no more than 2 x cap per class
+        if len(x) > cap:
+            x = x[rng.choice(len(x), cap, replace=False)]
+        if len(y) > cap:
+            y = y[rng.choice(len(y), cap, replace=False)]
+        out.append(_Stratum(int(rows.min()), int(rows.max()), len(ic), len(ip), x, np.sort(y)))
+    return out
+
+
+def van_elteren(strata: list[_Stratum], shift: float = 0.0) -> float:
+    """z of the stratified rank test (normal approximation); z > 0: candidate slower. ``shift``
+    (log seconds) is taken off every candidate latency first: the test of H0 "the candidate is
+    ``exp(shift)`` times the primary"."""
+    from scipy import stats  # noqa: PLC0415 - seconds to import; only the controller needs it
+
+    num = var = 0.0
+    for s in strata:
+        n1, n2 = len(s.x), len(s.y)
+        n = n1 + n2
+        both = np.concatenate([s.x - shift, s.y])
+        ranks = stats.rankdata(both)  # mid-ranks for ties
+        u1 = float(ranks[:n1].sum()) - n1 * (n1 + 1) / 2
+        _, ties = np.unique(both, return_counts=True)
+        tie = float((ties.astype(np.float64) ** 3 - ties).sum())
+        v = n1 * n2 / 12 * ((n + 1) - (tie / (n * (n - 1)) if n > 1 else 0.0))
+        w = 1.0 / (n + 1)
+        num += w * (u1 - n1 * n2 / 2)
+        var += w * w * v
+    return num / math.sqrt(var) if var > 0 else 0.0
+
+
+def hodges_lehmann(strata: list[_Stratum], iterations: int = 60) -> float:
+    """Median of every within-class difference x_i - y_j (log seconds), by bisection on the
+    shift: counting the pairs below a shift is a searchsorted per class, so O(n log n) per step
+    instead of the n1*n2 differences themselves."""
+    total = sum(len(s.x) * len(s.y) for s in strata)
+    lo = min(float(s.x.min() - s.y[-1]) for s in strata)
+    hi = max(float(s.x.max() - s.y[0]) for s in strata)
+    half = total / 2
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        # pairs with x - y <= mid: for each x, the y >= x - mid
+        below = sum(int(len(s.y) * len(s.x) - np.searchsorted(s.y, s.x - mid, "left").sum())
+                    for s in strata)
+        if below >= half:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo < 1e-9:
+            break
+    return hi
+
+
+def _quantiles(seconds: np.ndarray) -> tuple[float | None, float | None]:
+    if not len(seconds):
+        return None, None
+    p50, p99 = np.quantile(seconds.astype(np.float64), [0.5, 0.99])
+    return float(p50), float(p99)
+
+
+def latency_gate(cand: Samples, prim: Samples, look: int, *, alpha: float = 0.05, beta: float = 0.10,
+                 tolerance: float = 0.15, min_samples: int = 100, direction: str = "increase",
+                 stratum_bits: int = 5, max_per_stratum: int = 20_000, seed: int = 0) -> GateResult:
+    """PASS / FAIL / INCONCLUSIVE of the candidate's latency against the primary's; see the
+    module docstring. ``look`` numbers the looks at this window (1, 2, ...)."""
+    from scipy import stats  # noqa: PLC0415
+
+    if direction not in ("increase", "both"):
+        raise ValueError(f"direction must be 'increase' or 'both', got {direction!r}")
+    if stratum_bits < 1 or max_per_stratum < 2 or min_samples < 2 or tolerance < 0:
+        raise ValueError("latency_gate: need stratum_bits >= 1, max_per_stratum >= 2, "
+                         "min_samples >= 2 and tolerance >= 0")
+    alpha_k = spent_alpha(alpha, look)
+    c50, c99 = _quantiles(cand.seconds)
+    p50, p99 = _quantiles(prim.seconds)
+    figures: dict[str, Any] = {
+        "candidate_samples": len(cand), "primary_samples": len(prim), "alpha_k": alpha_k, "beta": beta,
+        "tolerance": tolerance, "direction": direction,
+        "candidate_p50_s": c50, "candidate_p99_s": c99, "primary_p50_s": p50, "primary_p99_s": p99}
+    strata = _strata(cand, prim, stratum_bits, max_per_stratum, np.random.default_rng(seed))
+    n1, n2 = sum(s.n1 for s in strata), sum(s.n2 for s in strata)
+    figures.update(comparable_candidate=n1, comparable_primary=n2,
+                   strata=[s.figures() for s in strata])
+    if n1 < min_samples or n2 < min_samples:
+        c_rows = f"{cand.rows.min()}-{cand.rows.max()}" if len(cand) else "none"
+        p_rows = f"{prim.rows.min()}-{prim.rows.max()}" if len(prim) else "none"
+        return GateResult(name=NAME, verdict=INCONCLUSIVE, figures=figures, samples=n1,
+                          reason=f"{n1} candidate / {n2} primary calls of sub-batch sizes both "
+                                 f"served (candidate {c_rows} rows, primary {p_rows}), "
+                                 f"need >= {min_samples} each")
+    z = van_elteren(strata)
+    both = direction == "both"
+    p = float(2 * stats.norm.sf(abs(z)) if both else stats.norm.sf(z))
+    ratio = math.exp(hodges_lehmann(strata))
+    limit = 1 + tolerance
+    big = (ratio > limit or ratio < 1 / limit) if both else ratio > limit
+    # PASS: the candidate's latencies over 1 + tolerance are faster than the primary's at beta
+    margin = math.log(limit)
+    p_within = float(stats.norm.cdf(van_elteren(strata, margin)))
+    if both:
+        p_within = max(p_within, float(stats.norm.sf(van_elteren(strata, -margin))))
+    figures.update(ratio=ratio, z=z, p=min(p, 1.0), p_within=min(p_within, 1.0))
+    if big and p < alpha_k:
+        return GateResult(name=NAME, verdict=FAIL, figures=figures, samples=n1,
+                          reason=f"candidate/primary latency {ratio:.3g}x at equal sub-batch sizes "
+                                 f"(allowed {1 / limit:.3g}x-{limit:.3g}x), p={p:.2g} < {alpha_k:.2g}"
+                          if both else
+                          f"candidate/primary latency {ratio:.3g}x at equal sub-batch sizes "
+                          f"> {limit:.3g}x, p={p:.2g} < {alpha_k:.2g}")
+    if p_within < beta:
+        return GateResult(name=NAME, verdict=PASS, figures=figures, samples=n1)
+    bound = f"between {1 / limit:.3g}x and {limit:.3g}x" if both else f"below {limit:.3g}x"
+    return GateResult(name=NAME, verdict=INCONCLUSIVE, figures=figures, samples=n1,
+                      reason=f"candidate/primary latency {ratio:.3g}x on {n1}/{n2} calls, not yet shown "
+                             f"{bound} (p={p_within:.2g}, need < {beta:.2g})")

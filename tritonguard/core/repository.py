@@ -1,0 +1,156 @@
+"""The on-disk model repository: config.pbtxt (through Triton's own protobuf schema),
+numeric version folders, and the per-version manifest and goldens the exporter writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+GOLDENS = "goldens.npz"
+CONFIG = "config.pbtxt"
+
+
+def _pb():
+    from google.protobuf import json_format, text_format  # noqa: PLC0415
+    from tritonclient.grpc import model_config_pb2  # noqa: PLC0415
+
+    return model_config_pb2, text_format, json_format
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """config.pbtxt -> the same JSON shape Triton hands to ``initialize``."""
+    mc, text_format, json_format = _pb()
+    msg = mc.ModelConfig()
+    text_format.Parse((Path(model_dir) / CONFIG).read_text(), msg)
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+
+
+def render_config(config: dict[str, Any]) -> str:
+    """Validate ``config`` against Triton's ModelConfig schema and render it as pbtxt."""
+    mc, text_format, json_format = _pb()
+    msg = json_format.ParseDict(config, mc.ModelConfig())
+    return text_format.MessageToString(msg)
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_config(model_dir: Path, config: dict[str, Any]) -> Path:
+    path = Path(model_dir) / CONFIG
+    atomic_write(path, render_config(config))
+    return path
+
+
+def guard_dir(repo: Path, model: str) -> tuple[Path, dict[str, Any]] | None:
+    """(folder, config) of the guard that serves the public ``model``: ``model`` itself when
+    its backend is ``guard``, or the step served by backend ``guard`` of the ensemble ``model``
+    (``<name>`` = ``<name>_intake`` -> ``<name>_guard``, see :mod:`tritonguard.models.intake`); None
+    otherwise. Raises what :func:`read_config` raises for an unreadable config."""
+    repo = Path(repo)
+    if not (repo / model / CONFIG).exists():
+        return None
+    cfg = read_config(repo / model)
+    if cfg.get("backend") == "guard":
+        return repo / model, cfg
+    if cfg.get("platform") != "ensemble":
+        return None
+    for step in (cfg.get("ensemble_scheduling") or {}).get("step") or []:
+        name = step.get("model_name", "")
+        if name and (repo / name / CONFIG).exists():
+            inner = read_config(repo / name)
+            if inner.get("backend") == "guard":
+                return repo / name, inner
+    return None
+
+
+def holds_state(model_dir: Path) -> bool:
+    """A guard, or the ensemble a guard serves under: the folders where rollout state, latency
+    samples and audit anchors are written (by the public name)."""
+    model_dir = Path(model_dir)
+    if not (model_dir / CONFIG).exists():
+        return False
+    return guard_dir(model_dir.parent, model_dir.name) is not None
+
+
+def mirror(src: Path, dest: Path) -> Path:
+    """A repository at ``dest`` serving what ``src`` serves without writing into it: the
+    folders that :func:`holds_state` copied (without their state), every other model linked.
+    For tests and benchmarks that must leave the exported repository as it was."""
+    import shutil  # noqa: PLC0415
+
+    src, dest = Path(src), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for model_dir in sorted(src.iterdir()):
+        if not (model_dir / CONFIG).exists():
+            continue
+        if holds_state(model_dir):
+            shutil.copytree(model_dir, dest / model_dir.name,
+                            ignore=shutil.ignore_patterns("rollout_state.json*", ".rollout_state*", ".latency"))
+        else:
+            (dest / model_dir.name).symlink_to(model_dir.resolve())
+    return dest
+
+
+def versions(model_dir: Path) -> list[int]:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def latest_version(model_dir: Path) -> int | None:
+    vs = versions(model_dir)
+    return vs[-1] if vs else None
+
+
+def read_manifest(version_dir: Path) -> dict[str, Any] | None:
+    path = Path(version_dir) / MANIFEST
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def version_with_artifact(model_dir: Path, sha256: str, *, exclude: int | None = None) -> int | None:
+    """The latest version of ``model_dir`` whose manifest records the artifact ``sha256``
+    (other than ``exclude``), or None: an export or a judge tells a re-export of the same weights
+    from a new model by it."""
+    if not sha256:
+        return None
+    return next((v for v in reversed(versions(model_dir))
+                 if v != exclude and (read_manifest(Path(model_dir) / str(v)) or {}).get("sha256") == sha256), None)
+
+
+def load_goldens(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(inputs, outputs) from a goldens.npz (``in__NAME`` / ``out__NAME``). BYTES are stored as
+    fixed-width ``S`` arrays so reading never needs ``allow_pickle``; they come back as object
+    arrays of bytes, the form Triton clients and the BYTES backends use."""
+    ins: dict[str, np.ndarray] = {}
+    outs: dict[str, np.ndarray] = {}
+    with np.load(path, allow_pickle=False) as data:
+        for key in data.files:
+            arr = data[key]
+            if arr.dtype.kind == "S":
+                arr = arr.astype(object)
+            if key.startswith("in__"):
+                ins[key[4:]] = arr
+            elif key.startswith("out__"):
+                outs[key[5:]] = arr
+    return ins, outs

@@ -1,0 +1,96 @@
+"""A guard model's configuration: its ``config.pbtxt`` parameters, section by section.
+
+Its own module so that the stages a guard runs (privacy, routing, ...) can take the whole
+configuration without importing the guard (which imports them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tritonguard.core.config import from_params, split_parameters
+from tritonguard.guard.routing.router import RoutingConfig
+from tritonguard.guard.validation import ValidationConfig
+from tritonguard.models.engines import EngineConfig
+from tritonguard.observe.cost import CostConfig
+from tritonguard.observe.tracing import TracingConfig
+from tritonguard.privacy.audit import AuditConfig
+from tritonguard.privacy.cache import CacheConfig
+from tritonguard.privacy.redaction import RedactionConfig
+from tritonguard.privacy.tenancy import TenancyConfig
+from tritonguard.rollout.breaker import BreakerConfig
+from tritonguard.rollout.feedback import FeedbackConfig
+from tritonguard.rollout.judging import JudgeConfig
+from tritonguard.rollout.validators import ValidatorConfig
+
+
+@dataclass(kw_only=True)
+class TargetConfig:
+    """Top-level guard parameters."""
+
+    target: str = ""
+    target_version: int = -1  # -1: the latest version Triton serves
+    placement: str = "bls"  # bls | inprocess
+    timeout_ms: int = 0  # BLS timeout; 0 = none
+    # BLS only: the model that serves version N, e.g. "minilm_raw_v{version}" (per-version
+    # ensembles); empty: version N of ``target`` itself
+    target_per_version: str = ""
+    # the public name this guard serves under when it is a step of an ensemble (``<name>`` =
+    # ``<name>_intake`` -> ``<name>_guard``, see tritonguard.models.intake): its rollout state,
+    # metrics, audit and latency log are keyed by that name; empty: the guard's own name
+    serves_as: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ValueError("parameter 'target' is required (the model or ensemble this guard fronts)")
+        if self.target_per_version and "{version}" not in self.target_per_version:
+            raise ValueError("target_per_version must contain '{version}'")
+        if self.placement not in ("bls", "inprocess"):
+            raise ValueError(f"placement must be 'bls' or 'inprocess', got {self.placement!r}")
+
+
+SERVED_BY = "SERVED_BY"  # optional BYTES [1] output: "<target>:<version>" that answered
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    target: TargetConfig
+    validation: ValidationConfig
+    runtime: EngineConfig
+    routing: RoutingConfig
+    breaker: BreakerConfig
+    validator: ValidatorConfig
+    redaction: RedactionConfig
+    tenancy: TenancyConfig
+    cache: CacheConfig
+    audit: AuditConfig
+    tracing: TracingConfig
+    cost: CostConfig
+    feedback: FeedbackConfig
+    judge: JudgeConfig  # read by exporter promote; the guard only checks the values
+
+    SECTIONS = ("", "validation", "runtime", "routing", "breaker", "validator", "redaction", "tenancy", "cache", "audit",
+                "tracing", "cost", "feedback", "judge")
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], model: str) -> GuardConfig:
+        groups = split_parameters(params, cls.SECTIONS, model=model)
+        return cls(
+            target=from_params(TargetConfig, groups[""], model=model),
+            validation=from_params(ValidationConfig, groups["validation"], section="validation", model=model),
+            runtime=from_params(EngineConfig, groups["runtime"], section="runtime", model=model),
+            routing=from_params(RoutingConfig, groups["routing"], section="routing", model=model),
+            breaker=from_params(BreakerConfig, groups["breaker"], section="breaker", model=model),
+            validator=from_params(ValidatorConfig, groups["validator"], section="validator", model=model),
+            redaction=from_params(RedactionConfig, groups["redaction"], section="redaction", model=model),
+            tenancy=from_params(TenancyConfig, groups["tenancy"], section="tenancy", model=model),
+            cache=from_params(CacheConfig, groups["cache"], section="cache", model=model),
+            audit=from_params(AuditConfig, groups["audit"], section="audit", model=model),
+            tracing=from_params(TracingConfig, groups["tracing"], section="tracing", model=model),
+            cost=from_params(CostConfig, groups["cost"], section="cost", model=model),
+            feedback=from_params(FeedbackConfig, groups["feedback"], section="feedback", model=model),
+            judge=from_params(JudgeConfig, groups["judge"], section="judge", model=model),
+        )
+
+
+__all__ = ["GuardConfig", "TargetConfig", "SERVED_BY"]

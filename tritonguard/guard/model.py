@@ -1,0 +1,308 @@
+"""The ``guard`` Python-based backend: validate a whole batch, call the target once, split.
+
+Two placements of the same pipeline:
+- ``bls`` (default): the target is any Triton model or ensemble, reached by one fused BLS call
+  per ``execute()``;
+- ``inprocess``: the target is served by our ``runtime`` backend; the guard loads the same
+  artifact with the same engine code and skips the second stub hop (for small, fast models the
+  hop costs more than the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tritonguard.core import repository
+from tritonguard.core.config import from_params, layered_parameters, model_parameters
+from tritonguard.core.errors import ConfigError, InvalidInput, TargetError
+from tritonguard.core.tensors import ModelSignature, TensorSpec
+from tritonguard.guard.config import SERVED_BY, GuardConfig, TargetConfig
+from tritonguard.guard.pipeline import Batch, Pipeline
+from tritonguard.guard.routing.router import Router
+from tritonguard.guard.services import PrivacyStage, audit_file, enforce_security, security_findings
+from tritonguard.guard.stages.cost import CostStage
+from tritonguard.guard.stages.feedback import FeedbackStage
+from tritonguard.guard.stages.respond import RespondStage
+from tritonguard.guard.stages.route import RouteStage
+from tritonguard.guard.stages.trace import TraceStartStage, TraceTagStage
+from tritonguard.guard.stages.validate import ValidateStage
+from tritonguard.guard.validation import BatchValidator
+from tritonguard.models.engines import EngineConfig, load_engine
+from tritonguard.observe.cost import cost_meter
+from tritonguard.observe.tracing import Tracer
+from tritonguard.rollout.feedback import recorder_for as feedback_recorder
+from tritonguard.rollout.latency import recorder_for
+from tritonguard.rollout.state import open_store
+from tritonguard.rollout.validators import ValidatorRegistry
+from tritonguard.triton import backend as triton
+
+log = logging.getLogger(__name__)
+
+
+def check_signature(guard: ModelSignature, target: ModelSignature, target_name: str) -> None:
+    """The guard's public contract must be the target's: same names, dtypes, dims, batch cap."""
+
+    def fmt(s: TensorSpec) -> str:
+        return f"{s.name}:{s.triton_type}{list(s.dims)}"
+
+    problems = []
+    t_in = {s.name: s for s in target.inputs}
+    for s in guard.inputs:
+        other = t_in.get(s.name)
+        if other is None:
+            problems.append(f"input {s.name} is not an input of the target")
+        elif other.dtype != s.dtype or len(other.dims) != len(s.dims) or any(
+            o != -1 and g != o for g, o in zip(s.dims, other.dims, strict=True)
+        ):
+            problems.append(f"input {fmt(s)} != target's {fmt(other)}")
+    t_out = {s.name: s for s in target.outputs}
+    for s in guard.outputs:
+        if s.name == SERVED_BY:
+            continue
+        if s.name not in t_out:
+            problems.append(f"output {s.name} is not an output of the target")
+    if target.max_batch_size and guard.max_batch_size > target.max_batch_size:
+        problems.append(f"max_batch_size {guard.max_batch_size} > target's {target.max_batch_size}")
+    if problems:
+        raise ConfigError(f"guard does not match target '{target_name}': " + "; ".join(problems))
+
+
+class BlsTarget:
+    def __init__(self, name: str, version: int, outputs: list[str], max_batch: int, timeout_ms: int,
+                 served_as: str = ""):
+        self.name, self.version, self.outputs = name, version, outputs
+        self.max_batch = max_batch
+        self.timeout_us = timeout_ms * 1000
+        self.served_by = served_as or f"{name}:{version if version > 0 else 'latest'}"
+
+    def infer(self, fused: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = len(next(iter(fused.values())))
+        if not self.max_batch or rows <= self.max_batch:
+            return triton.bls(self.name, self.version, fused, self.outputs, timeout_us=self.timeout_us)
+        parts = [
+            triton.bls(self.name, self.version, {k: v[i:i + self.max_batch] for k, v in fused.items()},
+                       self.outputs, timeout_us=self.timeout_us)
+            for i in range(0, rows, self.max_batch)
+        ]
+        return {n: np.concatenate([p[n] for p in parts]) for n in self.outputs}
+
+
+class InProcessTarget:
+    def __init__(self, repo: Path, name: str, version: int, cfg: EngineConfig, signature: ModelSignature,
+                 outputs: list[str]):
+        model_dir = repo / name
+        if version <= 0:
+            latest = repository.latest_version(model_dir)
+            if latest is None:
+                raise ConfigError(f"target '{name}' has no version folder in {model_dir}")
+            version = latest
+        self.name, self.version, self.outputs = name, version, outputs
+        self.served_by = f"{name}:{version}"
+        self.engine = load_engine(model_dir / str(version), cfg, [s.name for s in signature.inputs], outputs)
+
+    def infer(self, fused: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            return self.engine.run(fused, self.outputs)
+        except Exception as exc:  # the engine's message may hold paths: keep it in the log
+            log.exception("in-process target %s failed", self.served_by)
+            raise TargetError(f"target '{self.name}' failed to run the batch: {type(exc).__name__}") from None
+
+
+class GuardModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        triton.setup_logging()
+        cfg = triton.model_config(args)
+        self.name = args["model_name"]
+        self.version = args["model_version"]
+        repo = self.repo = Path(args["model_repository"]).parent
+        # defaults < [tool.tritonguard] in pyproject.toml < TRITONGUARD_* < config.pbtxt
+        params = layered_parameters(model_parameters(cfg), repo, os.environ)
+        try:
+            self.config = GuardConfig.from_parameters(params, self.name)
+        except ConfigError as exc:
+            raise ConfigError(_with_source(str(exc), params)) from None
+        if self.config.target.serves_as:
+            self.name = self.config.target.serves_as
+        self.signature = ModelSignature.from_config(cfg)
+        self.config.validation.check_against(self.signature, self.name)
+        self.input_names = [s.name for s in self.signature.inputs]
+        self.output_names = [s.name for s in self.signature.outputs if s.name != SERVED_BY]
+        self.served_by_output = any(s.name == SERVED_BY for s in self.signature.outputs)
+        self._served = False  # set by the first execute()
+
+        tcfg = self.config.target
+        target_dir = repo / tcfg.target
+        target_config = None
+        if (target_dir / repository.CONFIG).exists():
+            target_config = repository.read_config(target_dir)
+            check_signature(self.signature, ModelSignature.from_config(target_config), tcfg.target)
+        elif tcfg.placement == "inprocess":
+            raise ConfigError(f"model '{self.name}': in-process target '{tcfg.target}' not found in {repo}")
+        else:
+            log.warning("guard %s: target %s is not in this repository; validating against the guard's own config",
+                        self.name, tcfg.target)
+
+        if tcfg.placement == "inprocess":
+            if target_config.get("backend") != "runtime":
+                raise ConfigError(f"model '{self.name}': placement 'inprocess' needs a target served by backend "
+                                  f"'runtime', '{tcfg.target}' uses '{target_config.get('backend') or target_config.get('platform')}'")
+            # the target's own runtime parameters, overridden by the guard's runtime.* ones
+            eng_params = {**model_parameters(target_config),
+                          **{k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("runtime.")}}
+            engine_cfg = from_params(EngineConfig, eng_params, model=tcfg.target)
+
+            def make_target(version: int) -> InProcessTarget:
+                return InProcessTarget(repo, tcfg.target, version, engine_cfg, self.signature, self.output_names)
+
+            ready = None  # the guard runs the artifact itself: always ready
+        else:
+            def make_target(version: int) -> BlsTarget:  # type: ignore[misc]
+                if tcfg.target_per_version and version > 0:
+                    return BlsTarget(tcfg.target_per_version.format(version=version), -1, self.output_names,
+                                     self.signature.max_batch_size, tcfg.timeout_ms, served_as=f"{tcfg.target}:{version}")
+                return BlsTarget(tcfg.target, version, self.output_names, self.signature.max_batch_size,
+                                 tcfg.timeout_ms)
+
+            # Goldens ahead of traffic over BLS wait until this guard has served a batch: by then
+            # Triton serves the targets (no BLS in initialize(); and pb_utils' model-control
+            # calls such as is_model_ready, made from a thread, aborted the server here)
+            def ready(_version: int) -> bool:
+                return self._served
+
+        instances = triton.instance_count(cfg)
+        # startup security check: hard failures refuse the load, the rest are logged warnings
+        enforce_security(self.name, security_findings(self.config, self.signature, params, instances=instances))
+        self.validator = BatchValidator(self.signature, self.config.validation)
+        self.metrics = triton.Metrics(self.name, self.version)
+        runtime_overrides = {k: v for k, v in params.items() if k.startswith("runtime.")}
+        self.privacy = PrivacyStage(
+            guard=self.name, target=tcfg.target, signature=self.signature, output_names=self.output_names,
+            config=self.config, repo=repo, metrics=self.metrics,
+            audit_path=audit_file(self.config.audit.path, model=self.name,
+                                  instance=args.get("model_instance_name", self.name), instances=instances),
+            # settings that change what the target answers for the same inputs
+            key_params={"placement": tcfg.placement, "runtime": runtime_overrides},
+        )
+        self.router = Router(
+            guard=self.name, repo=repo, target=tcfg.target, make_target=make_target,
+            output_names=self.output_names, store=open_store(self.name, repo), config=self.config.routing,
+            validator=self.config.validator, registry=ValidatorRegistry.from_config(self.config.validator),
+            breaker=self.config.breaker, metrics=self.privacy.wrap_metrics(self.metrics), pin=tcfg.target_version,
+            ready=ready, max_batch=self.signature.max_batch_size, latency=recorder_for(self.name, repo),
+        )
+        self.privacy.attach(self.router)
+        # compute and cost per answered request (tritonguard.observe.cost): fed once per batch, below
+        self.cost = cost_meter(self.config.cost, placement=tcfg.placement, target_config=target_config, params=params,
+                               instance_kind=args.get("model_instance_kind", ""), metrics=self.metrics,
+                               label=self.privacy.label)
+        # spans per safety stage (OpenTelemetry); None when tracing.endpoint is unset: then the
+        # SDK is never imported and each batch pays one `is None` test
+        self.tracer: Tracer | None = None
+        if self.config.tracing.enabled:
+            self.tracer = Tracer(self.config.tracing, model=self.name,
+                                 instance=args.get("model_instance_name", ""), metrics=self.metrics)
+            self.router.tracer = self.tracer
+            log.info("guard %s: tracing to %s (sample ratio %g for requests without a traced parent)",
+                     self.name, self.config.tracing.endpoint, self.config.tracing.sample_ratio)
+        # the path of every batch, in order, holding only the stages this guard's config needs
+        # (tritonguard/pipeline.py; each stage is one concern in tritonguard/stages/)
+        traced = self.tracer is not None
+        self.pipeline = Pipeline([
+            ValidateStage(self.validator, self.input_names, self.metrics),
+            *([TraceStartStage(self.tracer)] if traced else []),
+            *self.privacy.inbound,
+            *([TraceTagStage(self.privacy.label)] if traced else []),
+            RouteStage(self.router),
+            *self.privacy.outbound,
+            RespondStage(self.output_names),
+            *self._feedback(),
+            *self.privacy.closing,
+            CostStage(self.cost),
+        ])
+        log.info("guard %s: stages %s", self.name, " -> ".join(self.pipeline.names()))
+        if tcfg.placement == "inprocess":
+            # goldens on the serving hardware before any traffic; a primary that fails them
+            # fails the load, so the model reports not ready instead of serving wrong answers
+            primary = self.router.primary()
+            verdict = self.router.golden_verdict(primary)
+            if verdict == "FAIL":
+                figures = self.router.state.goldens.get(str(primary), {}).get("metrics")
+                self.router.close()
+                self.privacy.close()
+                raise ConfigError(f"model '{self.name}': primary {tcfg.target} v{primary} failed its goldens "
+                                  f"on this server: {figures}")
+        log.info("guard %s v%s -> %s primary v%d (%s)", self.name, self.version, tcfg.target,
+                 self.router.primary(), tcfg.placement)
+
+    def _feedback(self) -> list[FeedbackStage]:
+        """What each version answered, for late labels, and the labels sent with requests
+        (``feedback.*``); the stage stays (counting request labels) when the log cannot open."""
+        cfg = self.config
+        recorder = feedback_recorder(self.name, self.repo, cfg.feedback)
+        # the task of the primary's manifest (as the router's comparisons read it) says whether
+        # an answer is a class id to score labels on, or only a digest
+        workload = self.router.validator_for(self.router.primary()).workload
+        return [FeedbackStage(recorder, self.metrics, output=cfg.validator.output or self.output_names[0],
+                              classifier=workload == "classifier", sample=cfg.feedback.sample)]
+
+    # -- serving ----------------------------------------------------------------------
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses: list[Any] = [None] * len(requests)
+        try:
+            self._execute(requests, responses)
+        except Exception:  # noqa: BLE001 - a bug must never fail the server or leak a traceback
+            log.exception("guard %s: internal error", self.name)
+            for i, r in enumerate(responses):
+                if r is None:
+                    responses[i] = triton.error(f"internal error in guard '{self.name}' (details in the server log)")
+        return responses
+
+    def _execute(self, requests: list[Any], responses: list[Any]) -> None:
+        self._served = True
+        self.metrics.inc("requests", len(requests))
+        # parsed once per batch (most requests carry none: a string compare each), for the
+        # tenant, the ground-truth labels the rollout's gates score, pins and tracing
+        batch = Batch(requests=requests, responses=responses,
+                      params=[triton.request_parameters(r) for r in requests],
+                      served_by=([self._wants_served_by(r) for r in requests] if self.served_by_output
+                                 else [False] * len(requests)))
+        if self.tracer is None:
+            self.pipeline.run(batch)
+            return
+        batch.clock = (time.time_ns(), time.perf_counter_ns())
+        try:
+            self.pipeline.run(batch)
+        finally:
+            if batch.trace is not None:
+                batch.trace.finish()
+
+    @staticmethod
+    def _wants_served_by(request: Any) -> bool:
+        names = triton.requested_outputs(request)
+        return names is None or SERVED_BY in names
+
+    def finalize(self) -> None:
+        self.router.close()
+        self.pipeline.close()  # the cost meter; the privacy services close below
+        if self.tracer is not None:
+            self.tracer.close()
+        self.privacy.close()
+        self.metrics.close()
+
+
+def _with_source(message: str, params: Any) -> str:
+    """Name the layer (pyproject.toml, environment, config.pbtxt) of a key a config error quotes."""
+    sources = getattr(params, "sources", {})
+    for key, source in sources.items():
+        if f"'{key}'" in message and source != "config.pbtxt":
+            return f"{message} (set in {source})"
+    return message
+
+
+__all__ = ["GuardModel", "GuardConfig", "TargetConfig", "InvalidInput", "SERVED_BY"]

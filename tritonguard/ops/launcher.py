@@ -1,0 +1,276 @@
+"""Console entries `tritonserver` and `perf_analyzer` that exec the real binaries.
+
+`tritonserver` looks for a real Triton in this order: ``$TRITONSERVER_BIN``,
+``/opt/tritonserver/bin/tritonserver`` (the NGC image), the binary bundled in the
+``nvidia-pytriton`` wheel. For the bundled one it composes a backend directory (the wheel's
+python backend, the stub for the running Python, and every Python-based backend found in
+``backends/``), puts this interpreter's ``bin`` first on PATH and its LIBDIR first on
+LD_LIBRARY_PATH (the stub embeds libpython and would otherwise load the system's copy, which
+breaks ``_ssl`` and so transformers), then passes every flag through.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
+NGC_BACKENDS = Path("/opt/tritonserver/backends")
+# Every folder here holding a model.py is a Python-based backend (`backend: "<folder>"`).
+PROJECT_BACKENDS = Path(__file__).resolve().parent.parent / "backends"
+
+
+class LaunchError(RuntimeError):
+    """A binary or library that the launcher needs is missing; the message says what to do."""
+
+
+def _pytriton_root() -> Path | None:
+    # found, not imported: importing pytriton pulls numpy and more into the supervisor that
+    # stays beside the server for its whole life (optional: absent in the NGC image)
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))).resolve() / "tritonserver"
+    return root if (root / "bin" / "tritonserver").exists() else None
+
+
+def python_backends(root: Path = PROJECT_BACKENDS) -> dict[str, Path]:
+    """Backend name -> folder, for every ``<root>/<name>/model.py``."""
+    if not root.is_dir():
+        return {}
+    return {p.parent.name: p.parent for p in sorted(root.glob("*/model.py"))}
+
+
+def compose_backend_dir(pytriton_root: Path, dest: Path) -> Path:
+    """Build ``dest`` as a Triton backend directory; safe to call repeatedly and concurrently."""
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = pytriton_root / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not stub.exists():
+        raise LaunchError(
+            f"nvidia-pytriton ships no python backend stub for Python {ver} ({stub}); "
+            "use Python 3.8-3.13"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    py = dest / "python"
+    py.mkdir(exist_ok=True)
+    # Real files, not symlinks: Triton rejects a backend library whose realpath leaves the
+    # backend directory ("escapes backend directory").
+    for src in (pytriton_root / "backends" / "python").iterdir():
+        if src.is_file():
+            _place_file(src, py / src.name)
+    _place_file(stub, py / "triton_python_backend_stub")
+    wanted = python_backends()
+    for name, folder in wanted.items():
+        _symlink(folder, dest / name)
+    for entry in dest.iterdir():  # drop backends that no longer exist in backends/
+        if entry.is_symlink() and entry.name not in wanted and entry.name != "python":
+            entry.unlink()
+    return dest
+
+
+def _place_file(src: Path, dest: Path) -> None:
+    """Hard-link (or copy) ``src`` to ``dest`` unless an identical file is already there."""
+    st = src.stat()
+    if dest.exists() and not dest.is_symlink():
+        dt = dest.stat()
+        if (dt.st_ino == st.st_ino and dt.st_dev == st.st_dev) or (
+            dt.st_size == st.st_size and int(dt.st_mtime) == int(st.st_mtime)
+        ):
+            return
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copy2(src, tmp)
+    os.replace(tmp, dest)
+
+
+def _symlink(target: Path, link: Path) -> None:
+    if link.is_symlink() and Path(os.readlink(link)) == target:
+        return
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(target)
+    os.replace(tmp, link)  # atomic: a concurrent launcher never sees a half-made link
+
+
+def _state_dir() -> Path:
+    base = os.environ.get("TRITONGUARD_HOME")
+    if base:
+        return Path(base)
+    return Path(sys.prefix) / "var" / "tritonguard"
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for the server: this interpreter's bin first, its LIBDIR first."""
+    env = dict(os.environ if base is None else base)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bindir, env.get("PATH", "")]).rstrip(os.pathsep)
+    libdirs = [sysconfig.get_config_var("LIBDIR") or ""]
+    cudart = _cudart_dir()
+    if cudart:
+        libdirs.append(str(cudart))
+    if env.get("LD_LIBRARY_PATH"):
+        libdirs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(d for d in libdirs if d)
+    # the Python stubs must find the project and its venv packages
+    root = str(PROJECT_BACKENDS.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def resolve_tritonserver(args: Sequence[str]) -> tuple[str, list[str], dict[str, str]]:
+    """Return (binary, argv, env) for the real tritonserver with our backends wired in."""
+    args = list(args)
+    env = server_env()
+    explicit = os.environ.get("TRITONSERVER_BIN")
+    if explicit:
+        if not Path(explicit).exists():
+            raise LaunchError(f"TRITONSERVER_BIN={explicit} does not exist")
+        return explicit, [explicit, *args], env
+    if NGC_TRITONSERVER.exists():
+        binary = str(NGC_TRITONSERVER)
+        # The Dockerfile links backends/* into /opt/tritonserver/backends; nothing to compose.
+        return binary, [binary, *args], env
+    root = _pytriton_root()
+    if root is None:
+        raise LaunchError(
+            "no tritonserver found: set TRITONSERVER_BIN, use the NGC image "
+            "(nvcr.io/nvidia/tritonserver:24.10-py3), or `pip install nvidia-pytriton==0.7.0`"
+        )
+    binary = str(root / "bin" / "tritonserver")
+    # The backend files are linked elsewhere, so their RPATH ($ORIGIN/../../../../
+    # nvidia_pytriton.libs) no longer resolves: give the wheel's bundled libraries explicitly.
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (env["LD_LIBRARY_PATH"], str(libs)) if p)
+    if not _has_flag(args, "--backend-directory"):
+        bdir = compose_backend_dir(root, _state_dir() / "backends")
+        args.insert(0, f"--backend-directory={bdir}")
+    if not _has_flag(args, "--cache-directory"):
+        args.insert(0, f"--cache-directory={root / 'caches'}")
+    return binary, [binary, *args], env
+
+
+def _cudart_dir() -> Path | None:
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    except ImportError:  # no `nvidia` namespace at all
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for base in spec.submodule_search_locations:
+        lib = Path(base) / "lib"
+        if (lib / "libcudart.so.12").exists():
+            return lib
+    return None
+
+
+def _missing_shared_libs(binary: str, env: dict[str, str]) -> list[str]:
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        return []
+    import subprocess  # noqa: PLC0415
+
+    out = subprocess.run([ldd, binary], env=env, capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in out.stdout.splitlines() if "not found" in line]
+
+
+def _is_elf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
+def resolve_perf_analyzer(args: Sequence[str]) -> tuple[str, list[str], dict[str, str]]:
+    # The tritonclient wheel installs the binary twice, as bin/perf_analyzer and bin/perf_client
+    # (same SHA-256 in its RECORD). This console script replaces the first, so exec the second.
+    bindir = Path(sys.prefix) / "bin"
+    candidates = [os.environ.get("PERF_ANALYZER_BIN", ""), str(bindir / "perf_client"),
+                  str(bindir / "perf_analyzer"), "/usr/local/bin/perf_analyzer"]
+    binary = next((c for c in candidates if c and _is_elf(Path(c))), "")
+    if not binary:
+        raise LaunchError(
+            "perf_analyzer binary not found: `pip install 'tritonclient[all]==2.51.0'` (its x86-64 "
+            "manylinux wheel ships it as bin/perf_client), or set PERF_ANALYZER_BIN"
+        )
+    env = server_env()
+    missing = _missing_shared_libs(binary, env)
+    if missing:
+        hints = {
+            "libb64.so.0d": "apt-get install libb64-0d",
+            "libcudart.so.12": "pip install nvidia-cuda-runtime-cu12",
+        }
+        todo = "; ".join(f"{lib}: {hints.get(lib, 'install the package providing it')}" for lib in missing)
+        raise LaunchError(f"perf_analyzer cannot start, missing shared libraries -> {todo}")
+    return binary, [binary, *args], env
+
+
+def perf_analyzer_run(url: str, model: str, concurrency: int, data: Path, *, window_ms: int, trials: int,
+                      stability_pct: float, timeout: float) -> tuple[dict[str, str] | None, str]:
+    """One perf_analyzer measurement over HTTP at one concurrency: (its CSV row, or None when it
+    failed, and its output). Callers choose what to retry (``bench`` and ``exporter tune``)."""
+    import csv  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    binary, _, env = resolve_perf_analyzer([])
+    fd, name = tempfile.mkstemp(suffix=".csv")
+    os.close(fd)
+    csv_path = Path(name)
+    cmd = [binary, "-m", model, "-u", url, "-i", "http", "--input-data", str(data),
+           "--concurrency-range", str(concurrency), "-p", str(window_ms), "--max-trials", str(trials),
+           "-s", str(stability_pct), "-f", str(csv_path)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=timeout)
+        with open(csv_path) as fh:
+            rows = list(csv.DictReader(fh))
+    finally:
+        csv_path.unlink(missing_ok=True)
+    output = (proc.stdout + proc.stderr).strip()
+    return (rows[0] if proc.returncode == 0 and rows else None), output
+
+
+def _exec(resolver, argv: Sequence[str]) -> int:
+    try:
+        binary, full, env = resolver(argv)
+    except LaunchError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    os.execve(binary, full, env)
+    return 0  # pragma: no cover - execve does not return
+
+
+def tritonserver_main() -> int:
+    """Serve under the supervisor (``tritonguard.ops.supervisor``): dead stubs are reloaded, a crashed
+    server restarted, leftover stubs killed. ``TRITONGUARD_SUPERVISE=0`` execs Triton directly.
+    Without ``--model-control-mode`` the server runs in ``explicit`` mode with every model
+    loaded at start (what the default ``none`` serves), so the supervisor can reload one model."""
+    if os.environ.get("TRITONGUARD_SUPERVISE", "1").lower() in ("0", "false", "no", "off"):
+        return _exec(resolve_tritonserver, sys.argv[1:])
+    from tritonguard.ops.supervisor import supervise, with_default_control  # noqa: PLC0415
+
+    try:
+        binary, full, env = resolve_tritonserver(with_default_control(sys.argv[1:]))
+    except LaunchError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    return supervise(binary, full, env)
+
+
+def perf_analyzer_main() -> int:
+    return _exec(resolve_perf_analyzer, sys.argv[1:])
