@@ -104,6 +104,7 @@ VALUES = {
     "audit.flush_interval_ms": "50",
     "audit.anchor_records": "250",
     "audit.anchor_interval_ms": "500",
+    "audit.key_env": "MY_AUDIT_KEY",
     "tracing.endpoint": "http://otel-collector:4318/v1/traces",
     "tracing.sample_ratio": "0.05",
     "tracing.follow_parent": "false",
