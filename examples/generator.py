@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from tritonguard.core import repository as repo_mod
-from tritonguard.core.repository import atomic_write, write_config
+from tritonguard.core.files import atomic_write
+from tritonguard.core.repository import write_config
 from tritonguard.generation.generator import CharTokenizer, Decoder, StepModel, parse_sampling
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from tritonguard.core import repository
+from tritonguard.core.files import atomic_path, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def open_output(out: Path, dead: Path, stamp: dict[str, Any], restart: bool) -> 
     for folder in (out, dead):
         for tmp in folder.glob(".part-*.tmp"):
             tmp.unlink(missing_ok=True)
-    repository.atomic_write(manifest, json.dumps(stamp, indent=2))
+    atomic_write(manifest, json.dumps(stamp, indent=2))
 
 
 def part_name(block: int) -> str:
@@ -633,11 +633,8 @@ def _arrow_tensor(x: np.ndarray) -> Any:
 def _write_parquet(table: Any, path: Path) -> None:
     import pyarrow.parquet as pq  # noqa: PLC0415
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
 
 
 class BlockWorker:

@@ -36,8 +36,9 @@ from urllib.parse import urlsplit, urlunsplit
 from filelock import Timeout
 
 from tritonguard.core.errors import TritonGuardError
-from tritonguard.core.repository import atomic_write
-from tritonguard.rollout.state import RedisStateStore, StateUnavailable, file_lock
+from tritonguard.core.files import atomic_write
+from tritonguard.core.store import file_lock
+from tritonguard.rollout.state import RedisStateStore, StateUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -49,8 +49,8 @@ from typing import Any
 from urllib.parse import unquote
 
 from tritonguard.core.errors import TritonGuardError
+from tritonguard.core.store import file_lock
 from tritonguard.privacy.audit import GENESIS, VerifyResult, canonical, verify
-from tritonguard.rollout.state import file_lock
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from exporter.build import layout
 from tritonguard.core import repository
+from tritonguard.core.files import atomic_write
 from tritonguard.triton import http as triton_http
 
 # -- knobs -----------------------------------------------------------------------------------
@@ -699,7 +700,7 @@ def apply_configs(repo: Path, pipe: Pipeline, start_texts: dict[str, str], base:
         new = configs_for(pipe, {pipe.guard: current, pipe.target: current}, chosen,
                           knobs=tuple(knobs))[name]
         backup = path.with_name(f"{repository.CONFIG}.bak-{stamp}")
-        repository.atomic_write(backup, text)
+        atomic_write(backup, text)
         repository.write_config(repo / name, new)
         results.append(Applied(name, "written", ", ".join(sorted(f"{SHORT[k]}={fmt_value(chosen[k])}" for k in knobs)),
                                str(backup)))

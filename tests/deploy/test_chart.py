@@ -180,7 +180,7 @@ def test_repository_sources(docs):
 
 
 def test_store_bundled_and_external(docs):
-    from tritonguard.rollout.state import ENV_URL
+    from tritonguard.core.store import ENV_URL
 
     d = docs["default"]
     env = _env(_container(d))

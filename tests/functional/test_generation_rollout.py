@@ -37,7 +37,8 @@ import numpy as np
 import pytest
 
 from examples import generator as example
-from tritonguard.core.repository import atomic_write, write_config
+from tritonguard.core.files import atomic_write
+from tritonguard.core.repository import write_config
 from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional

@@ -4,12 +4,12 @@ numeric version folders, and the per-version manifest and goldens the exporter w
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tritonguard.core.files import atomic_write
 
 MANIFEST = "manifest.json"
 GOLDENS = "goldens.npz"
@@ -36,21 +36,6 @@ def render_config(config: dict[str, Any]) -> str:
     mc, text_format, json_format = _pb()
     msg = json_format.ParseDict(config, mc.ModelConfig())
     return text_format.MessageToString(msg)
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_config(model_dir: Path, config: dict[str, Any]) -> Path:

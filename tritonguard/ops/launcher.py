@@ -19,10 +19,12 @@ import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
+from tritonguard.core.files import atomic_path
+
 NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 NGC_BACKENDS = Path("/opt/tritonserver/backends")
 # Every folder here holding a model.py is a Python-based backend (`backend: "<folder>"`).
-PROJECT_BACKENDS = Path(__file__).resolve().parent.parent / "backends"
+PROJECT_BACKENDS = Path(__file__).resolve().parents[2] / "backends"  # tritonguard/ops/ -> the project
 
 
 class LaunchError(RuntimeError):
@@ -82,23 +84,18 @@ def _place_file(src: Path, dest: Path) -> None:
             dt.st_size == st.st_size and int(dt.st_mtime) == int(st.st_mtime)
         ):
             return
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copy2(src, tmp)
-    os.replace(tmp, dest)
+    with atomic_path(dest, fsync=False) as tmp:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copy2(src, tmp)
 
 
 def _symlink(target: Path, link: Path) -> None:
     if link.is_symlink() and Path(os.readlink(link)) == target:
         return
-    tmp = link.with_name(f".{link.name}.{os.getpid()}")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    tmp.symlink_to(target)
-    os.replace(tmp, link)  # atomic: a concurrent launcher never sees a half-made link
+    with atomic_path(link, fsync=False) as tmp:  # a concurrent launcher never sees a half-made link
+        tmp.symlink_to(target)
 
 
 def _state_dir() -> Path:

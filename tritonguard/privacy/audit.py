@@ -51,8 +51,9 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from tritonguard.core.errors import ConfigError, TritonGuardError
+from tritonguard.core.files import atomic_write
 from tritonguard.core.outage import Backoff
-from tritonguard.rollout.state import file_lock
+from tritonguard.core.store import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -252,24 +253,6 @@ def check_anchor(doc: Any, key: bytes | None, *, require_signature: bool = True)
     return f"unknown signature algorithm {alg!r}"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        try:
-            _write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 class FileAnchors:
     """Anchors as one small file per audit log in ``directory`` (replaced atomically). A guard's
     are ``<repo>/<guard>/audit_anchor.*.json``, beside its rollout state (files, not a folder:
@@ -289,7 +272,7 @@ class FileAnchors:
     def put(self, name: str, blob: str) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _atomic_write(self.file_for(name), blob.encode("utf-8"))
+            atomic_write(self.file_for(name), blob.encode("utf-8"), mode=0o600)
         except OSError as exc:
             raise AnchorError(f"cannot write an anchor in {self.directory}: {exc}") from None
 
@@ -360,7 +343,7 @@ class RedisAnchors:
 def open_anchor_store(model: str, repo_dir: str | os.PathLike[str], url: str | None = None) -> AnchorStore:
     """A guard's anchor store, chosen like :func:`tritonguard.rollout.state.open_store`: Redis when
     ``url`` (default ``$TRITONGUARD_STATE_URL``) is set, else files beside the rollout state."""
-    from tritonguard.rollout.state import ENV_URL
+    from tritonguard.core.store import ENV_URL
 
     if url is None:
         url = os.environ.get(ENV_URL, "")
@@ -709,7 +692,7 @@ class AuditLog:
         blob = json.dumps(doc, sort_keys=True)
         if self._local_seq != self._seq:
             try:
-                _atomic_write(self.anchor_path, blob.encode("utf-8"))
+                atomic_write(self.anchor_path, blob.encode("utf-8"), mode=0o600)
                 self._local_seq = self._seq
             except OSError as exc:
                 self.anchor_errors += 1

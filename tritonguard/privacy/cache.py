@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tritonguard.core.errors import ConfigError
 from tritonguard.core.outage import Backoff
-from tritonguard.rollout.state import file_lock
+from tritonguard.core.store import file_lock
 
 log = logging.getLogger(__name__)
 

@@ -47,8 +47,8 @@ from typing import Any
 import msgpack
 
 from tritonguard.core.errors import TritonGuardError
-from tritonguard.core.repository import atomic_write
-from tritonguard.rollout.state import ENV_URL
+from tritonguard.core.files import atomic_write
+from tritonguard.core.store import ENV_URL
 
 log = logging.getLogger(__name__)
 

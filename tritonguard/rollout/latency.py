@@ -39,7 +39,6 @@ import os
 import re
 import socket
 import struct
-import tempfile
 import threading
 import time
 import zlib
@@ -51,7 +50,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from tritonguard.core.errors import TritonGuardError
-from tritonguard.rollout.state import ENV_URL
+from tritonguard.core.files import atomic_write
+from tritonguard.core.store import ENV_URL
 
 log = logging.getLogger(__name__)
 
@@ -168,19 +168,9 @@ class FileLatencyLog:
         return self.root / f"v{int(version)}" / (re.sub(r"[^A-Za-z0-9._-]", "_", writer) + ".lat")
 
     def write(self, version: int, writer: str, samples: Samples) -> None:
-        path = self.path(version, writer)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-        try:
-            # no fsync: a blob lost in a crash is rewritten a second later, or was the
-            # crashed process's and stale anyway; serving-side disk flushes are not worth it
-            with os.fdopen(fd, "wb") as f:
-                f.write(encode(version, samples))
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        # no fsync: a blob lost in a crash is rewritten a second later, or was the crashed
+        # process's and stale anyway; serving-side disk flushes are not worth it
+        atomic_write(self.path(version, writer), encode(version, samples), fsync=False)
 
     def read(self, version: int, since: float = 0.0, until: float | None = None) -> Samples:
         folder = self.root / f"v{int(version)}"

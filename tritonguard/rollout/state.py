@@ -15,13 +15,11 @@ last good state in place (logged once, counted in ``errors``). Writes raise :cla
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
 import os
 import random
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +31,9 @@ from filelock import FileLock
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from tritonguard.core.errors import TritonGuardError
+from tritonguard.core.files import atomic_write
 from tritonguard.core.outage import Backoff
+from tritonguard.core.store import ENV_URL, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ FORMAT_VERSION = 1
 STATE_FILE = "rollout_state.json"
 CHAIN_STEPS = ("candidate", "primary", "previous_primary", "default")
 VERDICTS = ("PASS", "MARGINAL", "FAIL")
-ENV_URL = "TRITONGUARD_STATE_URL"
 
 
 class StateError(TritonGuardError):
@@ -345,14 +344,6 @@ def _breaker_fn(version: int | str, fn: BreakerUpdater) -> Updater:
     return update
 
 
-def file_lock(path: str | os.PathLike, mode: int = 0o644) -> FileLock:
-    """An exclusive ``flock`` on ``path`` (created with ``mode``) for a ``with`` block; the kernel
-    drops it when the holder dies. No soft-lock fallback where flock is missing (a marker file
-    would outlive a dead holder); a waiter polls every 5 ms (filelock's default is 50). Not
-    thread-local, so another thread may release it: make one per holder, never share one."""
-    return FileLock(path, mode=mode, fallback_to_soft=False, poll_interval=0.005, thread_local=False)
-
-
 class FileStateStore:
     """The state document as a file; see the module docstring."""
 
@@ -417,23 +408,8 @@ class FileStateStore:
         return file_lock(self.lock_path)
 
     def _write(self, state: RolloutState) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(state.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        # the rename itself must survive a crash too
-        dfd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        # the rename itself must survive a crash too: the folder's entry is synced as well
+        atomic_write(self.path, state.to_json(), sync_dir=True)
 
     def update(self, fn: Updater, expected_revision: int | None = None, *, by: str = "") -> RolloutState:
         """Read-modify-write under the lock; ``fn`` gets a private copy (a fresh state if none)."""
