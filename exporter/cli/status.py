@@ -8,6 +8,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from tritonguard.core import catalogue
 from tritonguard.core import repository as repo_mod
 
 # the figures worth a column, per task, in the order shown
@@ -182,19 +183,19 @@ def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
                 continue
             seen = True
             tv = labels.get("target_version", "")
-            if name == "tritonguard_breaker_state":
+            if name == catalogue.BREAKER:
                 out["breaker"][tv] = max(out["breaker"].get(tv, 0), int(value))
-            elif name == "tritonguard_input_drift_fraction":
+            elif name == catalogue.DRIFT:
                 out["drift"][tv] = max(out["drift"].get(tv, 0.0), value)
-            elif name == "tritonguard_served_total":
+            elif name == catalogue.SERVED:
                 who = labels.get("served_by", "?")
                 out["served"][who] = out["served"].get(who, 0) + value
-            elif name == "tritonguard_target_errors_total" and tv:
+            elif name == catalogue.ERRORS and tv:
                 out["errors"][tv] = out["errors"].get(tv, 0) + value
-            elif name == "tritonguard_requests_total":
+            elif name == catalogue.REQUESTS:
                 out["requests"] += value
-            elif name in ("tritonguard_rejects_total", "tritonguard_fallbacks_total"):
-                why, key = labels.get("reason", "?"), "rejects" if name == "tritonguard_rejects_total" else "fallbacks"
+            elif name in (catalogue.REJECTS, catalogue.FALLBACKS):
+                why, key = labels.get("reason", "?"), "rejects" if name == catalogue.REJECTS else "fallbacks"
                 out[key][why] = out[key].get(why, 0) + value
             elif name in _COST_SERIES:
                 # per target version and tenant: summed over replicas; the gauge is kept per replica
@@ -211,8 +212,8 @@ def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
     return out
 
 
-_COST_SERIES = {"tritonguard_cost_total": "cost", "tritonguard_compute_seconds_total": "compute",
-                "tritonguard_cost_requests_total": "requests", "tritonguard_cost_per_1k_requests": "recent"}
+_COST_SERIES = {catalogue.COST: "cost", catalogue.COMPUTE: "compute",
+                catalogue.CHARGED: "requests", catalogue.COST_PER_1K: "recent"}
 
 
 def triton_compute(servers: list[str], model: str, version: int | None) -> dict[str, Any]:

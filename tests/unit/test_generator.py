@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from examples import generator as example
+from tritonguard.core.catalogue import GENERATION_BUCKETS
+from tritonguard.core.catalogue import GENERATION_COUNTERS as COUNTERS
+from tritonguard.core.catalogue import GENERATION_HISTOGRAMS as HISTOGRAMS
 from tritonguard.core.config import from_params
 from tritonguard.core.errors import ConfigError, InvalidInput
 from tritonguard.generation.generator import (
-    COUNTERS,
-    GENERATION_BUCKETS,
-    HISTOGRAMS,
     CharTokenizer,
     Decoder,
     Engine,

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tritonguard.core import catalogue
 from tritonguard.core.config import from_params, model_parameters
 from tritonguard.core.errors import ConfigError, InvalidInput, TritonGuardError
 from tritonguard.triton import backend as triton
@@ -329,28 +330,6 @@ class Decoder:
 
 
 # -- metrics ------------------------------------------------------------------------------------
-# per-token latencies: 0.1 ms (a token of this model) .. 10 s (a long queue wait before the first)
-GENERATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                      0.5, 1.0, 2.5, 5.0, 10.0)
-COUNTERS = {
-    "gen_tokens": ("tritonguard_generation_tokens_total",
-                   "Tokens of generation requests, by direction: in (prompt tokens prefilled, one per "
-                   "character here), out (tokens generated)"),
-    "gen_requests": ("tritonguard_generation_requests_total",
-                     "Generation requests ended, by outcome: ok, cancelled, error, rejected (refused before "
-                     "decoding: invalid input, queue full)"),
-}
-HISTOGRAMS = {
-    "ttft": ("tritonguard_generation_ttft_seconds",
-             "Time from execute() receiving a request to its first token sent (stream) or decided (whole text)",
-             GENERATION_BUCKETS),
-    "itl": ("tritonguard_generation_itl_seconds",
-            "Inter-token latency between consecutive streamed tokens: per streamed request with at least two "
-            "tokens, its mean (per token with parameter itl_per_token)", GENERATION_BUCKETS),
-}
-OUTCOMES = ("ok", "cancelled", "error", "rejected")
-ZERO_AT_LOAD = (*(("gen_requests", {"outcome": o}) for o in OUTCOMES),
-                *(("gen_tokens", {"direction": d}) for d in ("in", "out")))
 
 
 class MetricsSink(Protocol):
@@ -369,8 +348,8 @@ class NoMetrics:
 
 
 def generation_metrics(model: str, version: str) -> Any:
-    return triton.Metrics(model, version, counters=COUNTERS, gauges={}, histograms=HISTOGRAMS,
-                          zero_at_load=ZERO_AT_LOAD)
+    return triton.Metrics(model, version, counters=catalogue.GENERATION_COUNTERS, gauges={},
+                          histograms=catalogue.GENERATION_HISTOGRAMS, zero_at_load=catalogue.GENERATION_ZERO_AT_LOAD)
 
 
 # -- the serving loop ---------------------------------------------------------------------------

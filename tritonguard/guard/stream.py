@@ -49,10 +49,10 @@ from typing import Any
 
 import numpy as np
 
+from tritonguard.core import catalogue
 from tritonguard.core.config import from_params, model_parameters, split_parameters
 from tritonguard.core.errors import ConfigError, QuotaExceeded, TargetError, TritonGuardError
 from tritonguard.generation.generator import (
-    GENERATION_BUCKETS,
     INPUTS,
     OUTPUT,
     TritonSink,
@@ -106,30 +106,6 @@ SECTIONS = ("", "validation", "redaction", "tenancy", "tokens", "cache", "semant
 # IBAN with spaces (42), an international phone number (<= 40), and e-mails up to 64 characters.
 DEFAULT_HOLDBACK = 64
 
-# Triton /metrics of a stream guard (per model and version; counters also per tenant)
-OUTCOMES = ("ok", "rejected", "cancelled", "target_error", "error")
-COUNTERS = {
-    "stream_requests": ("tritonguard_stream_requests_total",
-                        "Requests to a stream guard, by outcome (ok, rejected, cancelled, target_error, error) and tenant"),
-    "stream_tokens": ("tritonguard_stream_tokens_total",
-                      "Tokens through a stream guard, by direction (in: prompt characters, out: generated tokens) and tenant"),
-    "stream_redactions": ("tritonguard_stream_redactions_total", "PII spans a stream guard redacted, by direction"),
-    "stream_cache": ("tritonguard_stream_cache_lookups_total",
-                     "Response cache lookups of deterministic generations, by result (hit, miss) and tenant"),
-    "stream_semantic": ("tritonguard_stream_semantic_cache_lookups_total",
-                        "Semantic cache lookups (semantic_cache.*), by result (hit, miss, skipped: prompt too long "
-                        "or not deterministic under deterministic_only; error: the embedding failed) and tenant"),
-    "similarity_errors": ("tritonguard_stream_similarity_errors_total",
-                          "Sampled canary/shadow comparisons whose similarity.model embedding failed (the "
-                          "sampled_similarity figure was then the character-trigram cosine)"),
-}
-HISTOGRAMS = {
-    "stream_ttft": ("tritonguard_stream_ttft_seconds",
-                    "Time from a request's arrival to the first text sent to its client (hold-back included)",
-                    GENERATION_BUCKETS),
-    "stream_itl": ("tritonguard_stream_itl_seconds",
-                   "Mean time between the pieces sent to one streamed request's client", GENERATION_BUCKETS),
-}
 
 
 # -- config -------------------------------------------------------------------------------------
@@ -351,12 +327,10 @@ class StreamGuardModel:
         # rollout's gates read a stream guard as they read any guard
         self.label = TenantLabels()
         self.metrics = triton.Metrics(
-            self.name, args.get("model_version", "1"), counters={**triton.Metrics.FAMILIES, **COUNTERS},
-            gauges=triton.Metrics.GAUGES,
-            histograms={"latency": ("tritonguard_target_latency_seconds",
-                                    "Time from a generation's target call to the target's first response",
-                                    GENERATION_BUCKETS), **HISTOGRAMS},
-            zero_at_load=[*(("stream_requests", {"outcome": o, "tenant": s.tenancy.default}) for o in OUTCOMES),
+            self.name, args.get("model_version", "1"), counters={**catalogue.GUARD_COUNTERS, **catalogue.STREAM_COUNTERS},
+            gauges=catalogue.GUARD_GAUGES, histograms={**catalogue.STREAM_LATENCY, **catalogue.STREAM_HISTOGRAMS},
+            zero_at_load=[*(("stream_requests", {"outcome": o, "tenant": s.tenancy.default})
+                            for o in catalogue.STREAM_OUTCOMES),
                           "state_errors", "compare_drops", *(["similarity_errors"] if s.similarity.model else [])])
         self.semantic: SemanticCache | None = None
         if s.semantic.enabled:

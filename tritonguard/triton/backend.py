@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from tritonguard.core import catalogue
 from tritonguard.core.errors import InvalidInput, TargetError, TritonGuardError
 
 log = logging.getLogger("tritonguard")
@@ -159,61 +160,11 @@ class Metrics:
     bounded deque; overflow is counted in ``tritonguard_metric_drops_total``, never blocks.
     """
 
-    LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-    FAMILIES = {
-        "requests": ("tritonguard_requests_total", "Requests seen by the guard"),
-        "rejects": ("tritonguard_rejects_total", "Requests rejected by the guard, by reason"),
-        "target_errors": ("tritonguard_target_errors_total", "Target call failures, by status code"),
-        "target_calls": ("tritonguard_target_calls_total", "Fused target calls (one per execute batch)"),
-        "drops": ("tritonguard_metric_drops_total", "Metric observations dropped (queue full)"),
-        "goldens": ("tritonguard_golden_checks_total", "Golden checks on this server, by target version and verdict"),
-        "fallbacks": ("tritonguard_fallbacks_total", "Requests answered further down the fallback chain, by reason"),
-        "served": ("tritonguard_served_total", "Requests answered, by the model version that served them"),
-        "trips": ("tritonguard_breaker_trips_total", "Circuit breaker trips, by target version and reason"),
-        "compared": ("tritonguard_compared_total", "Canary/shadow comparisons, by kind and validator verdict "
-                     "(AGREE/DISAGREE for a version judged on the task)"),
-        "fused_failures": ("tritonguard_fused_failures_total",
-                           "Requests of fused target calls that failed while each request alone succeeded, by target version"),
-        "labeled": ("tritonguard_labeled_total",
-                    "Requests that carried a ground-truth label, by the version that served them and whether it was right"),
-        "compare_drops": ("tritonguard_compare_drops_total", "Comparisons dropped because the queue was full"),
-        "cache": ("tritonguard_cache_lookups_total", "Cache lookups per batch row, by tier, result (hit/miss) and tenant"),
-        "cache_errors": ("tritonguard_cache_errors_total", "Cache tier failures (the tier is then skipped for a backoff), by tier"),
-        "cache_quarantined": ("tritonguard_cache_quarantined_total",
-                              "Damaged cache files moved aside (the tier then starts empty), by tier"),
-        "redactions": ("tritonguard_redactions_total", "PII spans redacted, by type, direction (input/output) and tenant"),
-        "quota_rejects": ("tritonguard_quota_rejects_total", "Requests refused by a tenant quota (UNAVAILABLE), by tenant and reason"),
-        "audit_drops": ("tritonguard_audit_drops_total", "Audit records lost: the writer's queue was full or a write failed"),
-        "trace_spans": ("tritonguard_trace_spans_total",
-                        "Guard trace spans, by outcome: exported, failed (the collector did not take them), "
-                        "dropped (export queue full)"),
-        "state_errors": ("tritonguard_state_errors_total",
-                         "Rollout state reads that failed (file missing or corrupt, Redis unreachable); the last good state stays"),
-        "compute_seconds": ("tritonguard_compute_seconds_total",
-                            "Compute charged to answered requests, by target version (cache: cache hits), tenant and "
-                            "part (guard: the guard's CPU seconds; target: wall seconds of the target calls)"),
-        "cost": ("tritonguard_cost_total",
-                 "Cost of answered requests (compute times the cost.* prices, in their currency), by target version, tenant and part"),
-        "cost_requests": ("tritonguard_cost_requests_total",
-                          "Requests the cost meter charged, by the target version that answered (cache: cache hits) and tenant"),
-    }
-    ZERO_AT_LOAD = ("requests", "target_calls", "drops", "compare_drops", "audit_drops", "state_errors")
-    GAUGES = {
-        "breaker_state": ("tritonguard_breaker_state", "Breaker per target version: 0 closed, 1 half-open, 2 open"),
-        "route_share": ("tritonguard_route_share",
-                        "Share of live traffic the rollout state routes to a target version, by role "
-                        "(primary, candidate, arm; shadow: mirrored on top); 0 once the version lost the role"),
-        "drift": ("tritonguard_input_drift_fraction", "Share of input features drifting (KS/PSI) on the primary"),
-        "cache_degraded": ("tritonguard_cache_degraded", "1 while a cache tier is skipped after a failure (backoff), by tier"),
-        "validator_score": ("tritonguard_validator_score",
-                            "Latest canary/shadow validator figure per target version, by kind and figure (e.g. top1_agreement, min_cosine)"),
-        "output_drift": ("tritonguard_output_drift_ewma",
-                         "EWMA of the validator FAIL share on compared rows, per target version (trips at routing.output_drift_threshold)"),
-        "drift_psi": ("tritonguard_input_drift_psi", "PSI of one monitored input feature, live window vs the version's reference"),
-        "drift_ks": ("tritonguard_input_drift_ks", "KS statistic of one monitored input feature, live window vs the version's reference"),
-        "cost_per_1k": ("tritonguard_cost_per_1k_requests",
-                        "Cost of 1000 answered requests, by target version and tenant: a decaying average over cost.window_s"),
-    }
+    # the guard's families (tritonguard.core.catalogue, the one list of every exported metric)
+    LATENCY_BUCKETS = catalogue.LATENCY_BUCKETS
+    FAMILIES = catalogue.GUARD_COUNTERS
+    ZERO_AT_LOAD = catalogue.GUARD_ZERO_AT_LOAD
+    GAUGES = catalogue.GUARD_GAUGES
 
     def __init__(self, model: str, version: str, interval: float = 1.0, max_pending: int = 8192, *,
                  counters: Mapping[str, tuple[str, str]] | None = None,
@@ -230,9 +181,7 @@ class Metrics:
 
         counter_families = dict(self.FAMILIES) if counters is None else {"drops": self.FAMILIES["drops"], **counters}
         gauge_families = dict(self.GAUGES) if gauges is None else dict(gauges)
-        histogram_families = ({"latency": ("tritonguard_target_latency_seconds", "Latency of fused target calls",
-                                           self.LATENCY_BUCKETS)}
-                              if histograms is None else dict(histograms))
+        histogram_families = dict(catalogue.GUARD_HISTOGRAMS) if histograms is None else dict(histograms)
         zeros = list(self.ZERO_AT_LOAD if zero_at_load is None else zero_at_load)
         self._buckets = {key: tuple(buckets) for key, (_, _, buckets) in histogram_families.items()}
         self.labels = {"model": model, "version": str(version)}

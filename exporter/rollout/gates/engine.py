@@ -79,6 +79,7 @@ from typing import Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from tritonguard.core import catalogue
 from tritonguard.rollout.feedback import Tally
 from tritonguard.rollout.judging import (
     DEFAULT_MAX_DISAGREEMENT,
@@ -94,18 +95,11 @@ PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 Series = dict[tuple[str, frozenset], float]
 Buckets = dict[float, float]  # upper bound ("le") -> cumulative count
 
-SERVED = "tritonguard_served_total"
-ERRORS = "tritonguard_target_errors_total"
-BREAKER = "tritonguard_breaker_state"
-TRIPS = "tritonguard_breaker_trips_total"
-COMPARED = "tritonguard_compared_total"
-FUSED = "tritonguard_fused_failures_total"
-LABELED = "tritonguard_labeled_total"
+SERVED, ERRORS, BREAKER, TRIPS = catalogue.SERVED, catalogue.ERRORS, catalogue.BREAKER, catalogue.TRIPS
+COMPARED, FUSED, LABELED = catalogue.COMPARED, catalogue.FUSED, catalogue.LABELED
 SKIPPED = "SKIPPED"  # a gate that cannot decide and does not hold the rollout (live labels)
-LATENCY = "tritonguard_target_latency_seconds_bucket"
-COST = "tritonguard_cost_total"
-COMPUTE = "tritonguard_compute_seconds_total"
-CHARGED = "tritonguard_cost_requests_total"
+LATENCY = catalogue.LATENCY + "_bucket"
+COST, COMPUTE, CHARGED = catalogue.COST, catalogue.COMPUTE, catalogue.CHARGED
 
 
 # -- Prometheus text exposition ---------------------------------------------------------
