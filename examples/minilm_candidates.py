@@ -367,7 +367,7 @@ def report(steps: int = STEPS, seed: int = SEED, *, shuffled: bool = False) -> d
     embeddings over every held-out text of both tasks plus the golden sentences (``cosine_*``,
     ``under_0.90``: the share below the judge's default floor), and over the golden sentences
     alone (``golden_cosine_*``)."""
-    from exporter.rollout.judge import recall_at_k  # noqa: PLC0415
+    from exporter.build.evaluate import recall_at_k  # noqa: PLC0415
 
     base = minilm.build().module
     tuned = finetuned_spec(steps, seed, shuffled=shuffled).module

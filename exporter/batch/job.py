@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from exporter.errors import ExporterError
 from tritonguard.core.files import atomic_path, atomic_write
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def np_dtype(datatype: str) -> Any:
     return None if datatype == "BF16" else triton_to_np_dtype(datatype)
 
 
-class BatchError(Exception):
+class BatchError(ExporterError):
     """A job that cannot run or go on (bad arguments, a changed input, servers gone too long)."""
 
 

@@ -11,6 +11,9 @@ import numpy as np
 
 from exporter.build.sources import ExportSpec, SourceError, eval_mode
 
+from exporter.build.goldens import tokenize
+from tritonguard.models.engines import EngineConfig, OnnxEngine
+
 FORMATS = {"onnx": "model.onnx", "torchscript": "model.pt"}
 
 
@@ -45,7 +48,6 @@ def _artifact_inputs(spec: ExportSpec, rows: int | None = None) -> dict[str, np.
         gi = {k: v[:rows] for k, v in gi.items()}
     if spec.text is None:
         return {t.name: gi[t.name] for t in spec.inputs}
-    from exporter.build.goldens import tokenize  # noqa: PLC0415
 
     return tokenize(spec.text.tokenizer_dir, gi[spec.text.text_input], spec.text.max_length,
                     [t.name for t in spec.inputs])
@@ -73,7 +75,6 @@ def reference_outputs(spec: ExportSpec) -> dict[str, np.ndarray]:
         if spec.text is not None:
             out = {spec.text.public_output: out[spec.outputs[0].name]}
     else:  # a bare ONNX file with no stored outputs: the file is its own reference
-        from tritonguard.models.engines import EngineConfig, OnnxEngine  # noqa: PLC0415
 
         engine = OnnxEngine(spec.artifact_path, EngineConfig())
         out = engine.run(_artifact_inputs(spec), [t.name for t in spec.outputs])

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from exporter.errors import ExporterError
 from exporter.build import goldens
 
 from exporter.build import layout
@@ -42,6 +43,10 @@ from exporter.build.artifacts import sha256_dir, sha256_file
 from exporter.build.export import ExportError, _now, _place, next_version
 from tritonguard.core import repository as repo_mod
 from tritonguard.models.engines import ARTIFACTS, EngineConfig, load_engine
+
+from tritonguard.core.config import from_params, model_parameters
+from tritonguard.models.engines import tensorrt_available
+from exporter.records.registry import open_registry
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ MIN_SPEEDUP = {"ort_opt": 0.90, "torch_compile": 0.90, "int8_dynamic": 1.05, "fp
 DEFAULT_MIN_SPEEDUP = 1.0  # a variant given through the API without a floor of its own
 
 
-class CompileError(Exception):
+class CompileError(ExporterError):
     """Bad input (unknown model, version or variant; a parent without goldens); nothing written."""
 
 
@@ -183,7 +188,6 @@ def _guard_and_target(repository: Path, model: str) -> tuple[str, str]:
 
 def resolve(repository: Path, model: str, version: int) -> Parent:
     """The parent version, checked: it exists, its artifact matches its manifest, it has goldens."""
-    from tritonguard.core.config import from_params, model_parameters  # noqa: PLC0415
 
     repository = Path(repository)
     guard, target = _guard_and_target(repository, model)
@@ -347,7 +351,6 @@ def _input_dims(parent: Parent) -> dict[str, tuple[int, ...]]:
 
 
 def _tensorrt_unavailable() -> str | None:
-    from tritonguard.models.engines import tensorrt_available  # noqa: PLC0415
 
     if not tensorrt_available():
         return "TensorRT not importable"
@@ -653,7 +656,6 @@ def compile_model(repository: Path, model: str, version: int, variants: Iterable
 def _register_all(parent: Parent, admitted: list[VariantResult], registry: Any) -> None:
     try:
         if isinstance(registry, str):
-            from exporter.records.registry import open_registry  # noqa: PLC0415 - MLflow costs seconds to import
 
             registry = open_registry(parent.repository)
     except Exception as exc:  # noqa: BLE001 - the versions are written and valid; say what failed

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from exporter.errors import ExporterError
 from exporter.build import goldens
 from exporter.build.artifacts import sha256_file
 from exporter.build.sources import TextFront
@@ -36,9 +37,10 @@ EVAL = "eval.npz"
 LABELS = "labels"
 SLICES = "slices"
 METRICS = {"classifier": "accuracy", "regression": "mae"}  # top-1 accuracy; mean absolute error
+RECALL_K = 10  # embeddings with paired texts: a query's positive among its k nearest documents
 
 
-class EvaluationError(Exception):
+class EvaluationError(ExporterError):
     """The evaluation cannot be run: a missing version, bad labels, an artifact that fails."""
 
 
@@ -168,8 +170,6 @@ def evaluate(run: goldens.Run, task: str, output: str, inputs: Mapping[str, np.n
     if labels is None:
         return {"metric": None, "value": None, "n": len(outputs[output])}
     if task == "embedding":
-        from exporter.rollout.judge import RECALL_K, recall_at_k  # noqa: PLC0415
-
         name = next(iter(inputs))
         docs = np.asarray(labels, dtype=object).reshape(-1, 1)
         if docs.dtype != object or len(docs) != len(outputs[output]):
@@ -181,6 +181,18 @@ def evaluate(run: goldens.Run, task: str, output: str, inputs: Mapping[str, np.n
         hits = recall_at_k(np.asarray(outputs[output], np.float64), np.asarray(doc_out, np.float64))
         return {"metric": f"recall@{RECALL_K}", "value": float(hits.mean()), "n": len(hits)}
     return score(task, outputs[output], labels)
+
+
+# -- retrieval ----------------------------------------------------------------------------------
+def recall_at_k(queries: np.ndarray, docs: np.ndarray, k: int = RECALL_K) -> np.ndarray:
+    """Per query: whether its own document (same row of ``docs``) is among its ``k`` nearest by
+    cosine over all documents."""
+    q = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+    d = docs / np.linalg.norm(docs, axis=1, keepdims=True)
+    sims = q @ d.T
+    own = np.diag(sims)
+    rank = (sims > own[:, None]).sum(axis=1)  # documents strictly closer than its own
+    return rank < k
 
 
 # -- running a version --------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from exporter.errors import ExporterError
 from exporter.build import artifacts
 
 from exporter.build import goldens
@@ -62,6 +63,18 @@ from exporter.build.sources import (
     text_array,
 )
 from tritonguard.core import repository as repo_mod
+from tritonguard.core.errors import ConfigError
+
+from exporter.records.registry import default_uri, open_registry
+from exporter.build.evaluate import EVAL, EvaluationError, evaluate, save_eval
+from tritonguard.core.config import from_params, layered_parameters, model_parameters
+from tritonguard.privacy.redaction import RedactionConfig, Redactor
+from tritonguard.core.config import model_parameters
+from tritonguard.guard.model import GuardConfig, check_signature
+from tritonguard.core.tensors import ModelSignature
+from tritonguard.guard.model import GuardConfig
+from tritonguard.core.config import layered_parameters
+from tritonguard.rollout.drift import REFERENCE_FILE, reference_from_inputs
 
 FORMAT_VERSION = 1
 LABELS = "labels"  # the array of an --inputs .npz that holds the evaluation labels
@@ -72,7 +85,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 Step = Callable[[str], AbstractContextManager]
 
 
-class ExportError(Exception):
+class ExportError(ExporterError):
     """The export cannot proceed; nothing was written to the repository."""
 
 
@@ -155,8 +168,11 @@ def export_source(source: str, *, name: str, repository: Path, fmt: str | None =
             spec = _with_eval_labels(spec, labels)
         if eval_path is not None:
             spec = read_eval_file(eval_path, spec)
-    result = export(spec, name=name, repository=repository, source=source, fmt=fmt, opset=opset, step=step,
-                    native=native, judge=judge, force=force)
+    try:
+        result = export(spec, name=name, repository=repository, source=source, fmt=fmt, opset=opset, step=step,
+                        native=native, judge=judge, force=force)
+    except ConfigError as exc:  # a guard parameter in the existing config.pbtxt (or a layer) is wrong
+        raise ExportError(str(exc)) from None
     result.timings = {**timings, **result.timings}
     if register:
         t0 = time.perf_counter()
@@ -172,7 +188,6 @@ def register_version(result: ExportResult, spec: ExportSpec, repository: Path, *
     ``result.registration_error``. Runs in a daemon thread so that a registry that hangs costs
     at most ``timeout`` seconds (register() is idempotent: a later ``promote`` registers a
     version whose registration did not finish)."""
-    from exporter.records.registry import default_uri, open_registry  # noqa: PLC0415 - imports mlflow lazily, on use
 
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # no "creating tables" INFO lines
     uri = result.registry_uri = default_uri(repository)
@@ -423,7 +438,6 @@ def _check_reference(reference: dict) -> None:
 def _evaluate(spec: ExportSpec, run: goldens.Run, raw_dir: Path) -> dict[str, Any]:
     """Score the staged artifact on the spec's evaluation set and write ``eval.npz`` beside the
     goldens; returns the manifest's ``evaluation``."""
-    from exporter.build.evaluate import EVAL, EvaluationError, evaluate, save_eval  # noqa: PLC0415
 
     output = spec.public_outputs[0].name
     try:
@@ -454,8 +468,6 @@ def redact_golden_text(spec: ExportSpec, repository: Path, guard: str) -> Export
     TRITONGUARD_* and the defaults). The reference outputs are then taken on the redacted text,
     which is what the model sees behind a guard (``redaction.model_sees_redacted``, default on);
     with redaction off, the goldens stay as given."""
-    from tritonguard.core.config import from_params, layered_parameters, model_parameters  # noqa: PLC0415
-    from tritonguard.privacy.redaction import RedactionConfig, Redactor  # noqa: PLC0415
 
     found = repo_mod.guard_dir(repository, guard)
     own = model_parameters(found[1]) if found else {}
@@ -501,9 +513,6 @@ def _save_tokenizer(src: Path, dest: Path) -> None:
 
 def _configs(spec: ExportSpec, names: dict[str, str], native: bool = False) -> dict[str, dict]:
     """All config dicts, validated (protobuf schema and guard-vs-target contract) up front."""
-    from tritonguard.core.config import model_parameters  # noqa: PLC0415
-    from tritonguard.guard.model import GuardConfig, check_signature  # noqa: PLC0415
-    from tritonguard.core.tensors import ModelSignature  # noqa: PLC0415
 
     raw, guard = names["raw"], names["guard"]
     if spec.text is None:
@@ -566,9 +575,6 @@ def _merge_existing(repository: Path, configs: dict[str, dict], names: dict[str,
 
 
 def _check_guard(cfg: dict, guard: str) -> None:
-    from tritonguard.core.config import model_parameters  # noqa: PLC0415
-    from tritonguard.guard.model import GuardConfig  # noqa: PLC0415
-    from tritonguard.core.tensors import ModelSignature  # noqa: PLC0415
 
     sig = ModelSignature.from_config(cfg)
     GuardConfig.from_parameters(model_parameters(cfg), guard).validation.check_against(sig, guard)
@@ -577,7 +583,6 @@ def _check_guard(cfg: dict, guard: str) -> None:
 def _defer_to_lower_layers(guard: dict, repository: Path) -> None:
     """Drop the export's computed guard settings that the user already sets in a lower layer
     ([tool.tritonguard] or TRITONGUARD_*): config.pbtxt would otherwise override them."""
-    from tritonguard.core.config import layered_parameters  # noqa: PLC0415
 
     if "validation.max_payload_bytes" in layered_parameters({}, repository):
         (guard.get("parameters") or {}).pop("validation.max_payload_bytes", None)
@@ -721,7 +726,6 @@ def _write_drift_reference(version_dir: Path, inputs: dict) -> None:
     """Per-feature input summaries the guard's drift monitor compares live traffic with."""
     import json  # noqa: PLC0415
 
-    from tritonguard.rollout.drift import REFERENCE_FILE, reference_from_inputs  # noqa: PLC0415
 
     ref = reference_from_inputs(inputs)
     if ref is not None:

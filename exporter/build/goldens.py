@@ -16,6 +16,10 @@ import numpy as np
 
 from exporter.build.sources import TextFront
 
+from tritonguard.models.tokenizer import TokenizerConfig, TokenizerModel
+from tritonguard.models.engines import EngineConfig, load_engine
+from tritonguard.core.repository import load_goldens
+
 PASS, MARGINAL, FAIL = "PASS", "MARGINAL", "FAIL"
 _ORDER = {PASS: 0, MARGINAL: 1, FAIL: 2}
 
@@ -202,7 +206,6 @@ def _encoder(tokenizer_dir: Path, max_length: int, output_names: Sequence[str]) 
     tokenizer is loaded once, so a runner can be called chunk after chunk."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from tritonguard.models.tokenizer import TokenizerConfig, TokenizerModel  # noqa: PLC0415
 
     # encode() reads only these three attributes; borrowing it keeps one tokenisation code path
     backend = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(tokenizer_dir)),
@@ -227,7 +230,6 @@ def artifact_runner(artifact_dir: Path, in_names: Sequence[str], out_names: Sequ
     public outputs. ``text``: the tokenizer in front of it (its ``tokenizer_dir`` is the saved
     tokenizer folder) and the public names. Loading errors are raised here, run errors by the
     returned function."""
-    from tritonguard.models.engines import EngineConfig, load_engine  # noqa: PLC0415
 
     in_names, out_names = list(in_names), list(out_names)
     # all cores: this is an offline run, not serving, and the engine code path is the same
@@ -326,6 +328,5 @@ def stored(arr: np.ndarray) -> np.ndarray:
 
 def load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(inputs, outputs) from a goldens.npz: the guard reads the same files, so one reader."""
-    from tritonguard.core.repository import load_goldens  # noqa: PLC0415
 
     return load_goldens(path)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from exporter.errors import ExporterError
 from tritonguard.rollout.state import JUDGES  # how a rollout compares a version with the one it replaces
 
 if TYPE_CHECKING:  # torch is heavy: import it where a module is actually built or run
@@ -72,7 +73,7 @@ GOLDEN_SENTENCES = [
 ]
 
 
-class SourceError(Exception):
+class SourceError(ExporterError):
     """The source cannot be loaded or does not describe an exportable model."""
 
 

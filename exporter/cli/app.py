@@ -13,7 +13,14 @@ from typing import Annotated
 
 import typer
 
-from exporter.cli.consoles import console, log_handler
+from exporter.build.export import ExportError, GoldenCheckFailed, export_source, upgrade_layout
+from exporter.cli.consoles import console, log_handler, where
+from exporter.cli.status import collect, live, print_live, table, unreachable
+from exporter.cli.watch import watch as watch_view
+from exporter.errors import ExporterError
+from exporter.rollout.route import RouteChange, RouteError, apply, describe_arms, parse_arms, show
+from exporter.rollout.serving import ServingError, metrics_urls
+from tritonguard.privacy.tenancy import TenancyConfig, new_api_key
 
 app = typer.Typer(
     help="Export models into a Triton model repository, behind a tritonguard guard.",
@@ -56,7 +63,6 @@ def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug 
 
 
 def _where(repository: Path, registry: bool = False) -> None:
-    from exporter.cli.consoles import where  # noqa: PLC0415
 
     where(err, repository, registry)
 
@@ -107,9 +113,6 @@ def export(
     to an existing version's is refused unless --force is given."""
     from rich.markup import escape  # noqa: PLC0415
 
-    from exporter.build.export import ExportError, GoldenCheckFailed, export_source  # noqa: PLC0415
-    from exporter.build.sources import SourceError  # noqa: PLC0415
-    from tritonguard.core.errors import ConfigError  # noqa: PLC0415
 
     _quiet_onnxruntime()
     _where(repository, registry=register)
@@ -124,7 +127,7 @@ def export(
         # soft_wrap: one line however long (an engine's message), markup escaped ("[ONNXRuntimeError]")
         err.print(f"[bold red]✗ {escape(str(exc))}[/]", soft_wrap=True)
         raise typer.Exit(EXIT_GOLDEN_FAILED) from None
-    except (ExportError, SourceError, ConfigError) as exc:
+    except ExporterError as exc:
         err.print(f"[bold red]✗ export failed:[/] {escape(str(exc))}", soft_wrap=True)
         err.print(f"nothing was written to {escape(str(Path(repository).resolve()))}", soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
@@ -182,8 +185,6 @@ def status(
     only at the start (a replica lost later is shown in the view)."""
     from rich.markup import escape  # noqa: PLC0415
 
-    from exporter.cli.status import collect, live, print_live, table, unreachable  # noqa: PLC0415
-    from exporter.rollout.serving import ServingError, metrics_urls  # noqa: PLC0415
 
     if watch and as_json:
         err.print("[bold red]✗ status failed:[/] --watch draws a live view; use --json without it")
@@ -198,7 +199,6 @@ def status(
             err.print(f"[bold red]✗ status failed:[/] {escape(problem)}", soft_wrap=True)
         raise typer.Exit(EXIT_UNREACHABLE)
     if watch:
-        from exporter.cli.watch import watch as watch_view  # noqa: PLC0415
 
         watch_view(out, repository, list(server or []), urls)
         return
@@ -231,14 +231,6 @@ def route(
     as_json: Annotated[bool, typer.Option("--json", help="Print the state as JSON.")] = False,
 ) -> None:
     """Show or set a guarded model's rollout state (guards pick it up within a second)."""
-    from exporter.rollout.route import (  # noqa: PLC0415
-        RouteChange,
-        RouteError,
-        apply,
-        describe_arms,
-        parse_arms,
-        show,
-    )
 
     try:
         change = RouteChange(primary=primary, candidate=candidate, share=share, shadow=shadow,
@@ -277,7 +269,6 @@ def upgrade(repository: Repository = Path("model_repository")) -> None:
     fail the batch it lands in. Settings and rollout state are kept. `export` does this too."""
     from rich.markup import escape  # noqa: PLC0415
 
-    from exporter.build.export import ExportError, upgrade_layout  # noqa: PLC0415
 
     if not (repository.is_dir()):
         err.print(f"[bold red]✗[/] no model repository at {escape(str(repository.resolve()))}", soft_wrap=True)
@@ -300,7 +291,6 @@ def tenant_key(tenant: Annotated[str, typer.Argument(help="Tenant id the key is 
     stderr, its SHA-256 digest as the line to add to tenancy.keys_file."""
     from rich.markup import escape  # noqa: PLC0415
 
-    from tritonguard.privacy.tenancy import TenancyConfig, new_api_key  # noqa: PLC0415
 
     if not TenancyConfig().pattern.match(tenant):
         err.print(f"[bold red]✗[/] tenant id must match {escape(TenancyConfig.tenant_pattern)}")

@@ -23,6 +23,18 @@ from typing import Annotated, Any
 
 import typer
 
+from tritonguard.core.errors import ConfigError
+from tritonguard.privacy.audit import (
+    ANCHOR_PREFIX,
+    FileAnchors,
+    RedisAnchors,
+    load_audit_key,
+    rotated_files,
+    utc_iso,
+)
+from tritonguard.privacy.audit import anchor_name as default_name
+from tritonguard.privacy.audit import verify as verify_chain
+
 EXIT_TAMPERED = 1
 EXIT_NO_LOG = 2
 EXIT_TRUNCATED = 3
@@ -35,7 +47,6 @@ audit_app = typer.Typer(help="Audit log tools.", no_args_is_help=True, add_compl
 def _file_stores(repository: Path, model: str | None) -> list[Any]:
     """File-store anchors (``audit_anchor.*.json`` in a guard's folder): the guard's (``--model``),
     else ``repository`` itself (one guard's folder) and each of its model folders."""
-    from tritonguard.privacy.audit import ANCHOR_PREFIX, FileAnchors
 
     if model:
         return [FileAnchors(repository / model, prefix=ANCHOR_PREFIX)]
@@ -65,10 +76,6 @@ def verify(
 ) -> None:
     """Verify the hash chain of an audit log against its anchors; name the first bad record,
     the records missing at the end, and the gaps."""
-    from tritonguard.core.errors import ConfigError
-    from tritonguard.privacy.audit import RedisAnchors, load_audit_key, rotated_files, utc_iso
-    from tritonguard.privacy.audit import anchor_name as default_name
-    from tritonguard.privacy.audit import verify as verify_chain
 
     try:
         key = load_audit_key(key_env, os.environ)

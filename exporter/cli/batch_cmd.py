@@ -29,6 +29,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from exporter.batch import job as b
 from exporter.cli.consoles import console
 
 out = console()
@@ -70,7 +71,6 @@ def batch_command(
     """Score every row of INPUT through the guarded MODEL over gRPC and write Parquet: the
     outputs, served_by, version and row_id per row; rejected rows go to the dead-letter folder
     with the reason. Killed at any point, the same command resumes: committed blocks are kept."""
-    from exporter.batch import job as b  # noqa: PLC0415
 
     servers = tuple(server or ["127.0.0.1:8001"])
     try:

@@ -17,7 +17,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from exporter.build.compile import CompileError, compile_model, environment
 from exporter.cli.consoles import console
+from exporter.records.registry import default_uri
 
 # full-width lines when piped (a CI log, `| cat`); $COLUMNS respected
 out = console()
@@ -112,13 +114,11 @@ def compile_command(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")] = False,
 ) -> None:
     """Build optimised variants of MODEL's version N; admit the ones that pass its goldens and pay their way."""
-    from exporter.build.compile import CompileError, compile_model, environment  # noqa: PLC0415
 
     names = [v.strip() for v in variants.split(",") if v.strip()] if variants is not None else None
     # where admitted variants land, on stderr (stdout stays clean for --json)
     where = f"repository {Path(repository).resolve()}"
     if register:
-        from exporter.records.registry import default_uri  # noqa: PLC0415 - no mlflow import
 
         where += f"\nregistry   {default_uri(repository)}"
     err.print(f"[dim]{escape(where)}[/]", soft_wrap=True)

@@ -14,6 +14,8 @@ from typing import Any
 
 from rich.console import Console, ConsoleDimensions
 
+from exporter.records.registry import default_uri
+
 # wide enough that no table or message line of the CLI wraps; tables do not expand to it
 PIPE_WIDTH = 1000
 
@@ -63,7 +65,6 @@ def where(console: Console, repository: Any, registry: bool = False) -> None:
 
     line = f"repository {Path(repository).resolve()}"
     if registry:
-        from exporter.records.registry import default_uri  # noqa: PLC0415 - no mlflow import
 
         line += f"\nregistry   {default_uri(repository)}"
     console.print(f"[dim]{escape(line)}[/]", soft_wrap=True)

@@ -22,6 +22,9 @@ from typing import Annotated, Any
 import typer
 
 from exporter.cli.consoles import WideConsole
+from exporter.errors import ExporterError
+from tritonguard.core import repository as repo_mod
+from tritonguard.rollout.feedback import FeedbackUnavailable, join, open_feedback_log
 
 out = WideConsole(soft_wrap=True)
 err = WideConsole(stderr=True, soft_wrap=True)
@@ -29,7 +32,11 @@ EXIT_NONE_JOINED, EXIT_BAD_INPUT = 1, 2
 COLUMNS = ("request_id", "label")
 
 
-class LabelFileError(ValueError):
+class FeedbackError(ExporterError):
+    """Labels cannot be joined: the store cannot be read or written, or the model is not a guard."""
+
+
+class LabelFileError(FeedbackError, ValueError):
     """The label file cannot be read or lacks a column."""
 
 
@@ -88,15 +95,16 @@ def feedback_command(
     as_json: Annotated[bool, typer.Option("--json", help="The counts as JSON on stdout.")] = False,
 ) -> None:
     """Join LABELS to what each version of MODEL answered, for the rollout's labels gate."""
-    from tritonguard.core import repository as repo_mod  # noqa: PLC0415
-    from tritonguard.rollout.feedback import FeedbackUnavailable, join, open_feedback_log  # noqa: PLC0415
 
     try:
         if repo_mod.guard_dir(Path(repository), model) is None:
-            raise LabelFileError(f"'{model}' is not a guarded model in {repository}")
+            raise FeedbackError(f"'{model}' is not a guarded model in {repository}")
         rows = read_labels(labels)
-        res = join(open_feedback_log(model, repository), rows, tenant=tenant)
-    except (LabelFileError, FeedbackUnavailable) as exc:
+        try:
+            res = join(open_feedback_log(model, repository), rows, tenant=tenant)
+        except FeedbackUnavailable as exc:
+            raise FeedbackError(str(exc)) from None
+    except ExporterError as exc:
         err.print(f"[bold red]✗ feedback failed:[/] {exc}", markup=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     counts = {"labels": len(rows), "joined": len(res.joined), "unknown": res.unknown, "duplicate": res.duplicate,

@@ -15,6 +15,27 @@ from typing import Annotated
 import typer
 
 from exporter.cli.consoles import WideConsole, where
+from exporter.errors import BadInput, ExporterError
+from exporter.records.registry import RegistryError, open_registry
+from exporter.rollout.controller import (
+    ACTIVE,
+    ControllerError,
+    RolloutConfig,
+    RolloutController,
+    evidence,
+    metrics_reader,
+    store_labels_reader,
+    store_latency_reader,
+)
+from exporter.rollout.gates.config import GateConfig, parse_increase
+from exporter.rollout.generation import MAX_REGRESSION, judge_generation
+from exporter.rollout.guards import guard_target, judge_limits
+from exporter.rollout.judge import JudgeError, judge_offline, manifest_judge, parse_margin
+from exporter.rollout.reconcile import reconcile_registry
+from exporter.rollout.route import RouteChange, apply, parse_arms
+from exporter.rollout.serving import ensure_loaded, metrics_urls, purge_cache
+from tritonguard.core.repository import read_manifest
+from tritonguard.rollout.state import JUDGES, open_store
 
 # no wraps at 80 columns when piped (tables included): a CI log keeps whole lines
 out = WideConsole(soft_wrap=True)
@@ -27,13 +48,11 @@ rollout_app = typer.Typer(help="Inspect or steer a progressive rollout.", no_arg
 
 
 def _registry(repository: Path, approve_cmd: list[str] | None = None):
-    from exporter.records.registry import open_registry  # noqa: PLC0415
 
     return open_registry(repository, approvers={"PRODUCTION": approve_cmd} if approve_cmd else None)
 
 
 def _purge(repository: Path, model: str, why: str) -> None:
-    from exporter.rollout.serving import purge_cache  # noqa: PLC0415
 
     try:
         done = purge_cache(repository, model, by=why)
@@ -46,15 +65,8 @@ def _purge(repository: Path, model: str, why: str) -> None:
 
 def _controller(model: str, repository: Path, urls: list[str], *, approver: str | None = None,
                 approve_cmd: list[str] | None = None, config=None):
-    from exporter.rollout.controller import (  # noqa: PLC0415
-        RolloutController,
-        metrics_reader,
-        store_labels_reader,
-        store_latency_reader,
-    )
-    from exporter.rollout.route import _guard_target  # noqa: PLC0415
 
-    target = _guard_target(repository, model)
+    target = guard_target(repository, model)
     reg = _registry(repository, approve_cmd)
 
     # hooks are idempotent: a resumed rollout may call them again
@@ -91,7 +103,6 @@ def _controller(model: str, repository: Path, urls: list[str], *, approver: str 
 
 def _reconcile(repository: Path, model: str, **kwargs) -> None:
     """The registry's PRODUCTION follows the routing's primary; problems are warnings."""
-    from exporter.records.registry import reconcile_registry  # noqa: PLC0415
 
     done = reconcile_registry(repository, model, warn=lambda msg: err.print(f"[yellow]![/] {msg}"), **kwargs)
     if done:
@@ -176,60 +187,46 @@ def promote(
     detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
 ) -> None:
     """Register VERSION (or each --arms version), load it on the servers, and stage it or roll it out."""
-    from exporter.records.registry import RegistryError  # noqa: PLC0415
-    from exporter.rollout.controller import ControllerError, RolloutConfig  # noqa: PLC0415
-    from exporter.rollout.gates.engine import GateConfig, parse_increase  # noqa: PLC0415
-    from exporter.rollout.judge import parse_margin  # noqa: PLC0415
-    from exporter.rollout.route import RouteChange, RouteError, apply  # noqa: PLC0415
-    from exporter.rollout.serving import ServingError, ensure_loaded, metrics_urls  # noqa: PLC0415
-    from tritonguard.core.errors import ConfigError  # noqa: PLC0415
-    from tritonguard.core.repository import read_manifest  # noqa: PLC0415
-    from tritonguard.rollout.state import (
-        JUDGES,  # noqa: PLC0415
-        open_store,  # noqa: PLC0415
-    )
 
     to = to.lower()
     servers = list(server or [])
     where(err, repository, registry=True)
     try:
         if to not in ("staging", "production"):
-            raise ValueError(f"--to must be staging or production, got {to!r}")
+            raise BadInput(f"--to must be staging or production, got {to!r}")
         if (version is None) == (arms is None):
-            raise ValueError("pass --version N (one candidate) or --arms V=W,... (A/B/n), not both or neither")
+            raise BadInput("pass --version N (one candidate) or --arms V=W,... (A/B/n), not both or neither")
         arm_weights = None
         if arms is not None:
-            from exporter.rollout.route import parse_arms  # noqa: PLC0415
 
             arm_weights = dict(parse_arms(arms))
             if not arm_weights or to != "production" or not rollout:
-                raise ValueError("--arms needs at least one VERSION=WEIGHT and a gated rollout to production")
+                raise BadInput("--arms needs at least one VERSION=WEIGHT and a gated rollout to production")
             mode = "abn"
         config = None
         if judge is not None and judge not in JUDGES:
-            raise ValueError(f"--judge must be one of {', '.join(JUDGES)}, got {judge!r}")
+            raise BadInput(f"--judge must be one of {', '.join(JUDGES)}, got {judge!r}")
         margin = parse_margin(max_regression or "0.5pp")
         cost_limit = None if max_cost_increase is None else parse_increase(max_cost_increase)
         limits = judge_limits(repository, model, max_disagreement=max_disagreement, min_cosine=min_cosine,
                               max_slice_regression=max_slice_regression)
         if min_labels < 0:
-            raise ValueError(f"--min-labels must be >= 0, got {min_labels}")
+            raise BadInput(f"--min-labels must be >= 0, got {min_labels}")
         if to == "production" and rollout:
-            config = RolloutConfig(steps=tuple(float(s) for s in steps.split(",")), mode=mode, arms=arm_weights,
-                                   dwell_s=dwell_s,
-                                   interval_s=interval_s, max_step_s=max_step_s,
-                                   gates=GateConfig(min_requests=min_requests, max_error_rate=max_error_rate,
-                                                    min_compared=min_compared, min_agreement=min_agreement,
-                                                    min_latency_samples=min_latency_samples,
-                                                    latency_tolerance=latency_tolerance,
-                                                    max_regression=margin, max_cost_increase=cost_limit,
-                                                    max_disagreement=limits.max_disagreement,
-                                                    limit_source=limits.sources["max_disagreement"],
-                                                    max_slice_regression=limits.max_slice_regression,
-                                                    min_labels=min_labels))
+            config = _rollout_config(steps=steps, mode=mode, arms=arm_weights, dwell_s=dwell_s,
+                                     interval_s=interval_s, max_step_s=max_step_s,
+                                     gates={"min_requests": min_requests, "max_error_rate": max_error_rate,
+                                            "min_compared": min_compared, "min_agreement": min_agreement,
+                                            "min_latency_samples": min_latency_samples,
+                                            "latency_tolerance": latency_tolerance, "max_regression": margin,
+                                            "max_cost_increase": cost_limit,
+                                            "max_disagreement": limits.max_disagreement,
+                                            "limit_source": limits.sources["max_disagreement"],
+                                            "max_slice_regression": limits.max_slice_regression,
+                                            "min_labels": min_labels})
             urls = metrics_urls(servers, metrics_url or [])
             if not urls:
-                raise ValueError("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL)")
+                raise BadInput("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL)")
         else:
             urls = []
         ctl, reg, target = _controller(model, repository, urls, approver=approver,
@@ -299,10 +296,19 @@ def promote(
         progress = ctl.run()
         if progress.status == "done":
             _purge(repository, model, "promote")
-    except (ValueError, RouteError, RegistryError, ControllerError, ServingError, ConfigError) as exc:
+    except ExporterError as exc:
         err.print(f"[bold red]✗ promote failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
     _exit_for(progress)
+
+
+def _rollout_config(**kwargs):
+    """A RolloutConfig from promote's flags; a value out of range is bad input (exit 2)."""
+    gates, steps = kwargs.pop("gates"), kwargs.pop("steps")
+    try:
+        return RolloutConfig(**kwargs, steps=tuple(float(s) for s in steps.split(",")), gates=GateConfig(**gates))
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
 
 
 def _judge_before_traffic(repository: Path, model: str, target: str, version: int, primary: int,
@@ -310,8 +316,6 @@ def _judge_before_traffic(repository: Path, model: str, target: str, version: in
     """Decide how the rollout compares ``version`` with ``primary`` and run both on the
     evaluation data (:mod:`exporter.rollout.judge`); sets the gates in ``config``. None when there is no
     gated rollout or nothing to compare against (then the live gates alone decide, said loudly)."""
-    from exporter.rollout.judge import JudgeError, judge_offline, manifest_judge  # noqa: PLC0415
-    from tritonguard.core.repository import read_manifest  # noqa: PLC0415
 
     if config is None:
         return None
@@ -350,8 +354,6 @@ def _judge_generation(repository: Path, model: str, target: str, version: int, p
                       config, margin: float | None):
     """A generative version (``task: generation``): greedy texts and bits per char of both
     versions on the evaluation texts (:mod:`exporter.rollout.generation`)."""
-    from exporter.rollout.generation import MAX_REGRESSION, judge_generation  # noqa: PLC0415
-    from exporter.rollout.judge import JudgeError  # noqa: PLC0415
 
     if primary is None or primary < 1:
         err.print(f"[yellow]![/] {model} v{version}: no offline judgement (no primary); judged live ({name})")
@@ -374,41 +376,6 @@ def _judge_generation(repository: Path, model: str, target: str, version: int, p
     return judged
 
 
-class JudgeLimits:
-    """The judge's operator-owned limits for one promote, and where each came from."""
-
-    def __init__(self, cfg, sources: dict[str, str]):
-        self.max_disagreement = cfg.max_disagreement
-        self.min_cosine = cfg.min_cosine
-        self.max_slice_regression = cfg.max_slice_regression
-        self.sources = sources
-
-
-def judge_limits(repository: Path, model: str, *, max_disagreement: str | None = None,
-                 min_cosine: float | None = None, max_slice_regression: str | None = None) -> JudgeLimits:
-    """Flags > the guard's ``judge.*`` (config.pbtxt < TRITONGUARD_JUDGE__* < [tool.tritonguard.judge],
-    resolved as the guard resolves them) > the defaults of :mod:`tritonguard.rollout.judging`."""
-    from exporter.rollout.judge import parse_margin  # noqa: PLC0415
-    from tritonguard.core import repository as repo_mod  # noqa: PLC0415
-    from tritonguard.core.config import from_params, layered_parameters, model_parameters  # noqa: PLC0415
-    from tritonguard.rollout.judging import SOURCES, JudgeConfig  # noqa: PLC0415
-
-    found = repo_mod.guard_dir(Path(repository), model)
-    params = layered_parameters(model_parameters(found[1]) if found else {}, Path(repository))
-    mine = {k[len("judge."):]: v for k, v in params.items() if k.startswith("judge.")}
-    sources = {k: f"judge.{k} from {params.source_of('judge.' + k)}" for k in mine}
-    flags = {"max_disagreement": None if max_disagreement is None else parse_margin(max_disagreement, "--max-disagreement"),
-             "min_cosine": min_cosine,
-             "max_slice_regression": None if max_slice_regression is None
-             else parse_margin(max_slice_regression, "--max-slice-regression")}
-    for key, value in flags.items():
-        if value is not None:
-            mine[key] = str(value)
-            sources[key] = f"--{key.replace('_', '-')}"
-    cfg = from_params(JudgeConfig, mine, section="judge", model=model)
-    return JudgeLimits(cfg, {k: sources.get(k, SOURCES[k]) for k in SOURCES})
-
-
 def rollback(
     model: Model,
     repository: Repository = Path("model_repository"),
@@ -417,10 +384,6 @@ def rollback(
     reason: Annotated[str, typer.Option(help="Why (recorded in the history).")] = "manual rollback",
 ) -> None:
     """Abort MODEL's active rollout, or else restore the previous production version; purge the cache."""
-    from exporter.records.registry import RegistryError  # noqa: PLC0415
-    from exporter.rollout.controller import ACTIVE, ControllerError  # noqa: PLC0415
-    from exporter.rollout.route import RouteChange, RouteError, apply  # noqa: PLC0415
-    from exporter.rollout.serving import ServingError, ensure_loaded  # noqa: PLC0415
 
     where(err, repository, registry=True)
     try:
@@ -440,7 +403,7 @@ def rollback(
         apply(repository, model, RouteChange(primary=info.version, candidate=0), by="rollback",
               reason=f"rolled back to v{info.version} by `exporter rollback` ({reason})", rolled_back=True)
         _purge(repository, model, "rollback")
-    except (RouteError, RegistryError, ControllerError, ServingError) as exc:
+    except ExporterError as exc:
         err.print(f"[bold red]✗ rollback failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
     _reconcile(repository, model, registry=reg)
@@ -458,13 +421,11 @@ def rollout_status(
 ) -> None:
     """Show the rollout's step, dwell, status and last gate report; with --server (as for
     `rollout resume`), also the gates as the next look would judge them now (nothing is changed)."""
-    from exporter.rollout.controller import ControllerError, RolloutController, evidence  # noqa: PLC0415
-    from exporter.rollout.serving import ServingError, metrics_urls  # noqa: PLC0415
 
     try:
         urls = metrics_urls(list(server or []), metrics_url or [])
         progress = RolloutController(model, repository, reader=None).status()
-    except (ControllerError, ServingError) as exc:  # unreadable progress, or its Redis unreachable
+    except ExporterError as exc:  # unreadable progress, or its Redis unreachable
         err.print(f"[bold red]✗ status failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
     _reconcile(repository, model)
@@ -505,16 +466,9 @@ def rollout_status(
 
 def _peek(model: str, repository: Path, urls: list[str]) -> dict | None:
     """The gates over the running window as of now, from the replicas' metrics (read only)."""
-    from exporter.rollout.controller import (  # noqa: PLC0415
-        ControllerError,
-        RolloutController,
-        metrics_reader,
-        store_latency_reader,
-    )
-    from exporter.rollout.route import RouteError, _guard_target  # noqa: PLC0415
 
     try:
-        target = _guard_target(repository, model)
+        target = guard_target(repository, model)
         try:
             latency = store_latency_reader(model, repository)
         except Exception:  # noqa: BLE001 - the buckets still judge
@@ -522,7 +476,7 @@ def _peek(model: str, repository: Path, urls: list[str]) -> dict | None:
         ctl = RolloutController(model, repository, metrics_reader(urls, model, target=target),
                                 latency_reader=latency)
         return ctl.peek()
-    except (ControllerError, RouteError) as exc:
+    except ExporterError as exc:
         return {"error": str(exc)}
 
 
@@ -530,7 +484,6 @@ def _peek(model: str, repository: Path, urls: list[str]) -> dict | None:
 def rollout_abort(model: Model, repository: Repository = Path("model_repository"),
                   reason: Annotated[str, typer.Option(help="Why.")] = "aborted by operator") -> None:
     """Stop MODEL's rollout and take the candidate out of the routing state."""
-    from exporter.rollout.controller import ControllerError  # noqa: PLC0415
 
     try:
         ctl, _, _ = _controller(model, repository, [])
@@ -544,7 +497,6 @@ def rollout_abort(model: Model, repository: Repository = Path("model_repository"
 @rollout_app.command("pause")
 def rollout_pause(model: Model, repository: Repository = Path("model_repository")) -> None:
     """Hold the rollout at its current step (the candidate keeps its share)."""
-    from exporter.rollout.controller import ControllerError, RolloutController  # noqa: PLC0415
 
     try:
         progress = RolloutController(model, repository, reader=None).pause()
@@ -561,8 +513,6 @@ def rollout_resume(model: Model, server: Servers = None,
                    repository: Repository = Path("model_repository"),
                    approver: Annotated[str | None, typer.Option(help="Who approves PRODUCTION.")] = None) -> None:
     """Continue a paused or interrupted rollout where it stopped (step, dwell and baseline)."""
-    from exporter.rollout.controller import ControllerError  # noqa: PLC0415
-    from exporter.rollout.serving import ServingError, metrics_urls  # noqa: PLC0415
 
     try:
         urls = metrics_urls(list(server or []), metrics_url or [])
@@ -572,7 +522,7 @@ def rollout_resume(model: Model, server: Servers = None,
         progress = ctl.resume()
         if progress.status == "done":
             _purge(repository, model, "promote")
-    except (ControllerError, ServingError) as exc:
+    except ExporterError as exc:
         err.print(f"[bold red]✗ resume failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
     _exit_for(progress)

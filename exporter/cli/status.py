@@ -8,8 +8,16 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from exporter.records.registry import _sqlite_path, default_uri, open_registry
+from exporter.rollout.controller import ControllerError, RolloutController
+from exporter.rollout.gates.readings import scrape
+from exporter.rollout.reconcile import reconcile_registry
+from exporter.rollout.route import describe_arms
+from exporter.rollout.serving import _base
 from tritonguard.core import catalogue
 from tritonguard.core import repository as repo_mod
+from tritonguard.rollout.state import StateError, open_store
+from tritonguard.triton import http as triton_http
 
 # the figures worth a column, per task, in the order shown
 KEY_METRICS = {
@@ -107,7 +115,6 @@ PROBE_TIMEOUT_S = 5.0
 
 def _get(url: str) -> str | None:
     """None when ``url`` answers 200, else why not."""
-    from tritonguard.triton import http as triton_http  # noqa: PLC0415
 
     try:
         status, _ = triton_http.request(url, timeout=PROBE_TIMEOUT_S)
@@ -121,7 +128,6 @@ def unreachable(servers: list[str], metrics_urls: list[str], *, explicit_metrics
     metrics URL that does not answer; empty when every one does. Metrics URLs derived from the
     servers (``explicit_metrics`` false: one per server, HTTP port + 2) are named with their
     server, and not probed for a server that is down (one line says it)."""
-    from exporter.rollout.serving import _base  # noqa: PLC0415
 
     problems = []
     down: set[int] = set()
@@ -150,7 +156,6 @@ def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
     """Stages by version from the registry, or None when there is none (never creates one)."""
     import os  # noqa: PLC0415
 
-    from exporter.records.registry import _sqlite_path, default_uri, open_registry  # noqa: PLC0415
 
     uri = default_uri(repository)
     db = _sqlite_path(uri)
@@ -165,8 +170,6 @@ def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
 def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
     """Breaker states, input drift and answers per version, summed/maxed over replicas; requests,
     rejects and fallbacks (by reason) for the rates of ``status --watch``."""
-    from exporter.rollout.gates.engine import scrape  # noqa: PLC0415
-    from tritonguard.triton import http as triton_http  # noqa: PLC0415
 
     out: dict[str, Any] = {"replicas": 0, "breaker": {}, "drift": {}, "served": {}, "errors": {}, "unreachable": [],
                            "requests": 0.0, "rejects": {}, "fallbacks": {}, "cost": {}}
@@ -224,8 +227,6 @@ def triton_compute(servers: list[str], model: str, version: int | None) -> dict[
     cannot say: ``problems``."""
     import json  # noqa: PLC0415
 
-    from exporter.rollout.serving import _base  # noqa: PLC0415
-    from tritonguard.triton import http as triton_http  # noqa: PLC0415
 
     out: dict[str, Any] = {"model": model, "version": version, "compute_s": 0.0, "queue_s": 0.0,
                            "executions": 0, "rows": 0, "servers": 0, "problems": []}
@@ -259,9 +260,6 @@ def live(repository: Path, metrics_urls: list[str], servers: list[str] | None = 
     and (with metrics URLs) breaker states, drift, answers and cost per version from the
     replicas; with ``servers`` (their HTTP URLs) also Triton's own compute statistics of a BLS
     guard's target versions, beside the guards' measure of them."""
-    from exporter.records.registry import reconcile_registry  # noqa: PLC0415
-    from exporter.rollout.controller import ControllerError, RolloutController  # noqa: PLC0415
-    from tritonguard.rollout.state import StateError, open_store  # noqa: PLC0415
 
     repository = Path(repository)
     guards = []
@@ -304,7 +302,6 @@ def live(repository: Path, metrics_urls: list[str], servers: list[str] | None = 
 
 
 def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
-    from exporter.rollout.route import describe_arms  # noqa: PLC0415
 
     for g in guards:
         st = g.get("state") or {}

@@ -23,6 +23,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from exporter.cli.consoles import console
+from exporter.tune import sweep as tune
+from exporter.tune.sweep import describe, fmt_value
 
 out = console()
 err = console(stderr=True)
@@ -47,7 +49,6 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def points_table(result) -> Table:
-    from exporter.tune.sweep import describe  # noqa: PLC0415
 
     obj = result.settings.objective
     ok = [p for p in result.points if p.ok and p.phase != "confirm"]
@@ -78,7 +79,6 @@ def points_table(result) -> Table:
 
 
 def _summary(result) -> list[str]:
-    from exporter.tune.sweep import describe  # noqa: PLC0415
 
     lines = []
     b, c = result.baseline, result.chosen
@@ -129,7 +129,6 @@ class _Progress:
         return self.bars.__exit__(*exc)
 
     def __call__(self, event: str, data: Any) -> None:
-        from exporter.tune.sweep import describe, fmt_value  # noqa: PLC0415
 
         con = self.bars.console
         if event == "space":
@@ -182,7 +181,6 @@ def tune_command(
                                         "(backup config.pbtxt.bak-<timestamp> beside each).")] = False,
 ) -> None:
     """Tune the guard, its target and the steps between them jointly on a private tritonserver."""
-    from exporter.tune import sweep as tune  # noqa: PLC0415
 
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     try:

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from filelock import Timeout
 
-from tritonguard.core.errors import TritonGuardError
+from exporter.errors import ExporterError
 from tritonguard.core.files import atomic_write
 from tritonguard.core.store import file_lock
 from tritonguard.rollout.state import RedisStateStore, StateUnavailable
@@ -47,7 +47,7 @@ LEASE_S = 15.0  # a dead driver's rollout can be resumed elsewhere this long aft
 LOCK_WAIT_S = 30.0  # longest wait for the short read-modify-write lock
 
 
-class ControllerError(TritonGuardError):
+class ControllerError(ExporterError):
     """A rollout that cannot start, resume or be driven (another one active, a busy driver)."""
 
 

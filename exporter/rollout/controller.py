@@ -49,16 +49,15 @@ from exporter.records.progress import (
     ProgressUnavailable,
     open_progress,
 )
-from exporter.rollout.gates.engine import (
-    FAIL,
-    INCONCLUSIVE,
-    PASS,
-    GateConfig,
-    GateReport,
-    GuardReadings,
-    evaluate,
-    scrape,
-)
+from exporter.rollout.gates.config import GateConfig
+from exporter.rollout.gates.evaluate import evaluate
+from exporter.rollout.gates.readings import GuardReadings, scrape
+from exporter.rollout.gates.reasons import golden_reason, trip_reason
+from exporter.rollout.gates.verdict import FAIL, INCONCLUSIVE, PASS, GateReport
+from exporter.rollout.guards import validator_limits
+from exporter.rollout.judge import OfflineJudgement
+from tritonguard.rollout.feedback import LABEL, open_feedback_log, tally
+from tritonguard.rollout.latency import open_latency_log, paired_key
 from tritonguard.rollout.state import Arm, Candidate, RolloutState, StateError, open_store
 
 __all__ = ["PROGRESS_FILE", "ControllerError", "ProgressUnavailable", "RolloutConfig", "RolloutController",
@@ -180,7 +179,6 @@ def _judge_doc(cfg: RolloutConfig) -> dict[str, Any]:
 def _name_the_trip(report: GateReport, breaker: dict[str, Any] | None) -> None:
     """A failing breaker gate says why the breaker tripped (the figure against its limit), from
     the breaker document the guards share in the rollout state."""
-    from exporter.rollout.gates.engine import trip_reason  # noqa: PLC0415
 
     last = (breaker or {}).get("last_trip")
     if not last:
@@ -213,7 +211,6 @@ def _passed(g: dict[str, Any]) -> str | None:
 def evidence(p: Progress) -> str:
     """What the rollout's decisions rested on: the offline judgement, then each live gate's
     last PASS, so that a promotion without labels reads as one on a disagreement limit."""
-    from exporter.rollout.judge import OfflineJudgement  # noqa: PLC0415
 
     parts = []
     offline = (p.config or {}).get("offline")
@@ -257,7 +254,6 @@ def metrics_reader(urls: Sequence[str], model: str, *, target: str | None = None
 def store_labels_reader(model: str, repo: str | os.PathLike) -> LabelsReader:
     """Labelled rows the guards of ``model`` recorded (labels sent with requests) and ``exporter
     feedback`` joined (labels that came later), from the state's store."""
-    from tritonguard.rollout.feedback import LABEL, open_feedback_log, tally  # noqa: PLC0415
 
     log_ = open_feedback_log(model, repo)
 
@@ -269,7 +265,6 @@ def store_labels_reader(model: str, repo: str | os.PathLike) -> LabelsReader:
 def store_latency_reader(model: str, repo: str | os.PathLike) -> LatencyReader:
     """Exact per-call latencies the guards of ``model`` keep in the state's store (files beside
     the model, or Redis), every instance and replica together."""
-    from tritonguard.rollout.latency import open_latency_log  # noqa: PLC0415
 
     log_ = open_latency_log(model, repo)
 
@@ -624,7 +619,6 @@ class RolloutController:
         windows."""
         if self.latency_reader is None:
             return None
-        from tritonguard.rollout.latency import paired_key  # noqa: PLC0415
 
         read = self.latency_reader
 
@@ -650,8 +644,6 @@ class RolloutController:
             return None
 
     def _golden_text(self, golden: dict[str, Any]) -> str:
-        from exporter.rollout.gates.engine import golden_reason  # noqa: PLC0415
-        from exporter.rollout.route import validator_limits  # noqa: PLC0415
 
         return golden_reason(golden, validator_limits(self.repo, self.model))
 

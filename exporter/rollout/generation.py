@@ -25,8 +25,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from exporter.rollout.judge import FAIL, PASS, JudgeError, OfflineJudgement, upper_bound
+from exporter.rollout.judge import (
+    FAIL,
+    PASS,
+    JudgeError,
+    OfflineJudgement,
+    manifest_judge,
+    upper_bound,
+)
 from tritonguard.core import repository as repo_mod
+from tritonguard.generation.generator import CharTokenizer, SamplingParams
 from tritonguard.rollout.state import JUDGES
 
 PROMPT_CHARS = 40
@@ -67,7 +75,6 @@ def golden_prompts(repository: Path, target: str, version: int) -> list[str]:
 
 def _artifact(repository: Path, target: str, version: int) -> tuple[Path, Any]:
     """(model.onnx, tokenizer) of one version; raises what reading them raises."""
-    from tritonguard.generation.generator import CharTokenizer  # noqa: PLC0415
 
     folder = Path(repository) / target / str(version)
     manifest = repo_mod.read_manifest(folder) or {}
@@ -83,7 +90,6 @@ def greedy_texts(onnx: Path, tokenizer: Any, prompts: list[str], max_tokens: int
     """Greedy continuations of ``prompts``: prefilled one by one, advanced as one batch (the
     served model's way; a row's result does not depend on its neighbours)."""
     from examples.generator import decoder  # noqa: PLC0415
-    from tritonguard.generation.generator import SamplingParams  # noqa: PLC0415
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     return decoder(onnx, tokenizer).generate_many(prompts, [params] * len(prompts))
@@ -171,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-regression", type=float, default=MAX_REGRESSION, help="relative bits per char (0.03 = 3 %%)")
     ap.add_argument("--min-agreement", type=float, default=0.99)
     args = ap.parse_args(argv)
-    from exporter.rollout.judge import manifest_judge  # noqa: PLC0415
 
     judge = args.judge or manifest_judge(args.repository, args.target, args.candidate)
     try:

@@ -36,19 +36,22 @@ from typing import Any
 
 import numpy as np
 
+from exporter.build.evaluate import RECALL_K, load_eval_set, recall_at_k, run_version
+from exporter.errors import BadInput, ExporterError
+from exporter.rollout.gates.verdict import wilson as _wilson
 from tritonguard.core import repository as repo_mod
+from tritonguard.rollout.judging import SOURCES, JudgeConfig
 from tritonguard.rollout.state import JUDGES
 from tritonguard.rollout.validators import row_cosine
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 Z95 = 1.6448536269514722  # one-sided 95 %
-RECALL_K = 10  # embeddings with paired texts: a query's positive among its k nearest documents
 GO_ON = ("to go on: give labels (export --inputs FILE.npz with a 'labels' array, or --eval), raise "
          "--max-disagreement on purpose, or judge live on labels (promote --min-labels N with labels "
          "sent as the 'label' request parameter or fed by `exporter feedback`)")
 
 
-class JudgeError(Exception):
+class JudgeError(ExporterError):
     """The comparison cannot be made (a version cannot be run, no data to run it on)."""
 
 
@@ -116,9 +119,9 @@ def parse_margin(text: str, flag: str = "--max-regression") -> float:
         else:
             value = float(t)
     except ValueError:
-        raise ValueError(f"{flag} must look like 0.5pp, 0.5% or 0.005, got {text!r}") from None
+        raise BadInput(f"{flag} must look like 0.5pp, 0.5% or 0.005, got {text!r}") from None
     if not 0 <= value < 1:
-        raise ValueError(f"{flag} must be between 0 and 100 pp, got {text!r}")
+        raise BadInput(f"{flag} must be between 0 and 100 pp, got {text!r}")
     return value
 
 
@@ -134,7 +137,6 @@ def manifest_judge(repository: Path, target: str, version: int) -> str:
 
 
 def wilson(k: float, n: float, z: float = Z95) -> tuple[float, float]:
-    from exporter.rollout.gates.engine import wilson as _wilson  # noqa: PLC0415
 
     return _wilson(k, n, z)
 
@@ -153,7 +155,6 @@ class EvalData:
 
 
 def _data(repository: Path, target: str, primary: int, candidate: int) -> EvalData:
-    from exporter.build.evaluate import load_eval_set  # noqa: PLC0415
 
     for v in (candidate, primary):
         found = load_eval_set(repository, target, v)
@@ -201,21 +202,9 @@ def slice_failures(right_p: np.ndarray, right_c: np.ndarray, groups: dict[str, n
 
 
 def _embed(repository: Path, target: str, version: int, texts: np.ndarray, name: str, output: str) -> np.ndarray:
-    from exporter.build.evaluate import run_version  # noqa: PLC0415
 
     col = np.asarray(texts, dtype=object).reshape(-1, 1)
     return np.asarray(run_version(repository, target, version, {name: col})[output], dtype=np.float64)
-
-
-def recall_at_k(queries: np.ndarray, docs: np.ndarray, k: int = RECALL_K) -> np.ndarray:
-    """Per query: whether its own document (same row of ``docs``) is among its ``k`` nearest by
-    cosine over all documents."""
-    q = queries / np.linalg.norm(queries, axis=1, keepdims=True)
-    d = docs / np.linalg.norm(docs, axis=1, keepdims=True)
-    sims = q @ d.T
-    own = np.diag(sims)
-    rank = (sims > own[:, None]).sum(axis=1)  # documents strictly closer than its own
-    return rank < k
 
 
 def judge_offline(repository: Path, target: str, primary: int, candidate: int, *, judge: str, task: str,
@@ -226,8 +215,6 @@ def judge_offline(repository: Path, target: str, primary: int, candidate: int, *
     """Run both versions on the evaluation data and judge the candidate (see the module doc).
     ``labels_live``: the rollout will be judged on live labels (``promote --min-labels``): an
     unlabelled disagreement above the limit does not stop it before traffic."""
-    from exporter.build.evaluate import run_version  # noqa: PLC0415
-    from tritonguard.rollout.judging import SOURCES, JudgeConfig  # noqa: PLC0415
 
     if judge not in JUDGES:
         raise ValueError(f"judge must be one of {', '.join(JUDGES)}, got {judge!r}")

@@ -10,6 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exporter.errors import ExporterError
+from exporter.rollout.controller import settle_progress
+from exporter.rollout.gates.reasons import golden_reason, trip_reason
+from exporter.rollout.guards import guard_target, validator_limits
+from exporter.rollout.reconcile import reconcile_registry
 from tritonguard.core import repository
 from tritonguard.rollout.breaker import CLOSED
 from tritonguard.rollout.state import Arm, Candidate, RolloutState, StateError, open_store
@@ -17,7 +22,7 @@ from tritonguard.rollout.state import Arm, Candidate, RolloutState, StateError, 
 DEFAULT_CHOICES = ("abstain", "none")
 
 
-class RouteError(ValueError):
+class RouteError(ExporterError, ValueError):
     """A route that cannot be applied (unknown version, bad share); nothing is written."""
 
 
@@ -50,24 +55,13 @@ def parse_arms(text: str) -> list[tuple[int, float]]:
     return arms
 
 
-def _guard_target(repo: Path, model: str) -> str:
-    cfg_path = repo / model / repository.CONFIG
-    if not cfg_path.exists():
-        raise RouteError(f"no model '{model}' in {repo}")
-    found = repository.guard_dir(repo, model)
-    if found is None:
-        cfg = repository.read_config(repo / model)
-        raise RouteError(f"'{model}' is not a guard model (backend {cfg.get('backend') or cfg.get('platform')!r})")
-    return found[1]["parameters"]["target"]["string_value"]
-
-
 def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli", reason: str | None = None,
           rolled_back: bool = False) -> RolloutState:
     """Apply ``change`` to ``model``'s rollout state (one compare-and-set). A finished rollout
     that the change undoes is marked in its progress record: ``rolled_back`` (``rolled_back=True``,
     for ``exporter rollback``) or ``superseded``, with ``reason``."""
     repo = Path(repo)
-    target = _guard_target(repo, model)
+    target = guard_target(repo, model)
     versions = set(repository.versions(repo / target))
 
     def known(v: int, what: str) -> None:
@@ -142,7 +136,6 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli", reaso
         raise RouteError(str(exc)) from None
     if change.primary is not None or change.candidate is not None or change.arms is not None:
         # a finished rollout whose outcome this change undid says so (status, rollout status)
-        from exporter.rollout.controller import settle_progress  # noqa: PLC0415
 
         settle_progress(model, repo, state, reason or f"routing changed by {by}", rolled_back=rolled_back)
     return state
@@ -181,7 +174,6 @@ def breakers(state: RolloutState) -> dict[str, dict[str, Any]]:
 
 def describe_trip(trip: dict[str, Any]) -> str:
     """``latency: p95_ms 41.2 > budget_ms 20`` from a breaker's ``last_trip`` document."""
-    from exporter.rollout.gates.engine import trip_reason  # noqa: PLC0415
 
     return trip_reason(trip)
 
@@ -191,15 +183,13 @@ def show(repo: Path, model: str, *, reconcile: bool = True) -> dict[str, Any]:
     otherwise), golden results with their figures against the limits (``summary``). With
     ``reconcile``, the registry is brought in line with the state first (the primary is
     PRODUCTION; a warning, never an error, when it cannot be)."""
-    from exporter.rollout.gates.engine import golden_reason  # noqa: PLC0415
 
     repo = Path(repo)
-    _guard_target(repo, model)
+    guard_target(repo, model)
     state = open_store(model, repo).load()
     if state is None:
         return {"model": model, "state": None}
     if reconcile:
-        from exporter.records.registry import reconcile_registry  # noqa: PLC0415
 
         reconcile_registry(repo, model, state=state)
     d = state.to_dict()
@@ -208,20 +198,3 @@ def show(repo: Path, model: str, *, reconcile: bool = True) -> dict[str, Any]:
     for g in d.get("goldens", {}).values():
         g["summary"] = golden_reason(g, limits)
     return d
-
-
-def validator_limits(repo: Path, model: str):
-    """The guard's ``validator.*`` settings (the limits its goldens are judged against), from
-    the guard's config.pbtxt (``NAME_guard`` for a text model); the defaults when unreadable."""
-    from tritonguard.core.config import from_params  # noqa: PLC0415
-    from tritonguard.rollout.validators import ValidatorConfig  # noqa: PLC0415
-
-    try:
-        found = repository.guard_dir(Path(repo), model)
-        if found is None:
-            return ValidatorConfig()
-        params = {k[len("validator."):]: v.get("string_value", "")
-                  for k, v in (found[1].get("parameters") or {}).items() if k.startswith("validator.")}
-        return from_params(ValidatorConfig, params, section="validator", model=model)
-    except Exception:  # noqa: BLE001 - only for display: the defaults are what a guard would use
-        return ValidatorConfig()

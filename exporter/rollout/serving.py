@@ -26,8 +26,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from exporter.errors import ExporterError
 from tritonguard.core import repository
-from tritonguard.core.errors import TritonGuardError
+from tritonguard.core.config import from_params, layered_parameters, split_parameters
+from tritonguard.guard.model import GuardConfig
+from tritonguard.privacy.cache import CacheConfig, PrivacyMode, _Redis, _Sqlite
+from tritonguard.rollout.state import open_store
 from tritonguard.triton import http as triton_http
 
 log = logging.getLogger(__name__)
@@ -35,7 +39,7 @@ log = logging.getLogger(__name__)
 ADMIN_HEADER = os.environ.get("TRITONGUARD_ADMIN_HEADER", "x-tritonguard-admin-key")
 
 
-class ServingError(TritonGuardError):
+class ServingError(ExporterError):
     """A version cannot be made ready on a server."""
 
 
@@ -139,10 +143,6 @@ def metrics_urls(servers: Sequence[str], explicit: Sequence[str]) -> list[str]:
 
 def purge_cache(repo: Path, model: str, *, by: str = "cli") -> dict[str, int | str]:
     """Bump ``cache_epoch`` (every instance drops its L1) and delete the model's L2/L3 rows."""
-    from tritonguard.core.config import from_params, layered_parameters, split_parameters  # noqa: PLC0415
-    from tritonguard.guard.model import GuardConfig  # noqa: PLC0415
-    from tritonguard.privacy.cache import CacheConfig, PrivacyMode, _Redis, _Sqlite  # noqa: PLC0415
-    from tritonguard.rollout.state import open_store  # noqa: PLC0415
 
     repo = Path(repo)
     cfg = _guard_config(repo, model)

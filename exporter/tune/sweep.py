@@ -30,8 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from exporter.build import layout
+from exporter.errors import ExporterError
 from tritonguard.core import repository
 from tritonguard.core.files import atomic_write
+from tritonguard.ops.launcher import perf_analyzer_run
+from tritonguard.ops.server import Server
 from tritonguard.triton import http as triton_http
 
 # -- knobs -----------------------------------------------------------------------------------
@@ -52,7 +55,7 @@ PREFERRED_LADDER: tuple[tuple[int, ...], ...] = ((), (4,), (8,), (16,), (32,))
 OVERSUBSCRIBE = 2
 
 
-class TuneError(Exception):
+class TuneError(ExporterError):
     """Bad input or an environment that cannot be tuned: one line for the user."""
 
 
@@ -525,7 +528,6 @@ def perf_analyzer(url: str, model: str, concurrency: int, data: Path, *, window_
                   stability_pct: float) -> Stat:
     """One perf_analyzer run; a window that never settles within ``stability_pct`` is measured
     again with no stability bound (the machine is noisy, not the point broken)."""
-    from tritonguard.ops.launcher import perf_analyzer_run  # noqa: PLC0415
 
     out = ""
     for stability in (stability_pct, 1000):
@@ -589,7 +591,6 @@ class Session:
         return self.copy
 
     def start(self, timeout: float = 240.0) -> None:
-        from tritonguard.ops.server import Server  # noqa: PLC0415
 
         self.prepare()
         args = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in self.pipe.load_order)]

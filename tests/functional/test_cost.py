@@ -23,7 +23,10 @@ import tritonclient.http as httpclient
 from typer.testing import CliRunner
 
 from exporter.cli.app import app
-from exporter.rollout.gates.engine import FAIL, PASS, GateConfig, GuardReadings, evaluate, parse
+from exporter.rollout.gates.config import GateConfig
+from exporter.rollout.gates.evaluate import evaluate
+from exporter.rollout.gates.readings import GuardReadings, parse
+from exporter.rollout.gates.verdict import FAIL, PASS
 from exporter.rollout.route import RouteChange, apply
 from tritonguard.core.repository import read_config, read_manifest, write_config
 from tritonguard.ops.server import Server

@@ -20,7 +20,7 @@ from rich.console import Console
 from tritonclient.utils import InferenceServerException
 
 from exporter.cli.watch import watch
-from exporter.rollout.gates.engine import parse
+from exporter.rollout.gates.readings import parse
 from tests.functional.test_serving import http_input
 from tests.unit.test_prometheus_rules import declared_families, family, named_metrics
 

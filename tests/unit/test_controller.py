@@ -29,7 +29,7 @@ from exporter.rollout.controller import (
     RolloutConfig,
     RolloutController,
 )
-from exporter.rollout.gates.engine import GuardReadings
+from exporter.rollout.gates.readings import GuardReadings
 from tritonguard.rollout.state import Arm, Candidate, StateError, StateUnavailable, open_store
 
 LE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
@@ -357,7 +357,7 @@ def test_config_is_validated(kwargs, message):
 DRIVER = r"""
 import sys, time
 from exporter.rollout.controller import RolloutController
-from exporter.rollout.gates.engine import GuardReadings
+from exporter.rollout.gates.readings import GuardReadings
 
 def idle(primary, candidate):  # no traffic: every look is inconclusive and holds
     return GuardReadings(model="digits", primary=primary, candidate=candidate, breaker_state=0, replicas=1)

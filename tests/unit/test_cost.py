@@ -10,17 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from exporter.cli.app import app
-from exporter.rollout.gates.engine import (
-    FAIL,
-    INCONCLUSIVE,
-    PASS,
-    SKIPPED,
-    GateConfig,
-    GuardReadings,
-    evaluate,
-    parse,
-    parse_increase,
-)
+from exporter.rollout.gates.config import GateConfig, parse_increase
+from exporter.rollout.gates.evaluate import evaluate
+from exporter.rollout.gates.readings import GuardReadings, parse
+from exporter.rollout.gates.verdict import FAIL, INCONCLUSIVE, PASS, SKIPPED
 from tests.unit.test_router_judge import W1, Linear, Metrics, make, rows
 from tritonguard.core.errors import ConfigError
 from tritonguard.guard.model import GuardConfig

@@ -14,9 +14,8 @@ from typer.testing import CliRunner
 from exporter.build.export import export
 from exporter.cli.app import app
 from exporter.cli.feedback_cmd import LabelFileError, read_labels
-from exporter.cli.rollout_cmd import judge_limits
+from exporter.rollout.guards import GuardSettingsError, judge_limits
 from tests.unit.test_exporter import tiny_spec
-from tritonguard.core.errors import ConfigError
 from tritonguard.core.repository import read_config, write_config
 from tritonguard.rollout.feedback import LABEL, MODEL, PRED, Prediction, open_feedback_log
 
@@ -73,5 +72,5 @@ def test_judge_limits_come_from_flags_then_the_guards_layers_then_defaults(repo,
     limits = judge_limits(repo, "tiny", max_disagreement="3%")
     assert limits.max_disagreement == pytest.approx(0.03) and limits.sources["max_disagreement"] == "--max-disagreement"
     assert limits.min_cosine == 0.8 and "environment" in limits.sources["min_cosine"]
-    with pytest.raises(ConfigError, match="judge.max_disagreement must be in"):
+    with pytest.raises(GuardSettingsError, match="judge.max_disagreement must be in"):
         judge_limits(repo, "tiny", max_disagreement="0")

@@ -9,21 +9,11 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import numpy as np
 import pytest
 
-from exporter.rollout.gates.engine import (
-    FAIL,
-    INCONCLUSIVE,
-    PASS,
-    GateConfig,
-    GuardReadings,
-    bucket_samples,
-    evaluate,
-    mann_whitney,
-    parse,
-    quantile,
-    scrape,
-    spent_alpha,
-    sprt,
-)
+from exporter.rollout.gates.config import GateConfig
+from exporter.rollout.gates.evaluate import evaluate
+from exporter.rollout.gates.readings import GuardReadings, parse, scrape
+from exporter.rollout.gates.stats import bucket_samples, mann_whitney, quantile
+from exporter.rollout.gates.verdict import FAIL, INCONCLUSIVE, PASS, spent_alpha, sprt
 
 LE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
 

@@ -7,17 +7,10 @@ import numpy as np
 import pytest
 
 from exporter.rollout.controller import ROLLED_BACK, RolloutConfig, RolloutController
-from exporter.rollout.gates.engine import (
-    FAIL,
-    INCONCLUSIVE,
-    PASS,
-    SKIPPED,
-    GateConfig,
-    GuardReadings,
-    evaluate,
-    parse,
-    wilson,
-)
+from exporter.rollout.gates.config import GateConfig
+from exporter.rollout.gates.evaluate import evaluate
+from exporter.rollout.gates.readings import GuardReadings, parse
+from exporter.rollout.gates.verdict import FAIL, INCONCLUSIVE, PASS, SKIPPED, wilson
 from exporter.rollout.judge import Z95, parse_margin, upper_bound
 from tritonguard.rollout.feedback import Tally
 from tritonguard.rollout.state import open_store
@@ -220,7 +213,7 @@ def test_wilson_is_a_proper_interval():
 
 
 def test_looks_count_by_information_not_by_clock():
-    from exporter.rollout.gates.engine import information_look
+    from exporter.rollout.gates.verdict import information_look
 
     assert [information_look(n, 60) for n in (0, 60, 120, 121, 240, 241, 480, 1000)] == [1, 1, 1, 2, 2, 3, 3, 5]
     # a retrain's 2 of 443 disagreeing rows against a 2.16 % limit: the bound no longer depends on

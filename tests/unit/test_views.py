@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from exporter.cli.app import app
-from exporter.records.registry import Registry, default_uri, reconcile_registry
+from exporter.records.registry import Registry, default_uri
 from exporter.rollout.controller import (
     DONE,
     ROLLED_BACK,
@@ -22,13 +22,11 @@ from exporter.rollout.controller import (
     RolloutConfig,
     RolloutController,
 )
-from exporter.rollout.gates.engine import (
-    GateConfig,
-    GuardReadings,
-    evaluate,
-    golden_reason,
-    trip_reason,
-)
+from exporter.rollout.gates.config import GateConfig
+from exporter.rollout.gates.evaluate import evaluate
+from exporter.rollout.gates.readings import GuardReadings
+from exporter.rollout.gates.reasons import golden_reason, trip_reason
+from exporter.rollout.reconcile import reconcile_registry
 from exporter.rollout.route import RouteChange, RouteError, apply, show
 from tritonguard.core.repository import write_config
 from tritonguard.rollout.state import open_store

@@ -39,6 +39,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tritonguard.core.config import model_parameters
+
 log = logging.getLogger(__name__)
 
 CACHE = "cache"  # target_version label of cache hits
@@ -77,7 +79,6 @@ def target_resource(placement: str, target_config: Mapping[str, Any] | None, par
     and the target's config.pbtxt say. In process, the guard's ``runtime.*`` overrides the
     target's own parameters (as when the engine is built); over BLS, a target whose instance
     group says KIND_GPU is a GPU target (KIND_AUTO is taken as CPU: the guard cannot tell)."""
-    from tritonguard.core.config import model_parameters  # noqa: PLC0415
 
     own = model_parameters(target_config or {})
     if placement == "inprocess":

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tritonguard.core.files import atomic_path
+from tritonguard.ops.supervisor import supervise, with_default_control
 
 NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 NGC_BACKENDS = Path("/opt/tritonserver/backends")
@@ -259,7 +260,6 @@ def tritonserver_main() -> int:
     loaded at start (what the default ``none`` serves), so the supervisor can reload one model."""
     if os.environ.get("TRITONGUARD_SUPERVISE", "1").lower() in ("0", "false", "no", "off"):
         return _exec(resolve_tritonserver, sys.argv[1:])
-    from tritonguard.ops.supervisor import supervise, with_default_control  # noqa: PLC0415
 
     try:
         binary, full, env = resolve_tritonserver(with_default_control(sys.argv[1:]))

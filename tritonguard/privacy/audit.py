@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 from tritonguard.core.errors import ConfigError, TritonGuardError
 from tritonguard.core.files import atomic_write
 from tritonguard.core.outage import Backoff
-from tritonguard.core.store import file_lock
+from tritonguard.core.store import ENV_URL, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +343,6 @@ class RedisAnchors:
 def open_anchor_store(model: str, repo_dir: str | os.PathLike[str], url: str | None = None) -> AnchorStore:
     """A guard's anchor store, chosen like :func:`tritonguard.rollout.state.open_store`: Redis when
     ``url`` (default ``$TRITONGUARD_STATE_URL``) is set, else files beside the rollout state."""
-    from tritonguard.core.store import ENV_URL
 
     if url is None:
         url = os.environ.get(ENV_URL, "")

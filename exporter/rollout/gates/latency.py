@@ -16,7 +16,7 @@ the effect is the Hodges-Lehmann estimate of log(candidate / primary) pooled ove
 median of all within-class pairwise differences (so each class weighs n1*n2), reported as a ratio.
 
 FAIL only when the ratio exceeds ``1 + tolerance`` (below ``1 / (1 + tolerance)`` also counts with
-``direction="both"``) AND p < alpha_k, with alpha spent over looks as in :mod:`exporter.rollout.gates.engine`
+``direction="both"``) AND p < alpha_k, with alpha spent over looks as in :mod:`exporter.rollout.gates`
 (alpha_k = 6 alpha / (pi^2 k^2)), so the false FAIL rate stays below ``alpha`` however often the
 controller looks. PASS needs evidence too: the same stratified test of the candidate's latencies
 divided by ``1 + tolerance`` must find them faster than the primary's at ``beta`` (the one-sided
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from exporter.rollout.gates.engine import FAIL, INCONCLUSIVE, PASS, GateResult, spent_alpha
+from exporter.rollout.gates.verdict import FAIL, INCONCLUSIVE, PASS, GateResult, spent_alpha
 from tritonguard.rollout.latency import Samples
 
 NAME = "latency"
