@@ -1,6 +1,6 @@
 """Semantic response cache of a stream guard: a prompt close in meaning to an earlier one gets its answer.
 
-The exact cache (:mod:`tritonguard.privacy.cache`, the stream guard's ``cache.*``) answers only a
+The exact cache (:mod:`tritonguard.privacy.cache.tiered`, the stream guard's ``cache.*``) answers only a
 byte-identical deterministic request. This cache answers a *similar* one: each stored answer keeps
 the sentence embedding of its (already PII-redacted) prompt, and a new prompt whose embedding has
 a cosine similarity of at least ``semantic_cache.threshold`` with a stored one, for the same
