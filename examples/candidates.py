@@ -64,7 +64,7 @@ import torch
 from torch import nn
 
 from examples import digits, faults
-from exporter.build.sources import ExportSpec
+from exporter.build.sources.spec import ExportSpec
 
 RETRAIN_SEEDS = {"retrain": 1, "retrain2": 2, "retrain3": 3}
 # worse: v1's recipe (seed 0) stopped after this many epochs

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from exporter.build.sources import ExportSpec, TensorDef
+from exporter.build.sources.spec import ExportSpec, TensorDef
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from examples import digits
-from exporter.build.sources import ExportSpec
+from exporter.build.sources.spec import ExportSpec
 
 N_GOLDEN = digits.N_GOLDEN
 N_CLASSES = 10

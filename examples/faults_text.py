@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from exporter.build.sources import ExportSpec
+from exporter.build.sources.spec import ExportSpec
 
 from . import minilm
 

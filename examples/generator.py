@@ -44,7 +44,8 @@ from torch import nn
 from tritonguard.core import repository as repo_mod
 from tritonguard.core.files import atomic_write
 from tritonguard.core.repository import write_config
-from tritonguard.generation.generator import CharTokenizer, Decoder, StepModel, parse_sampling
+from tritonguard.generation.contract import parse_sampling
+from tritonguard.generation.decoder import CharTokenizer, Decoder, StepModel
 
 log = logging.getLogger(__name__)
 

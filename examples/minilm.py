@@ -3,7 +3,7 @@
 The artifact is the BERT encoder plus mean pooling over the attention mask and L2
 normalisation, which is exactly what sentence-transformers computes for this model; the
 tokenizer runs in front of it as its own Triton model. The spec is what any Hugging Face
-sentence-encoder folder gives (:func:`exporter.build.sources.from_hf_dir`, also reached by
+sentence-encoder folder gives (:func:`exporter.build.sources.hf_folders.from_hf_dir`, also reached by
 ``exporter export --source /path/to/folder``), plus the package version as data version.
 """
 
@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from exporter.build.sources import GOLDEN_SENTENCES, ExportSpec, from_hf_dir, text_array
+from exporter.build.sources.hf_folders import GOLDEN_SENTENCES, from_hf_dir, text_array
+from exporter.build.sources.spec import ExportSpec
 
 MAX_LENGTH = 256
 DIM = 384

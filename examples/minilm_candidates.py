@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from exporter.build.sources import ExportSpec
+from exporter.build.sources.spec import ExportSpec
 
 from . import minilm
 
@@ -302,7 +302,7 @@ def finetune(steps: int = STEPS, seed: int = SEED, *, shuffled: bool = False,
 def eval_pairs() -> tuple[np.ndarray, np.ndarray]:
     """The held-out name-summary pairs as an evaluation set: TEXT [N,1] queries and, as their
     labels, each query's own summary (scored as recall@10 over all held-out summaries)."""
-    from exporter.build.sources import text_array  # noqa: PLC0415
+    from exporter.build.sources.hf_folders import text_array  # noqa: PLC0415
 
     _, test = docstring_pairs()
     return text_array([q for q, _ in test]), np.array([d.encode() for _, d in test], dtype=object)

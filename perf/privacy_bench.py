@@ -136,7 +136,7 @@ def stage_hit_us(src: Path, tier: str, redis_url: str | None, workdir: Path, n: 
 
     from tritonguard.core.config import model_parameters
     from tritonguard.core.tensors import ModelSignature
-    from tritonguard.guard.model import GuardConfig
+    from tritonguard.guard.config import GuardConfig
     from tritonguard.guard.routing.router import Routed
     from tritonguard.guard.services import PrivacyStage
     from tritonguard.guard.validation import BatchValidator

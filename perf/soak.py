@@ -30,7 +30,7 @@ import numpy as np
 from examples.texts import stdlib_sentences
 from tritonguard.core.repository import mirror
 from tritonguard.ops.server import Server
-from tritonguard.ops.supervisor import scan_stubs
+from tritonguard.ops.supervisor.stubs import scan_stubs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -13,7 +13,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         if (config.get("model_transaction_policy") or {}).get("decoupled"):
-            from tritonguard.guard.stream import StreamGuardModel as Model  # noqa: PLC0415
+            from tritonguard.guard.stream.model import StreamGuardModel as Model  # noqa: PLC0415
         else:
             from tritonguard.guard.model import GuardModel as Model  # noqa: PLC0415
         self.model = Model()

@@ -89,7 +89,7 @@ def test_server_runs_the_supervising_launcher_with_the_dockerfile_flags(docs):
 def test_rendered_flags_read_back_by_the_supervisor(docs):
     """The supervisor parses the server's flags for its control URL, metrics and admin header:
     the rendered args, with the kubelet's $(VAR) expansion done, give it what it needs."""
-    from tritonguard.ops.supervisor import (
+    from tritonguard.ops.supervisor.control import (
         control_mode,
         http_base,
         metrics_url,
@@ -203,9 +203,9 @@ def test_store_bundled_and_external(docs):
 
 def test_secret_env_names_are_the_ones_the_code_reads(docs, tmp_path):
     from tritonguard.core.config import env_parameters
-    from tritonguard.privacy.audit import KEY_ENV
-    from tritonguard.privacy.cache import CacheConfig
-    from tritonguard.privacy.tenancy import TenancyConfig
+    from tritonguard.privacy.audit.anchors import KEY_ENV
+    from tritonguard.privacy.cache.config import CacheConfig
+    from tritonguard.privacy.tenancy.config import TenancyConfig
 
     env = _env(_container(docs["examples/pvc.yaml"]))
     refs = {name: e["valueFrom"]["secretKeyRef"]["key"] for name, e in env.items()
@@ -226,7 +226,7 @@ def test_secret_env_names_are_the_ones_the_code_reads(docs, tmp_path):
     vol = {v["name"]: v for v in server["volumes"]}["tenant-keys"]["secret"]
     assert vol["items"] == [{"key": "tenant-keys.toml", "path": "tenant-keys.toml"}]
     # the file the Secret carries is one the guards can read
-    from tritonguard.privacy.tenancy import read_keys_file
+    from tritonguard.privacy.tenancy.auth import read_keys_file
 
     keys = one(docs["examples/pvc.yaml"], "Secret", f"{FULL}-keys")["data"]["tenant-keys.toml"]
     path = tmp_path / "tenant-keys.toml"

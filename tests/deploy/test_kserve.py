@@ -72,7 +72,12 @@ def _repo(tmp_path: Path) -> Path:
 
 
 def test_runtime_serves_a_writable_repository_in_place(tmp_path):
-    from tritonguard.ops.supervisor import control_mode, http_base, metrics_url, repository_headers
+    from tritonguard.ops.supervisor.control import (
+        control_mode,
+        http_base,
+        metrics_url,
+        repository_headers,
+    )
 
     repo = _repo(tmp_path)
     proc, argv = _run_runtime_script(tmp_path, repo, as_nobody=False)

@@ -223,7 +223,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 
 def test_the_jobs_admin_key_is_the_header_the_server_demands(docs, monkeypatch):
     from exporter.rollout import serving
-    from tritonguard.ops.supervisor import repository_headers
+    from tritonguard.ops.supervisor.control import repository_headers
 
     pvc = docs["examples/pvc.yaml"]
     server_args = one(pvc, "Deployment", FULL)["spec"]["template"]["spec"]["containers"][0]["args"]

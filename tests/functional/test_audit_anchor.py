@@ -23,7 +23,7 @@ import tritonclient.http as httpclient
 
 from tritonguard.core.repository import read_config, write_config
 from tritonguard.ops.server import Server
-from tritonguard.privacy.audit import ANCHOR_HASH, anchor_name
+from tritonguard.privacy.audit.anchors import ANCHOR_HASH, anchor_name
 
 pytestmark = pytest.mark.functional
 

@@ -83,7 +83,7 @@ def poison(repo: Path, src: int, dest: int, char: str) -> None:
     inputs. (NaN weights would not do: onnxruntime's GRU clamps its gate inputs, NaN included.)"""
     from onnx import TensorProto, helper
 
-    from tritonguard.generation.generator import CharTokenizer
+    from tritonguard.generation.decoder import CharTokenizer
 
     tok = CharTokenizer.from_dict(json.loads((repo / "tinylm_raw" / str(src) / "vocab.json").read_text()))
     token = tok.encode(char)[0]

@@ -70,7 +70,7 @@ def test_declared_families_are_what_the_server_exports(exported):
     """The declaration the rest is checked against is the server's truth, not a stale copy."""
     guard = {family(m) for m in exported if m.startswith("tritonguard_")}
     assert guard, "the guard exports nothing"
-    assert guard - declared_families() == set(), "exported but not declared in tritonguard.triton.backend.Metrics"
+    assert guard - declared_families() == set(), "exported but not declared in tritonguard.core.catalogue"
 
 
 def test_watch_shows_routing_breakers_and_live_rates(server, test_repo, exported):

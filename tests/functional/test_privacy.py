@@ -29,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 
 from tritonguard.core.repository import read_config, write_config
 from tritonguard.ops.server import Server
-from tritonguard.privacy.audit import verify
+from tritonguard.privacy.audit.verify import verify
 
 pytestmark = pytest.mark.functional
 
@@ -271,7 +271,8 @@ def test_invalid_tenant_and_quota(env):
     assert codes[:2] == ["ok", "ok"] and "503" in codes[2:], codes
     # the bucket lives in a file every instance of the guard maps: a third process (this one)
     # opening it finds the tenant's burst spent by the server's instance (refill: 1 per 5 s)
-    from tritonguard.privacy.tenancy import QUOTA_FILE, SharedQuotaManager, TenancyConfig
+    from tritonguard.privacy.tenancy.config import TenancyConfig
+    from tritonguard.privacy.tenancy.quotas import QUOTA_FILE, SharedQuotaManager
 
     path = env["base"] / "repo" / "minilm_priv" / QUOTA_FILE
     other = SharedQuotaManager(TenancyConfig(quotas={"limited": {"rps": 0.2, "burst": 2}}), path)

@@ -460,7 +460,7 @@ def test_every_generation_and_refusal_is_audited_on_a_verifiable_chain(server):
     """audit.path set: one 'generation' record per admitted request (who served it, status,
     tokens out, PII redacted in and out, the prompt only as a digest) and one 'reject' per
     refusal, on a hash chain that verifies; no PII in the file."""
-    from tritonguard.privacy.audit import verify
+    from tritonguard.privacy.audit.verify import verify
 
     path = server.logs / "stream_audit.jsonl"
     text = "".join(e["text_output"] for e in sse(server, "echo_audited", PII, {"max_tokens": 200}))

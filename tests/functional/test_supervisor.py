@@ -22,7 +22,7 @@ import pytest
 
 from tritonguard.core.repository import mirror
 from tritonguard.ops.server import Server
-from tritonguard.ops.supervisor import scan_stubs
+from tritonguard.ops.supervisor.stubs import scan_stubs
 
 pytestmark = pytest.mark.functional
 

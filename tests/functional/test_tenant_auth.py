@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 from tests.functional.test_privacy import audit_records, wait_for
 from tritonguard.core.repository import read_config, write_config
 from tritonguard.ops.server import Server
-from tritonguard.privacy.tenancy import hash_api_key, new_api_key
+from tritonguard.privacy.tenancy.auth import hash_api_key, new_api_key
 
 pytestmark = pytest.mark.functional
 

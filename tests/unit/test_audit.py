@@ -7,16 +7,11 @@ import pytest
 
 from tritonguard.core.config import from_params
 from tritonguard.core.errors import ConfigError
-from tritonguard.privacy import audit
-from tritonguard.privacy.audit import (
-    GENESIS,
-    AuditConfig,
-    AuditLog,
-    digest,
-    record_hash,
-    rotated_files,
-    verify,
-)
+from tritonguard.privacy.audit import anchors as audit
+from tritonguard.privacy.audit import log as audit_log
+from tritonguard.privacy.audit.chain import GENESIS, digest, record_hash, rotated_files
+from tritonguard.privacy.audit.log import AuditConfig, AuditLog
+from tritonguard.privacy.audit.verify import verify
 
 
 def open_log(path, **params):
@@ -316,12 +311,12 @@ def test_disk_full_drops_are_a_gap_record(tmp_path, monkeypatch):
     for i in range(5):
         log.record("infer", n=i)
     assert log.flush()
-    real = audit._write_all
+    real = audit_log._write_all
 
     def full(fd, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(audit, "_write_all", full)
+    monkeypatch.setattr(audit_log, "_write_all", full)
     t0 = time.time()
     for i in range(7):
         log.record("infer", n=i)
@@ -331,7 +326,7 @@ def test_disk_full_drops_are_a_gap_record(tmp_path, monkeypatch):
     time.sleep(0.3)  # the pending gap record is retried once per anchor_interval_ms (1 s), no faster
     assert log.write_errors <= errors + 1
     assert verify(path).status == "ok"  # nothing written yet: the gap is noted when writing resumes
-    monkeypatch.setattr(audit, "_write_all", real)
+    monkeypatch.setattr(audit_log, "_write_all", real)
     log.record("infer", n=99)
     log.close()
     recs = [json.loads(x) for x in lines(path)]

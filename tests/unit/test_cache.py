@@ -12,19 +12,11 @@ import pytest
 
 from tritonguard.core.config import from_params
 from tritonguard.core.errors import ConfigError
-from tritonguard.privacy.cache import (
-    KEEP_QUARANTINED,
-    CacheConfig,
-    PrivacyMode,
-    TieredCache,
-    cache_key,
-    decode_value,
-    encode_value,
-    key_model,
-    load_key,
-    row_keys,
-    split_rows,
-)
+from tritonguard.privacy.cache.codec import decode_value, encode_value
+from tritonguard.privacy.cache.config import CacheConfig, PrivacyMode, load_key
+from tritonguard.privacy.cache.keys import cache_key, key_model, row_keys, split_rows
+from tritonguard.privacy.cache.tiered import TieredCache
+from tritonguard.privacy.cache.tiers import KEEP_QUARANTINED
 
 KEY_HEX = "8f" * 32
 ENV = {"TRITONGUARD_L2_ENCRYPTION_KEY": KEY_HEX}

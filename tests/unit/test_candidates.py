@@ -13,7 +13,8 @@ import torch
 
 from examples import candidates, digits, faults
 from exporter.build import artifacts
-from exporter.build.export import ExportError, export
+from exporter.build.errors import ExportError
+from exporter.build.export import export
 from tests.unit.test_faults import _run  # the same runner as the faults' tests
 from tritonguard.models.engines import EngineConfig, OnnxEngine
 

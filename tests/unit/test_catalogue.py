@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tritonguard.core import catalogue
-from tritonguard.triton.backend import Metrics
+from tritonguard.triton.metrics import Metrics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "monitoring.md"
 

@@ -15,14 +15,15 @@ from rich.table import Table
 from typer.testing import CliRunner
 
 from exporter.build import layout
-from exporter.build.export import DuplicateArtifact, export
+from exporter.build.errors import DuplicateArtifact
+from exporter.build.export import export
 from exporter.cli.app import app
 from exporter.cli.consoles import PIPE_WIDTH, WideConsole
 from tests.unit.test_exporter import tiny_spec, tiny_text_spec
 from tritonguard.core import repository
 from tritonguard.core.config import layered_parameters, model_parameters
 from tritonguard.core.tensors import ModelSignature
-from tritonguard.guard.model import GuardConfig
+from tritonguard.guard.config import GuardConfig
 from tritonguard.guard.services import security_findings
 from tritonguard.guard.validation import BatchValidator
 from tritonguard.ops.server import free_port
@@ -248,7 +249,7 @@ def test_fresh_text_guard_has_no_payload_warning_and_admits_a_full_batch(tmp_pat
 def test_payload_limit_from_the_spec():
     spec = tiny_spec()  # X float32 [4], max_batch_size 8: 128 bytes a batch
     assert layout.max_payload_bytes(spec) == 1024  # 2 x 128, at least 1 KiB
-    from exporter.build.sources import ExportSpec, TensorDef
+    from exporter.build.sources.spec import ExportSpec, TensorDef
 
     big = ExportSpec(module=None, inputs=[TensorDef(name="IMAGE", dtype="float32", dims=(8, 8))],
                      outputs=[TensorDef(name="P", dtype="float32", dims=(10,))],

@@ -16,17 +16,11 @@ from typer.testing import CliRunner
 
 from exporter.build import goldens
 from exporter.build.artifacts import sha256_file
-from exporter.build.compile import (
-    ADMITTED,
-    REJECTED,
-    SKIPPED,
-    CompileError,
-    Skip,
-    Variant,
-    compile_model,
-)
+from exporter.build.compile import ADMITTED, REJECTED, SKIPPED, compile_model
 from exporter.build.export import export
-from exporter.build.sources import ExportSpec, TensorDef, TextFront, load_source
+from exporter.build.sources import load_source
+from exporter.build.sources.spec import ExportSpec, TensorDef, TextFront
+from exporter.build.variants import CompileError, Skip, Variant
 from exporter.cli.app import app
 from tritonguard.core import repository
 from tritonguard.core.errors import ConfigError

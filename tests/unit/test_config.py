@@ -2,7 +2,7 @@ import pytest
 
 from tritonguard.core.config import env_parameters, from_params, model_parameters, split_parameters
 from tritonguard.core.errors import ConfigError
-from tritonguard.guard.model import GuardConfig
+from tritonguard.guard.config import GuardConfig
 from tritonguard.models.engines import EngineConfig
 
 

@@ -16,7 +16,7 @@ from exporter.rollout.gates.readings import GuardReadings, parse
 from exporter.rollout.gates.verdict import FAIL, INCONCLUSIVE, PASS, SKIPPED
 from tests.unit.test_router_judge import W1, Linear, Metrics, make, rows
 from tritonguard.core.errors import ConfigError
-from tritonguard.guard.model import GuardConfig
+from tritonguard.guard.config import GuardConfig
 from tritonguard.guard.routing.router import Routed
 from tritonguard.guard.services import MAX_TENANT_LABELS, OTHER_TENANTS, PrivacyBatch
 from tritonguard.observe.cost import CACHE, CostConfig, CostMeter, target_resource
@@ -167,7 +167,7 @@ def test_unpriced_exports_seconds_only_and_a_meter_error_never_reaches_serving()
 
 
 def test_tenant_labels_go_through_the_cardinality_guard():
-    from tritonguard.privacy.tenancy import TenantLabels
+    from tritonguard.privacy.tenancy.labels import TenantLabels
 
     m, metrics, clock = meter(label=TenantLabels())  # the guard's own labels (one per process)
     n = MAX_TENANT_LABELS + 5

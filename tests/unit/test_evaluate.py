@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from exporter.build import goldens
-from exporter.build.compile import ADMITTED, Variant, compile_model
+from exporter.build.compile import ADMITTED, compile_model
 from exporter.build.evaluate import (
     EvaluationError,
     eval_sha256,
@@ -21,7 +21,8 @@ from exporter.build.evaluate import (
     score,
 )
 from exporter.build.export import export
-from exporter.build.sources import ExportSpec, TensorDef
+from exporter.build.sources.spec import ExportSpec, TensorDef
+from exporter.build.variants import Variant
 from tests.unit.test_exporter import Tiny, tiny_text_spec  # the same test models
 from tritonguard.core import repository
 

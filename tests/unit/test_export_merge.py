@@ -15,14 +15,17 @@ import pytest
 from typer.testing import CliRunner
 
 from exporter.build import layout
-from exporter.build.export import ExportError, export, upgrade_layout
-from exporter.build.sources import ExportSpec, TensorDef, load_source
+from exporter.build.errors import ExportError
+from exporter.build.export import export
+from exporter.build.sources import load_source
+from exporter.build.sources.spec import ExportSpec, TensorDef
+from exporter.build.upgrade import upgrade_layout
 from exporter.cli.app import app
 from tests.unit.test_exporter import Tiny, tiny_text_spec  # the same test models
 from tritonguard.core import repository
 from tritonguard.core.config import model_parameters
 from tritonguard.core.tensors import ModelSignature
-from tritonguard.guard.model import GuardConfig
+from tritonguard.guard.config import GuardConfig
 from tritonguard.guard.validation import BatchValidator
 
 ROOT = Path(__file__).resolve().parents[2]

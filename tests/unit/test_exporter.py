@@ -12,7 +12,8 @@ from torch import nn
 from typer.testing import CliRunner
 
 from exporter.build import goldens
-from exporter.build.export import ExportError, GoldenCheckFailed, export
+from exporter.build.errors import ExportError, GoldenCheckFailed
+from exporter.build.export import export
 from exporter.build.goldens import (
     FAIL,
     MARGINAL,
@@ -22,7 +23,8 @@ from exporter.build.goldens import (
     check_embedding,
     check_regression,
 )
-from exporter.build.sources import ExportSpec, SourceError, TensorDef, TextFront, load_source
+from exporter.build.sources import load_source
+from exporter.build.sources.spec import ExportSpec, SourceError, TensorDef, TextFront
 from exporter.cli.app import app
 from tritonguard.core import repository
 

@@ -18,8 +18,8 @@ from exporter.rollout.generation import judge_generation
 from exporter.rollout.judge import FAIL, PASS, JudgeError, manifest_judge
 from tritonguard.core.config import model_parameters
 from tritonguard.core.repository import read_config, read_manifest
-from tritonguard.generation.generator import CharTokenizer, StepModel
-from tritonguard.guard.stream import parse_settings
+from tritonguard.generation.decoder import CharTokenizer, StepModel
+from tritonguard.guard.stream.config import parse_settings
 
 DEGRADED_STEPS = 40
 V1, DEGRADED, RETRAIN, REEXPORT, SLIGHT = 1, 2, 3, 4, 5

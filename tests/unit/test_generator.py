@@ -15,20 +15,12 @@ from tritonguard.core.catalogue import GENERATION_COUNTERS as COUNTERS
 from tritonguard.core.catalogue import GENERATION_HISTOGRAMS as HISTOGRAMS
 from tritonguard.core.config import from_params
 from tritonguard.core.errors import ConfigError, InvalidInput
-from tritonguard.generation.generator import (
-    CharTokenizer,
-    Decoder,
-    Engine,
-    GeneratorConfig,
-    SamplingParams,
-    Sequence,
-    StepModel,
-    generation_metrics,
-    parse_request,
-    parse_sampling,
-    pick,
-)
+from tritonguard.generation.contract import SamplingParams, parse_sampling
+from tritonguard.generation.decoder import CharTokenizer, Decoder, Sequence, StepModel, pick
+from tritonguard.generation.engine import Engine, generation_metrics
+from tritonguard.generation.generator import GeneratorConfig, parse_request
 from tritonguard.triton import backend as triton
+from tritonguard.triton import metrics as metrics_mod
 
 CAP = 256
 
@@ -427,15 +419,15 @@ def test_metrics_takes_the_generator_families(fake_pb):
 
 
 def test_metrics_defaults_are_still_the_guards(fake_pb):
-    m = triton.Metrics("g", "1")
+    m = metrics_mod.Metrics("g", "1")
     try:
         names = dict(fake_pb.registered)
-        assert set(names) == ({n for n, _ in triton.Metrics.FAMILIES.values()}
-                              | {n for n, _ in triton.Metrics.GAUGES.values()} | {"tritonguard_target_latency_seconds"})
+        assert set(names) == ({n for n, _ in metrics_mod.Metrics.FAMILIES.values()}
+                              | {n for n, _ in metrics_mod.Metrics.GAUGES.values()} | {"tritonguard_target_latency_seconds"})
         assert not any(n.startswith("tritonguard_generation_") for n in names)
         m.observe("latency", 0.01)
         m.flush()
         assert ("tritonguard_target_latency_seconds", {"model": "g", "version": "1"},
-                list(triton.Metrics.LATENCY_BUCKETS)) in fake_pb.children
+                list(metrics_mod.Metrics.LATENCY_BUCKETS)) in fake_pb.children
     finally:
         m.close()

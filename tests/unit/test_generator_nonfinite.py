@@ -6,14 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tritonguard.generation.generator import (
-    NON_FINITE_LOGITS,
-    CharTokenizer,
-    Decoder,
-    Engine,
-    SamplingParams,
-    Sequence,
-)
+from tritonguard.generation.contract import NON_FINITE_LOGITS, SamplingParams
+from tritonguard.generation.decoder import CharTokenizer, Decoder, Sequence
+from tritonguard.generation.engine import Engine
 
 from .test_generator import ListSink
 

@@ -8,7 +8,7 @@ import pytest
 
 from tritonguard.core.config import layered_parameters, pyproject_parameters
 from tritonguard.core.errors import ConfigError
-from tritonguard.guard.model import GuardConfig, _with_source
+from tritonguard.guard.config import GuardConfig, _with_source
 
 PYPROJECT = """
 [project]

@@ -11,7 +11,7 @@ import pytest
 from examples import generator as example
 from tritonguard.core.errors import ConfigError
 from tritonguard.core.repository import write_config
-from tritonguard.generation.generator import SamplingParams
+from tritonguard.generation.contract import SamplingParams
 from tritonguard.generation.local import (
     CODE_NUMBERS,
     END,

@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from exporter.build.eval_sets import read_eval_file
 from exporter.build.evaluate import load_eval_set, recall_at_k
-from exporter.build.export import export, read_eval_file
-from exporter.build.sources import SourceError
+from exporter.build.export import export
+from exporter.build.sources.spec import SourceError
 from exporter.rollout.judge import FAIL, GO_ON, INCONCLUSIVE, PASS, judge_offline
 from tests.unit.test_exporter import Tiny, tiny_spec, tiny_text_spec
 

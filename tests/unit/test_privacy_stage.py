@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from exporter.cli.app import app
 from tritonguard.core.errors import ConfigError, InvalidInput, QuotaExceeded
 from tritonguard.core.tensors import ModelSignature, TensorSpec
-from tritonguard.guard.model import GuardConfig
+from tritonguard.guard.config import GuardConfig
 from tritonguard.guard.routing.router import Routed
 from tritonguard.guard.services import (
     AuditedMetrics,
@@ -22,7 +22,7 @@ from tritonguard.guard.services import (
     security_findings,
 )
 from tritonguard.guard.validation import BatchValidator
-from tritonguard.privacy.audit import verify
+from tritonguard.privacy.audit.verify import verify
 
 KEY_HEX = "5a" * 32
 ENV = {"TRITONGUARD_L2_ENCRYPTION_KEY": KEY_HEX}
@@ -309,7 +309,7 @@ def test_audit_records_hashes_only_and_verifies(repo, tmp_path):
 
 
 def test_audited_metrics_record_safety_events(tmp_path):
-    from tritonguard.privacy.audit import AuditConfig, AuditLog
+    from tritonguard.privacy.audit.log import AuditConfig, AuditLog
 
     log = AuditLog(AuditConfig(path=str(tmp_path / "a.jsonl"), flush_interval_ms=0))
     inner = Metrics()
@@ -385,7 +385,7 @@ def test_guard_config_has_the_new_sections():
 
 
 def test_key_prefix_memo_and_canonical_params_give_the_same_keys():
-    from tritonguard.privacy.cache import canonical_params, row_keys
+    from tritonguard.privacy.cache.keys import canonical_params, row_keys
 
     x = {"TEXT": np.array([[b"a"], [b"b"]], dtype=object)}
     params = {"placement": "bls", "runtime": {"threads": "2"}}

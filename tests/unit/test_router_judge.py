@@ -8,7 +8,8 @@ import pytest
 
 from tritonguard.core import repository
 from tritonguard.core.errors import TargetError
-from tritonguard.guard.routing.router import Router, RoutingConfig
+from tritonguard.guard.routing.config import RoutingConfig
+from tritonguard.guard.routing.router import Router
 from tritonguard.rollout.breaker import BreakerConfig
 from tritonguard.rollout.state import Candidate, open_store
 from tritonguard.rollout.validators import ValidatorConfig, ValidatorRegistry
@@ -98,7 +99,7 @@ def make(repo, targets, *, primary=1, candidate=None, share=1.0, judge=None, max
 
 def drain(router, timeout=5.0):
     deadline = time.monotonic() + timeout
-    while not router._jobs.empty() and time.monotonic() < deadline:
+    while not router.worker.jobs.empty() and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.05)  # the job taken last may still be running
 
@@ -176,7 +177,7 @@ def test_comparisons_queued_before_a_promotion_are_dropped(repo):
     x = rows(64, seed=5)
     for k in range(0, 64, 8):  # what the worker finds in its queue after the promotion
         sub = {"X": x[k:k + 8]}
-        router._compare("canary", 1, 2, sub, Linear(W2).infer(sub))
+        router.comparator.compare("canary", 1, 2, sub, Linear(W2).infer(sub))
     assert metrics.total("compared") == 0
     assert router.breaker(2).state == "closed"
     router.close()
@@ -306,7 +307,7 @@ def test_paired_order_alternates_for_each_version_under_test(repo):
     x = {"X": rows(2)}
     for _ in range(4):
         for arm in (2, 3):
-            router._paired_run(arm, 1, x)
+            router.comparator.paired_run(arm, 1, x)
     router.close()
     pairs = [order[i:i + 2] for i in range(0, len(order), 2)]
     for arm in (2, 3):
@@ -326,18 +327,18 @@ def test_a_stale_breaker_write_does_not_erase_another_processs_newer_trip(repo):
     newer.trip(90.0, "manual")
     newer.wants_probe(100.0)
     newer.record_probe(100.0, ["FAIL"])  # reopened at 100
-    router._store_breaker(2, newer.to_dict())
+    router.breakers.share(2, newer.to_dict())
     stale = Breaker(other, name="t:2")
     stale.trip(40.0, "manual")
     assert stale.wants_probe(50.0)
     stale.record_probe(50.0, ["PASS"])
-    router._store_breaker(2, stale.to_dict())
+    router.breakers.share(2, stale.to_dict())
     doc = router.store.load().breakers["2"]
     assert doc["state"] == "open" and doc["changed_at"] == 100.0, doc
     # a newer change of its own still goes in
     stale.record_probe(120.0, ["PASS"] * 30)  # 120 - 40 >= min_off: probes close it at 120
     assert stale.state == "closed"
-    router._store_breaker(2, stale.to_dict())
+    router.breakers.share(2, stale.to_dict())
     assert router.store.load().breakers["2"]["state"] == "closed"
     router.close()
 
@@ -388,8 +389,8 @@ def test_latency_ratio_ignores_a_candidate_whose_p95_moved_but_not_its_median(re
     b2 = router.breaker(2)
     b2.record_batch(now, 100, latency_ms=spiky)
     assert b2.latency_p95(50) > 1.5 * router.breaker(1).latency_p95(50)
-    assert router._latency_vs_primary(2, b2, now) is None and b2.state == "closed"  # noqa: SLF001
+    assert router.signals.latency_vs_primary(2, b2, now) is None and b2.state == "closed"  # noqa: SLF001
     b2.record_batch(now, 100, latency_ms=np.full(100, 0.246))  # now slower on every call
-    trip = router._latency_vs_primary(2, b2, now)  # noqa: SLF001
+    trip = router.signals.latency_vs_primary(2, b2, now)  # noqa: SLF001
     router.close()
     assert trip is not None and trip.reason == "latency" and trip.figures["p50_ms"] > 1.25 * trip.figures["primary_p50_ms"]

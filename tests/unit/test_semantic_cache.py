@@ -7,7 +7,7 @@ import pytest
 
 from tritonguard.core.config import from_params
 from tritonguard.core.errors import ConfigError
-from tritonguard.privacy.semantic_cache import WARN_EVERY_S, Hit, SemanticCache, SemanticCacheConfig
+from tritonguard.privacy.cache.semantic import WARN_EVERY_S, Hit, SemanticCache, SemanticCacheConfig
 
 DIM = 384
 NEAR_A, NEAR_B = "Return the list of items", "return the list of items."

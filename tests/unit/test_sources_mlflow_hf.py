@@ -17,7 +17,9 @@ from typer.testing import CliRunner
 
 from exporter.build import artifacts, goldens
 from exporter.build.export import export_source
-from exporter.build.sources import SourceError, load_source, read_texts
+from exporter.build.sources import load_source
+from exporter.build.sources.hf_folders import read_texts
+from exporter.build.sources.spec import SourceError
 from exporter.cli.app import app
 from tritonguard.core import repository
 

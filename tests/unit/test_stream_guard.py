@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tritonguard.core.errors import ConfigError, InvalidInput
-from tritonguard.generation.generator import SamplingParams
+from tritonguard.generation.contract import SamplingParams
 from tritonguard.guard.pipeline import Generation
 from tritonguard.guard.stages.cache import generation_key, target_fingerprint
 from tritonguard.guard.stages.validate import (
@@ -18,9 +18,10 @@ from tritonguard.guard.stages.validate import (
     parse_generation,
     target_sampling,
 )
-from tritonguard.guard.stream import DEFAULT_HOLDBACK, parse_settings, replay_pieces
+from tritonguard.guard.stream.config import DEFAULT_HOLDBACK, parse_settings
+from tritonguard.guard.stream.forwarder import replay_pieces
 from tritonguard.privacy.redaction import RedactionConfig, Redactor, StreamRedactor
-from tritonguard.privacy.tenancy import TokenBudget, TokenBudgetConfig
+from tritonguard.privacy.tenancy.budget import TokenBudget, TokenBudgetConfig
 
 REDACTOR = Redactor(RedactionConfig())
 PII_TEXT = ("Call me at (555) 867-5309 or mail john.smith@example.com, thanks. "

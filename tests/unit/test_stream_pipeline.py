@@ -20,9 +20,11 @@ from tritonguard.guard.stages.redact import RedactInStage, RedactOutStage
 from tritonguard.guard.stages.route import NoVersion, RouteStage
 from tritonguard.guard.stages.tenancy import TenancyStage
 from tritonguard.guard.stages.validate import StreamValidateStage, StreamValidationConfig
-from tritonguard.privacy.cache import CacheConfig, TieredCache
+from tritonguard.privacy.cache.config import CacheConfig
+from tritonguard.privacy.cache.tiered import TieredCache
 from tritonguard.privacy.redaction import RedactionConfig, Redactor
-from tritonguard.privacy.tenancy import TenancyConfig, TokenBudget, TokenBudgetConfig
+from tritonguard.privacy.tenancy.budget import TokenBudget, TokenBudgetConfig
+from tritonguard.privacy.tenancy.config import TenancyConfig
 
 
 class Metrics:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tritonguard.core.errors import TargetError
-from tritonguard.guard.routing.router import RoutingConfig
+from tritonguard.guard.routing.config import RoutingConfig
 from tritonguard.guard.routing.stream import (
     StreamRouter,
     embedding_similarity,
@@ -66,7 +66,7 @@ def write_goldens(repo, version, cases):
 
 def drain(router, timeout=5.0):
     deadline = time.monotonic() + timeout
-    while not router._jobs.empty() and time.monotonic() < deadline:
+    while not router.worker.jobs.empty() and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.05)  # the job in hand
 

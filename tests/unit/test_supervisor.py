@@ -9,22 +9,22 @@ import subprocess
 import sys
 import time
 
-from tritonguard.ops.supervisor import (
-    STALL_S,
-    StallWatch,
-    Stub,
+from tritonguard.ops.supervisor.control import (
     Supervisor,
-    called_models,
     control_mode,
     http_base,
     metrics_url,
-    parse_progress,
-    parse_stub,
     repository_headers,
-    scan_stubs,
-    stall_seconds,
     with_default_control,
 )
+from tritonguard.ops.supervisor.stall import (
+    STALL_S,
+    StallWatch,
+    called_models,
+    parse_progress,
+    stall_seconds,
+)
+from tritonguard.ops.supervisor.stubs import Stub, parse_stub, scan_stubs
 
 STUB_ARGV = ["/x/backends/python/triton_python_backend_stub", "model_repository/minilm/1/model.py",
              "triton_guard_backend_shm_region_6f77", "1048576", "1048576", "2775", "/x/backends/python",

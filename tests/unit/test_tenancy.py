@@ -11,17 +11,15 @@ import pytest
 
 from tritonguard.core.config import from_params
 from tritonguard.core.errors import ConfigError, InvalidInput
-from tritonguard.privacy.tenancy import (
-    MAX_TRACKED,
+from tritonguard.privacy.tenancy.auth import (
     AuthenticationError,
-    QuotaManager,
-    SharedQuotaManager,
-    TenancyConfig,
     TenantResolver,
     hash_api_key,
     new_api_key,
     read_keys_file,
 )
+from tritonguard.privacy.tenancy.config import MAX_TRACKED, TenancyConfig
+from tritonguard.privacy.tenancy.quotas import QuotaManager, SharedQuotaManager
 
 QUOTAS = {
     "acme": {"rps": 10, "burst": 3, "priority": 2},
@@ -428,7 +426,7 @@ def test_security_check_fails_the_load_naming_the_key(tmp_path):
     import numpy as np  # noqa: PLC0415
 
     from tritonguard.core.tensors import ModelSignature, TensorSpec  # noqa: PLC0415
-    from tritonguard.guard.model import GuardConfig  # noqa: PLC0415
+    from tritonguard.guard.config import GuardConfig  # noqa: PLC0415
     from tritonguard.guard.services import enforce_security, security_findings  # noqa: PLC0415
 
     sig = ModelSignature(inputs=(TensorSpec("IMAGE", np.dtype(np.float32), (8, 8)),),

@@ -202,12 +202,11 @@ def test_canary_comparisons_of_traced_requests_get_spans(repo, receiver):
 
 def test_untraced_batches_queue_no_comparison_spans(repo):
     router, _ = make(repo, {1: Linear(W1), 2: Linear(W2)}, candidate=2, share=1.0)
-    router._stop.set()  # the worker stops, so the queued job can be looked at
-    router._worker.join(timeout=5)
+    router.worker.stop(timeout=5)  # the worker stops, so the queued job can be looked at
     try:
         router.infer({"X": rows(2)}, [1, 1])
         # the job carries no span list: the worker takes the untraced path
-        job = router._jobs.get(timeout=2)
+        job = router.worker.jobs.get(timeout=2)
         assert len(job) == 5
     finally:
         router.close()

@@ -1,6 +1,6 @@
 """The catalogue: every metric tritonguard exports on Triton's /metrics, in one place.
 
-Names, help texts and buckets of the guard's families (:class:`tritonguard.triton.backend.Metrics`
+Names, help texts and buckets of the guard's families (:class:`tritonguard.triton.metrics.Metrics`
 registers them), the stream guard's and the generator backend's; the control plane (the rollout
 gates, ``exporter status``), the dashboard and alert tests and the docs read them from here. A
 new metric is added here first; ``tests/unit/core/test_catalogue.py`` checks that every family

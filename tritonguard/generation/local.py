@@ -28,21 +28,17 @@ from typing import Any
 from tritonguard.core import repository
 from tritonguard.core.config import from_params, model_parameters
 from tritonguard.core.errors import ConfigError, TritonGuardError
-from tritonguard.generation.generator import (
-    CharTokenizer,
-    Decoder,
-    Engine,
-    GeneratorConfig,
-    Sequence,
-    StepModel,
-    parse_sampling,
-)
+from tritonguard.generation.contract import parse_sampling
+from tritonguard.generation.decoder import CharTokenizer, Decoder, Sequence, StepModel
+from tritonguard.generation.engine import Engine
+from tritonguard.generation.generator import GeneratorConfig
+from tritonguard.triton.backend import CODE_NAMES
 
 log = logging.getLogger(__name__)
 
-# pb_utils.TritonError integer codes (python_backend pb_error.h order)
-CODE_NUMBERS = {"UNKNOWN": 0, "INTERNAL": 1, "NOT_FOUND": 2, "INVALID_ARG": 3, "UNAVAILABLE": 4,
-                "UNSUPPORTED": 5, "ALREADY_EXISTS": 6, "CANCELLED": 7}
+# pb_utils.TritonError integer codes (python_backend pb_error.h order): an in-process error carries
+# the code a BLS one would
+CODE_NUMBERS = {name: number for number, name in CODE_NAMES.items()}
 END = object()  # the last item of a response queue
 
 

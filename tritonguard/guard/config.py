@@ -9,15 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tritonguard.core.config import from_params, split_parameters
-from tritonguard.guard.routing.router import RoutingConfig
+from tritonguard.core.errors import ConfigError
+from tritonguard.core.tensors import ModelSignature, TensorSpec
+from tritonguard.guard.routing.config import RoutingConfig
 from tritonguard.guard.validation import ValidationConfig
 from tritonguard.models.engines import EngineConfig
 from tritonguard.observe.cost import CostConfig
 from tritonguard.observe.tracing import TracingConfig
-from tritonguard.privacy.audit import AuditConfig
-from tritonguard.privacy.cache import CacheConfig
+from tritonguard.privacy.audit.log import AuditConfig
+from tritonguard.privacy.cache.config import CacheConfig
 from tritonguard.privacy.redaction import RedactionConfig
-from tritonguard.privacy.tenancy import TenancyConfig
+from tritonguard.privacy.tenancy.config import TenancyConfig
 from tritonguard.rollout.breaker import BreakerConfig
 from tritonguard.rollout.feedback import FeedbackConfig
 from tritonguard.rollout.judging import JudgeConfig
@@ -93,4 +95,32 @@ class GuardConfig:
         )
 
 
-__all__ = ["GuardConfig", "TargetConfig", "SERVED_BY"]
+def check_signature(guard: ModelSignature, target: ModelSignature, target_name: str) -> None:
+    """The guard's public contract must be the target's: same names, dtypes, dims, batch cap."""
+
+    def fmt(s: TensorSpec) -> str:
+        return f"{s.name}:{s.triton_type}{list(s.dims)}"
+
+    problems = []
+    t_in = {s.name: s for s in target.inputs}
+    for s in guard.inputs:
+        other = t_in.get(s.name)
+        if other is None:
+            problems.append(f"input {s.name} is not an input of the target")
+        elif other.dtype != s.dtype or len(other.dims) != len(s.dims) or any(
+            o != -1 and g != o for g, o in zip(s.dims, other.dims, strict=True)
+        ):
+            problems.append(f"input {fmt(s)} != target's {fmt(other)}")
+    t_out = {s.name: s for s in target.outputs}
+    for s in guard.outputs:
+        if s.name == SERVED_BY:
+            continue
+        if s.name not in t_out:
+            problems.append(f"output {s.name} is not an output of the target")
+    if target.max_batch_size and guard.max_batch_size > target.max_batch_size:
+        problems.append(f"max_batch_size {guard.max_batch_size} > target's {target.max_batch_size}")
+    if problems:
+        raise ConfigError(f"guard does not match target '{target_name}': " + "; ".join(problems))
+
+
+__all__ = ["GuardConfig", "TargetConfig", "SERVED_BY", "check_signature"]

@@ -21,8 +21,8 @@ import numpy as np
 from tritonguard.core import repository
 from tritonguard.core.config import from_params, layered_parameters, model_parameters
 from tritonguard.core.errors import ConfigError, InvalidInput, TargetError
-from tritonguard.core.tensors import ModelSignature, TensorSpec
-from tritonguard.guard.config import SERVED_BY, GuardConfig, TargetConfig
+from tritonguard.core.tensors import ModelSignature
+from tritonguard.guard.config import SERVED_BY, GuardConfig, TargetConfig, check_signature
 from tritonguard.guard.pipeline import Batch, Pipeline
 from tritonguard.guard.routing.router import Router
 from tritonguard.guard.services import PrivacyStage, audit_file, enforce_security, security_findings
@@ -41,36 +41,9 @@ from tritonguard.rollout.latency import recorder_for
 from tritonguard.rollout.state import open_store
 from tritonguard.rollout.validators import ValidatorRegistry
 from tritonguard.triton import backend as triton
+from tritonguard.triton.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-
-def check_signature(guard: ModelSignature, target: ModelSignature, target_name: str) -> None:
-    """The guard's public contract must be the target's: same names, dtypes, dims, batch cap."""
-
-    def fmt(s: TensorSpec) -> str:
-        return f"{s.name}:{s.triton_type}{list(s.dims)}"
-
-    problems = []
-    t_in = {s.name: s for s in target.inputs}
-    for s in guard.inputs:
-        other = t_in.get(s.name)
-        if other is None:
-            problems.append(f"input {s.name} is not an input of the target")
-        elif other.dtype != s.dtype or len(other.dims) != len(s.dims) or any(
-            o != -1 and g != o for g, o in zip(s.dims, other.dims, strict=True)
-        ):
-            problems.append(f"input {fmt(s)} != target's {fmt(other)}")
-    t_out = {s.name: s for s in target.outputs}
-    for s in guard.outputs:
-        if s.name == SERVED_BY:
-            continue
-        if s.name not in t_out:
-            problems.append(f"output {s.name} is not an output of the target")
-    if target.max_batch_size and guard.max_batch_size > target.max_batch_size:
-        problems.append(f"max_batch_size {guard.max_batch_size} > target's {target.max_batch_size}")
-    if problems:
-        raise ConfigError(f"guard does not match target '{target_name}': " + "; ".join(problems))
 
 
 class BlsTarget:
@@ -179,7 +152,7 @@ class GuardModel:
         # startup security check: hard failures refuse the load, the rest are logged warnings
         enforce_security(self.name, security_findings(self.config, self.signature, params, instances=instances))
         self.validator = BatchValidator(self.signature, self.config.validation)
-        self.metrics = triton.Metrics(self.name, self.version)
+        self.metrics = Metrics(self.name, self.version)
         runtime_overrides = {k: v for k, v in params.items() if k.startswith("runtime.")}
         self.privacy = PrivacyStage(
             guard=self.name, target=tcfg.target, signature=self.signature, output_names=self.output_names,

@@ -37,18 +37,14 @@ from tritonguard.guard.stages.cache import CacheFillStage, CacheLookupStage
 from tritonguard.guard.stages.keys import KeysStage
 from tritonguard.guard.stages.redact import RedactInStage, RedactOutStage
 from tritonguard.guard.stages.tenancy import QuotaReleaseStage, TenancyStage
-from tritonguard.privacy.audit import AuditLog, open_anchor_store
-from tritonguard.privacy.cache import PrivacyMode, TieredCache, load_key
+from tritonguard.privacy.audit.anchors import open_anchor_store
+from tritonguard.privacy.audit.log import AuditLog
+from tritonguard.privacy.cache.config import PrivacyMode, load_key
+from tritonguard.privacy.cache.tiered import TieredCache
 from tritonguard.privacy.redaction import Redactor
-from tritonguard.privacy.tenancy import (
-    MAX_TENANT_LABELS,
-    OTHER_TENANTS,
-    QUOTA_FILE,
-    QuotaManager,
-    SharedQuotaManager,
-    TenantLabels,
-    authenticator,
-)
+from tritonguard.privacy.tenancy.auth import authenticator
+from tritonguard.privacy.tenancy.labels import MAX_TENANT_LABELS, OTHER_TENANTS, TenantLabels
+from tritonguard.privacy.tenancy.quotas import QUOTA_FILE, QuotaManager, SharedQuotaManager
 
 log = logging.getLogger(__name__)
 

@@ -43,20 +43,15 @@ from typing import Any
 import numpy as np
 
 from tritonguard.core.errors import TargetError
-from tritonguard.generation.generator import (
-    NON_FINITE_LOGITS as NON_FINITE,  # the generator backend's wording
+from tritonguard.generation.contract import (
+    NON_FINITE_LOGITS as NON_FINITE,  # the generator's wording
 )
-from tritonguard.guard.routing.router import (
-    FAIL,
-    PASS,
-    SKIPPED,
-    UNREADY_CODES,
-    Router,
-    RoutingConfig,
-)
+from tritonguard.guard.routing.config import SKIPPED, UNREADY_CODES, RoutingConfig
+from tritonguard.guard.routing.goldens import GoldensChecker
+from tritonguard.guard.routing.router import Router
 from tritonguard.rollout.breaker import CLOSED, BreakerConfig
 from tritonguard.rollout.state import StateStore
-from tritonguard.rollout.validators import ValidatorConfig, ValidatorRegistry
+from tritonguard.rollout.validators import FAIL, PASS, ValidatorConfig, ValidatorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -139,19 +134,27 @@ class StreamRouter(Router):
         :func:`embedding_similarity`); None: :func:`trigram_cosine`."""
         validator = ValidatorConfig(workload="generation")
         self.similarity = similarity
-        self._similarity_warned = -math.inf  # time.monotonic() of the last warning
         super().__init__(guard=guard, repo=repo, target=target,
                          make_target=lambda v: _TextTarget(run_text, v), output_names=["text_output"],
                          store=store, config=config, validator=validator,
                          registry=ValidatorRegistry.from_config(validator), breaker=breaker, metrics=metrics,
                          clock=clock, seed=seed, pin=pin, ready=ready, latency=latency)
 
+    def _goldens(self, validator: ValidatorConfig, registry: ValidatorRegistry, max_batch: int) -> GoldensChecker:
+        return TextGoldensChecker(guard=self.guard, repo=self.repo, target=self.target, view=self.view,
+                                  target_for=self.target_for, output_names=self.output_names, validator=validator,
+                                  registry=registry, metrics=self.metrics, alert=self.alerts, clock=self.now,
+                                  enabled=self.config.golden_check, max_batch=max_batch)
+
+    def _comparator(self, registry: ValidatorRegistry) -> TextComparator:
+        return TextComparator(self, registry, self.similarity)
+
     # -- serving ---------------------------------------------------------------------------
     @property
     def experimenting(self) -> bool:
         """Whether a version is under test (candidate or arms): served texts are then kept for
         the comparisons."""
-        return bool(self._experiments())
+        return bool(self.view.experiments())
 
     def pick(self) -> tuple[int | None, str, float]:
         """(version, role, draw) for one new request: role is ``candidate``, ``arm``, ``primary``
@@ -193,7 +196,7 @@ class StreamRouter(Router):
         response is its last, so 8- and 24-token answers were pooled.)"""
         errors = 0 if ok or non_finite else 1
         latency_ms = None if first_response_s is None else first_response_s * 1000
-        self._record(version, 1, errors=errors, non_finite=int(non_finite), latency_ms=latency_ms)
+        self.signals.record(version, 1, errors=errors, non_finite=int(non_finite), latency_ms=latency_ms)
         self.metrics.inc("target_calls", 1)
         if first_response_s is not None:
             self.metrics.observe("latency", first_response_s, target_version=str(version))
@@ -212,7 +215,7 @@ class StreamRouter(Router):
                      deterministic: bool) -> None:
         """Queue the comparisons one served generation asks for (never waits: a full queue drops
         and counts). ``text`` is what ``version`` generated, prompt excluded."""
-        experiments = self._experiments()
+        experiments = self.view.experiments()
         if not experiments:
             return
         primary = self.primary()
@@ -220,7 +223,7 @@ class StreamRouter(Router):
         job = (prompt, sampling, deterministic)
         if version in experiments:
             if self.config.canary_compare and deterministic:
-                self._submit(("canary", primary, version, job, text))
+                self.worker.submit(("canary", primary, version, job, text))
             return
         if version != primary:
             return
@@ -229,10 +232,14 @@ class StreamRouter(Router):
             rate = shadow if b.allow(now) else (max(shadow, 0.1) if b.wants_probe(now) else 0.0)
             # a second draw, independent of the one that chose the version
             if rate > 0 and (draw * 7919.0) % 1.0 < rate:
-                self._submit(("shadow", cand, primary, job, text))
+                self.worker.submit(("shadow", cand, primary, job, text))
 
-    # -- goldens ---------------------------------------------------------------------------
-    def check_goldens(self, version: int) -> dict[str, Any]:
+
+
+class TextGoldensChecker(GoldensChecker):
+    """A generator's goldens: ``goldens.json`` cases generated here, each matched exactly."""
+
+    def check(self, version: int) -> dict[str, Any]:
         now = self.clock()
         path = self.repo / self.target / str(version) / GOLDENS_FILE
         if not path.exists():
@@ -267,8 +274,20 @@ class StreamRouter(Router):
                  verdict, figures)
         return {"verdict": verdict, "metrics": figures, "checked_at": now}
 
-    # -- comparisons (the router's worker thread) ------------------------------------------
-    def _sampled_similarity(self, a: str, b: str) -> float:
+
+
+class TextComparator:
+    """Text comparisons of a stream guard (the comparison worker's ``compare``)."""
+
+    def __init__(self, router: StreamRouter, registry: ValidatorRegistry,
+                 similarity: Callable[[str, str], float] | None) -> None:
+        self.router, self.registry, self.similarity = router, registry, similarity
+        self.guard, self.target, self.view, self.breakers = router.guard, router.target, router.view, router.breakers
+        self.metrics, self.clock, self.validator = router.metrics, router.now, router.goldens.validator
+        self.target_for, self.record = router.target_for, router.record
+        self._similarity_warned = -math.inf  # time.monotonic() of the last warning
+
+    def sampled_similarity(self, a: str, b: str) -> float:
         """``similarity(a, b)`` when given and it answers, else the trigram cosine (a failed
         embedding is counted in ``similarity_errors`` and warned about at most once a minute)."""
         if self.similarity is not None:
@@ -286,41 +305,41 @@ class StreamRouter(Router):
                                 "cosine instead (warned at most once a minute)", self.guard, exc)
         return trigram_cosine(a, b)
 
-    def _compare(self, kind: str, other: int, served_v: int, inputs: Any, served_out: Any) -> str | None:
+    def compare(self, kind: str, other: int, served_v: int, inputs: Any, served_out: Any) -> str | None:
         """canary: ``served_out`` came from the candidate and ``other`` is the primary; shadow:
         ``served_out`` came from the primary and ``other`` is the candidate."""
         prompt, sampling, deterministic = inputs
         cand = served_v if kind == "canary" else other
-        if cand not in self._experiments():
+        if cand not in self.view.experiments():
             return None  # the rollout moved on while this waited
         now = self.clock()
         try:
             other_text = self.target_for(other).generate(prompt, sampling)
         except TargetError as exc:
             if kind == "shadow":  # the candidate failed on mirrored traffic: it counts
-                with self._lock:
-                    b = self.breaker(cand)
+                with self.breakers.lock:
+                    b = self.breakers.get(cand)
                     probing = b.wants_probe(now)
                     trip = b.record_probe(now, [FAIL]) if probing else None
                     shared = b.to_dict() if probing else None
                 if probing:
-                    self._after_comparison(cand, trip, shared, True)
+                    self.after(cand, trip, shared, True)
                 self.record(cand, ok=False, first_response_s=None, non_finite=NON_FINITE in str(exc),
                             code=exc.code)
             return "ERROR"
         cand_text, ref_text = (served_out, other_text) if kind == "canary" else (other_text, served_out)
         if not deterministic:
-            self.metrics.set("validator_score", self._sampled_similarity(cand_text, ref_text),
+            self.metrics.set("validator_score", self.sampled_similarity(cand_text, ref_text),
                              target_version=str(cand), kind=kind, figure="sampled_similarity")
-            with self._lock:
-                b = self.breaker(cand)
+            with self.breakers.lock:
+                b = self.breakers.get(cand)
                 trip = b.record_batch(now, 1) if kind == "shadow" else None  # an answer, no verdict
                 shared, changed = (b.to_dict() if trip else None), trip is not None
-            self._after_comparison(cand, trip, shared, changed)
+            self.after(cand, trip, shared, changed)
             return "SAMPLED"
         cand_arr = np.array([cand_text], dtype=object)
         ref_arr = np.array([ref_text], dtype=object)
-        if self.state.judge_of(cand)["judge"] == "task":
+        if self.view.state.judge_of(cand)["judge"] == "task":
             agree = cand_text == ref_text
             self.metrics.inc("compared", 1, kind=kind, verdict="AGREE" if agree else "DISAGREE",
                              target_version=str(cand))
@@ -335,8 +354,8 @@ class StreamRouter(Router):
                                      figure=figure)
             per_row = list(verdict.per_row)
             status = verdict.status
-        with self._lock:
-            b = self.breaker(cand)
+        with self.breakers.lock:
+            b = self.breakers.get(cand)
             if b.wants_probe(now):
                 trip = b.record_probe(now, per_row)
                 if b.state == CLOSED:
@@ -345,5 +364,11 @@ class StreamRouter(Router):
             else:
                 trip = b.record_batch(now, 1 if kind == "shadow" else 0, verdicts=per_row)
                 shared, changed = (b.to_dict() if trip else None), trip is not None
-        self._after_comparison(cand, trip, shared, changed)
+        self.after(cand, trip, shared, changed)
         return status
+
+    def after(self, cand: int, trip: Any, shared: dict[str, Any] | None, changed: bool) -> None:
+        if trip is not None:
+            self.breakers.tripped(cand, trip)
+        if changed:
+            self.breakers.share(cand, shared)

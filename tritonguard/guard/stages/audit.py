@@ -10,7 +10,7 @@ from typing import Any
 from tritonguard.core.errors import QuotaExceeded
 from tritonguard.guard.pipeline import Batch, Stage
 from tritonguard.guard.stages.tenancy import quota_reason
-from tritonguard.privacy.audit import digest
+from tritonguard.privacy.audit.chain import digest
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from tritonguard.core.tensors import concat
-from tritonguard.generation.generator import OUTPUT
+from tritonguard.generation.contract import OUTPUT
 from tritonguard.guard.pipeline import Batch, Generation, Stage, starts_of
 from tritonguard.guard.stages.validate import target_sampling
 

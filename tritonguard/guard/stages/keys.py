@@ -12,7 +12,8 @@ from typing import Any
 
 from tritonguard.core import repository
 from tritonguard.guard.pipeline import Batch, GuardContext, Stage, starts_of, take
-from tritonguard.privacy.cache import PrivacyMode, canonical_params, load_key, row_keys
+from tritonguard.privacy.cache.config import PrivacyMode, load_key
+from tritonguard.privacy.cache.keys import canonical_params, row_keys
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from tritonguard.core.errors import QuotaExceeded
 from tritonguard.guard.pipeline import Batch, Stage
-from tritonguard.privacy.tenancy import TenantResolver
+from tritonguard.privacy.tenancy.auth import TenantResolver
 from tritonguard.triton import backend as triton
 
 

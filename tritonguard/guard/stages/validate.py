@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from tritonguard.core.errors import InvalidInput
-from tritonguard.generation.generator import SAMPLING_KEYS, parse_sampling, read_contract
+from tritonguard.generation.contract import SAMPLING_KEYS, parse_sampling, read_contract
 from tritonguard.guard.pipeline import Batch, Generation, Stage
 from tritonguard.triton import backend as triton
 

@@ -1,0 +1,170 @@
+"""The vLLM backend's I/O contract, shared by the generator and the guard in front of any
+decoupled generator: the inputs (``text_input``, ``stream``, ``sampling_parameters``,
+``exclude_input_in_output``), the output ``text_output``, the sampling keys and their rules, and
+what a sink of one request's responses must do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from tritonguard.core.errors import InvalidInput
+
+INPUTS = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output")
+OUTPUT = "text_output"
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed")
+SEED_LIMIT = 2**63
+
+
+# -- sampling parameters ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplingParams:
+    """vLLM's defaults: 16 tokens, temperature 1, top_p 1, no seed (fresh entropy)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    given: tuple[str, ...] = field(default=(), compare=False)  # the keys the request set
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _bad(key: str, rule: str, value: Any) -> InvalidInput:
+    return InvalidInput("sampling_parameters", f"key '{key}'", f"{rule}, got {value!r}")
+
+
+def _as_int(key: str, value: Any, rule: str) -> int:
+    # vLLM's backend also takes numbers sent as strings ("max_tokens": "64"); floats must be whole
+    if isinstance(value, bool):
+        raise _bad(key, rule, value)
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise _bad(key, rule, value) from None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int):
+        raise _bad(key, rule, value)
+    return value
+
+
+def _as_float(key: str, value: Any, rule: str) -> float:
+    if isinstance(value, bool):
+        raise _bad(key, rule, value)
+    try:
+        f = float(value.strip()) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        raise _bad(key, rule, value) from None
+    if not math.isfinite(f):
+        raise _bad(key, rule, value)
+    return f
+
+
+def parse_sampling(raw: str | bytes | None, *, max_tokens_cap: int, default_max_tokens: int = 16,
+                   cap_name: str = "this model's max_tokens_cap") -> SamplingParams:
+    """``sampling_parameters`` JSON -> :class:`SamplingParams`; every problem raises
+    :class:`InvalidInput` naming the key and its rule."""
+    default = SamplingParams(max_tokens=min(default_max_tokens, max_tokens_cap))
+    if raw is None:
+        return default
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput("sampling_parameters", "UTF-8", "the bytes are not valid UTF-8") from None
+    if not raw.strip():
+        return default
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidInput("sampling_parameters", "JSON", f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise InvalidInput("sampling_parameters", "JSON object", f"got a JSON {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(SAMPLING_KEYS))
+    if unknown:
+        raise InvalidInput("sampling_parameters", "known keys",
+                           f"unknown key '{unknown[0]}' (supported: {', '.join(SAMPLING_KEYS)})")
+    kw: dict[str, Any] = {}
+    if obj.get("max_tokens") is not None:
+        rule = f"must be an integer in 1..{max_tokens_cap} ({cap_name})"
+        n = _as_int("max_tokens", obj["max_tokens"], rule)
+        if not 1 <= n <= max_tokens_cap:
+            raise _bad("max_tokens", rule, obj["max_tokens"])
+        kw["max_tokens"] = n
+    if obj.get("temperature") is not None:
+        rule = "must be a finite number >= 0 (0 = greedy)"
+        t = _as_float("temperature", obj["temperature"], rule)
+        if t < 0:
+            raise _bad("temperature", rule, obj["temperature"])
+        kw["temperature"] = t
+    if obj.get("top_p") is not None:
+        rule = "must be a number in (0, 1]"
+        p = _as_float("top_p", obj["top_p"], rule)
+        if not 0 < p <= 1:
+            raise _bad("top_p", rule, obj["top_p"])
+        kw["top_p"] = p
+    if obj.get("seed") is not None:
+        rule = f"must be an integer in 0..{SEED_LIMIT - 1}"
+        s = _as_int("seed", obj["seed"], rule)
+        if not 0 <= s < SEED_LIMIT:
+            raise _bad("seed", rule, obj["seed"])
+        kw["seed"] = s
+    return SamplingParams(**{**default.__dict__, **kw, "given": tuple(k for k in SAMPLING_KEYS if k in kw)})
+
+
+NON_FINITE_LOGITS = "non-finite logits"  # the error's wording, which the stream guard's breaker reads
+
+
+# -- the serving loop ---------------------------------------------------------------------------
+class Sink(Protocol):
+    def piece(self, text: str) -> None: ...
+    def finish(self, text: str | None) -> None: ...
+    def fail(self, message: str, code: str) -> None: ...
+    def cancelled(self) -> bool: ...
+
+
+def one_element(arr: np.ndarray, name: str) -> Any:
+    flat = arr.reshape(-1)
+    if flat.size != 1:
+        raise InvalidInput(name, "shape [1]", f"expected one element, got shape {list(arr.shape)}")
+    return flat[0]
+
+
+def read_contract(inputs: Mapping[str, np.ndarray], *, max_prompt_chars: int,
+                  limit_name: str = "max_prompt_chars") -> tuple[str, bool, bool | None, Any]:
+    """The vLLM contract's inputs -> (prompt, stream, exclude_input_in_output or None when
+    absent, the raw sampling_parameters or None); any rule broken raises InvalidInput naming the
+    input. Shared by the generator and the guard in front of one (tritonguard.guard.stream)."""
+    if "text_input" not in inputs:
+        raise InvalidInput("text_input", "presence", "the input is required")
+    raw = one_element(inputs["text_input"], "text_input")
+    if isinstance(raw, bytes):
+        try:
+            prompt = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput("text_input", "UTF-8", f"invalid byte at offset {exc.start}") from None
+    else:
+        prompt = str(raw)
+    if not prompt:
+        raise InvalidInput("text_input", "non-empty", "the prompt is empty")
+    if len(prompt) > max_prompt_chars:
+        raise InvalidInput("text_input", f"at most {max_prompt_chars} characters ({limit_name})", f"got {len(prompt)}")
+    stream = bool(one_element(inputs["stream"], "stream")) if "stream" in inputs else False
+    exclude = (bool(one_element(inputs["exclude_input_in_output"], "exclude_input_in_output"))
+               if "exclude_input_in_output" in inputs else None)
+    if stream and exclude is False:
+        # as the vLLM backend: a stream carries only new text
+        raise InvalidInput("exclude_input_in_output", "false only without stream",
+                           "streamed responses never repeat the prompt")
+    sp = inputs.get("sampling_parameters")
+    return prompt, stream, exclude, None if sp is None else one_element(sp, "sampling_parameters")

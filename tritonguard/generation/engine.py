@@ -1,0 +1,172 @@
+"""The generator's decode loop: one thread per model instance that admits queued sequences,
+prefills them, advances every active one by a token per step, and sends each token (or the
+whole text) to its request's sink; cancellations, queue limits and per-token metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Protocol
+
+from tritonguard.core import catalogue
+from tritonguard.generation.decoder import Decoder, Sequence
+from tritonguard.triton.metrics import Metrics
+from tritonguard.triton.streams import send_safely
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+log = logging.getLogger(__name__)
+
+
+class MetricsSink(Protocol):
+    """What the engine needs of :class:`tritonguard.triton.metrics.Metrics` (in-process, no IPC)."""
+
+    def inc(self, family: str, value: float = 1, **labels: str) -> None: ...
+    def observe(self, family: str, value: float, **labels: str) -> None: ...
+
+
+class NoMetrics:
+    def inc(self, family: str, value: float = 1, **labels: str) -> None:
+        pass
+
+    def observe(self, family: str, value: float, **labels: str) -> None:
+        pass
+
+
+def generation_metrics(model: str, version: str) -> Any:
+    return Metrics(model, version, counters=catalogue.GENERATION_COUNTERS, gauges={},
+                          histograms=catalogue.GENERATION_HISTOGRAMS, zero_at_load=catalogue.GENERATION_ZERO_AT_LOAD)
+
+
+class Engine:
+    """One decode thread: admits queued sequences up to ``max_active``, prefills them, then
+    advances all in flight by one token per loop; polls cancellation every ``cancel_poll_s``."""
+
+    def __init__(self, decoder: Decoder, *, max_active: int = 16, max_queue: int = 256,
+                 cancel_poll_s: float = 0.05, name: str = "generator",
+                 metrics: MetricsSink | None = None, itl_per_token: bool = False) -> None:
+        self.decoder = decoder
+        # observations only go to the in-process sink (a deque the Metrics flusher empties)
+        self.metrics: MetricsSink = metrics if metrics is not None else NoMetrics()
+        self.itl_per_token = itl_per_token
+        self.max_active, self.cancel_poll_s = max_active, cancel_poll_s
+        self.queue: queue.Queue[Sequence] = queue.Queue(maxsize=max_queue)
+        self.active: list[Sequence] = []
+        self._stop = threading.Event()
+        self.tokens = 0
+        self._thread = threading.Thread(target=self._run, name=f"decode-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, seq: Sequence) -> None:
+        try:
+            self.queue.put_nowait(seq)
+        except queue.Full:
+            self.metrics.inc("gen_requests", outcome="rejected")
+            send_safely(seq.sink.fail, "the generator's queue is full; retry later", "UNAVAILABLE")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        pending = list(self.active)
+        while True:
+            try:
+                pending.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        for seq in pending:
+            if not seq.ended:
+                self._ended(seq, "error")
+                send_safely(seq.sink.fail, "the model is unloading", "UNAVAILABLE")
+
+    def _ended(self, seq: Sequence, outcome: str) -> None:
+        """Per-request accounting at its end (one inc per family, no per-token IPC)."""
+        if seq.ended:
+            return
+        seq.ended = True
+        m = self.metrics
+        m.inc("gen_requests", outcome=outcome)
+        if seq.pieces:
+            m.inc("gen_tokens", len(seq.pieces), direction="out")
+        if (seq.stream and not self.itl_per_token and seq.first_token_at is not None
+                and len(seq.pieces) >= 2):
+            m.observe("itl", (seq.last_token_at - seq.first_token_at) / (len(seq.pieces) - 1))
+
+    def _admit(self) -> None:
+        block = not self.active
+        while len(self.active) < self.max_active:
+            try:
+                seq = self.queue.get(timeout=0.1) if block else self.queue.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            try:
+                self.decoder.prefill(seq)
+            except Exception as exc:  # noqa: BLE001 - one bad prompt must not stop the loop
+                log.exception("prefill failed")
+                self._ended(seq, "error")
+                send_safely(seq.sink.fail, f"generation failed: {type(exc).__name__}", "INTERNAL")
+                continue
+            self.metrics.inc("gen_tokens", len(seq.prompt), direction="in")
+            self.active.append(seq)
+
+    def _cancelled(self, seq: Sequence, now: float) -> bool:
+        # a Triton request's is_cancelled() is an IPC round trip: polled every cancel_poll_s. A
+        # sink whose check is a flag read (the stream guard's in-process LocalStream) is read at
+        # every step: 256 tinylm tokens take less than one 50 ms poll interval
+        if not getattr(seq.sink, "cheap_cancel_check", False) and now - seq.last_cancel_check < self.cancel_poll_s:
+            return False
+        seq.last_cancel_check = now
+        return bool(send_safely(seq.sink.cancelled))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._admit()
+                if not self.active:
+                    continue
+                now = time.monotonic()
+                live = []
+                for seq in self.active:
+                    if self._cancelled(seq, now):
+                        log.info("request cancelled after %d tokens: decoding stopped", len(seq.pieces))
+                        self._ended(seq, "cancelled")
+                        send_safely(seq.sink.fail, "the request was cancelled", "CANCELLED")
+                    else:
+                        live.append(seq)
+                for seq, piece in self.decoder.advance(live):
+                    if piece is not None:
+                        self.tokens += 1
+                        if seq.stream:
+                            send_safely(seq.sink.piece, piece)
+                        self._token_timing(seq)
+                    if seq.done and seq.error is not None:
+                        log.warning("generation stopped: %s", seq.error)
+                        self._ended(seq, "error")
+                        send_safely(seq.sink.fail, f"generation failed: the model produced {seq.error}", "INTERNAL")
+                    elif seq.done:
+                        text = None if seq.stream else (seq.prompt if seq.prepend_prompt else "") + seq.text
+                        self._ended(seq, "ok")
+                        send_safely(seq.sink.finish, text)
+                self.active = [s for s in live if not s.done]
+            except Exception:  # noqa: BLE001 - fail what is in flight, keep serving
+                log.exception("decode step failed")
+                for seq in self.active:
+                    if not seq.ended:
+                        self._ended(seq, "error")
+                        send_safely(seq.sink.fail, "generation failed: internal error", "INTERNAL")
+                self.active = []
+
+    def _token_timing(self, seq: Sequence) -> None:
+        """After a token was sent (stream) or decided (whole text): TTFT on the first, the gap
+        since the previous one for streams (per token only with ``itl_per_token``)."""
+        t = time.perf_counter()
+        if seq.first_token_at is None:
+            seq.first_token_at = t
+            self.metrics.observe("ttft", t - seq.received)
+        elif self.itl_per_token and seq.stream:
+            self.metrics.observe("itl", t - seq.last_token_at)
+        seq.last_token_at = t

@@ -1,0 +1,195 @@
+"""One generation's answer on its way to the client of a decoupled guard.
+
+A :class:`StreamForwarder` owns one generation's stream: it reads the target's responses in lists
+(:class:`~tritonguard.guard.stream.target.TargetCalls`), passes each piece through the stages
+that change text (output redaction holds back what may still grow into PII), paces a streamed
+answer to at most one piece per ``stream_interval_ms`` (what arrives in between goes together),
+polls the client's cancel every ``cancel_poll_ms``, stops a target that ignores ``max_tokens``,
+and sends through the Triton adapter's response sink. A target that fails or stalls before the
+client got anything raises :class:`~tritonguard.guard.stream.target.TargetFailed`: the guard then
+falls back down the chain. A cache hit is replayed as it was sent the first time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tritonguard.core.errors import TritonGuardError
+from tritonguard.guard.pipeline import Generation, StreamPipeline
+from tritonguard.guard.stream.target import TargetCalls, TargetFailed, TargetStalled, text_of
+from tritonguard.triton.streams import response_failure, send_safely
+
+log = logging.getLogger(__name__)
+
+
+def replay_pieces(text: str) -> list[str]:
+    """A cached streamed answer, sent again as a stream: a piece per word (its trailing space)."""
+    pieces, start = [], 0
+    for i, ch in enumerate(text):
+        if ch.isspace() and i + 1 < len(text) and not text[i + 1].isspace():
+            pieces.append(text[start:i + 1])
+            start = i + 1
+    if start < len(text):
+        pieces.append(text[start:])
+    return pieces
+
+
+class StreamForwarder:
+    def __init__(self, gen: Generation, *, calls: TargetCalls, pipeline: StreamPipeline, name: str, target: str,
+                 interval_s: float, cancel_poll_s: float, keep: bool,
+                 on_end: Callable[[Generation, str], None]) -> None:
+        """``keep``: the generated text is returned (a canary or shadow comparison wants it);
+        ``on_end(gen, outcome)``: the guard's bookkeeping when the generation ends here."""
+        self.gen, self.calls, self.pipeline, self.name, self.target = gen, calls, pipeline, name, target
+        self.interval_s, self.cancel_poll_s, self.keep, self.on_end = interval_s, cancel_poll_s, keep, on_end
+
+    def sent(self, piece: str) -> None:
+        """``piece`` reached the client: timings and, where a stage wants it, the text."""
+        gen = self.gen
+        now = time.perf_counter()
+        if gen.first_sent is None:
+            gen.first_sent = now
+        gen.last_sent = now
+        gen.pieces_sent += 1
+        if gen.keep_text:
+            gen.sent.append(piece)
+
+    def replay(self, text: str) -> None:
+        """A stage's answer (a cache hit), sent as it was the first time: streamed a word per
+        piece, or whole."""
+        gen = self.gen
+        if gen.stream:
+            for piece in replay_pieces(text):
+                gen.sender.piece(piece)
+                self.sent(piece)
+            gen.sender.finish(None)
+        else:
+            gen.sender.finish(text)
+            self.sent(text)
+        self.on_end(gen, "ok")
+
+    def fail(self, message: str, code: str) -> None:
+        """The client's error (its stream closed); a client gone meanwhile is only logged."""
+        send_safely(self.gen.sender.fail, message, code)
+
+    def forward(self, version: int, responses: Any, t0: float) -> tuple[str | None, float | None, float, int] | None:
+        """Forward ``version``'s answer to the client. Returns (its generated text unredacted, or
+        None when no comparison wants it; seconds to its first response; seconds to its last;
+        tokens generated), None when the client
+        cancelled; raises :class:`TargetFailed` when the target failed or stalled (nothing sent
+        to the client for it: the caller decides between a fallback and the client's error)."""
+        gen = self.gen
+        pipeline, sender, request = self.pipeline, gen.sender, gen.request
+        filtered = bool(pipeline.filters)
+        tokens, next_poll, whole = 0, 0.0, []
+        interval, held = self.interval_s if gen.stream else 0.0, ""  # text held until the interval since the last piece ends
+
+        draining = False  # reading the target's rest to drop it: no wake-ups for held text
+
+        def due() -> float | None:
+            """Seconds until the held text is due (None: nothing held): the reader's next wake-up."""
+            if draining or not held or gen.last_sent is None:
+                return None
+            return interval - (time.perf_counter() - gen.last_sent)
+
+        it = self.calls.batches(responses, due if interval else None)
+        keep = self.keep  # the raw text, for a canary or shadow comparison
+        raw: list[str] = []
+        first: float | None = None
+        max_tokens = gen.params.max_tokens
+        try:
+            for batch in it:
+                if not batch:  # a tick: nothing arrived; what was held back goes out once due
+                    if held and time.perf_counter() - (gen.last_sent or 0.0) >= interval:
+                        sender.piece(held)
+                        self.sent(held)
+                        held = ""
+                else:
+                    if first is None:
+                        first = time.perf_counter() - t0
+                    texts: list[str] = []
+                    failed = None
+                    for resp in batch:
+                        failed = response_failure(resp)
+                        if failed is not None:
+                            break
+                        text = text_of(resp)
+                        if text is not None:
+                            texts.append(text)
+                    if gen.stream:
+                        tokens += len(texts)
+                        piece = "".join(texts)
+                        if keep:
+                            raw.append(piece)
+                        if filtered and piece:
+                            piece = pipeline.piece(gen, piece)
+                        if interval and gen.first_sent is not None:
+                            held += piece
+                            piece = ""
+                            if held and time.perf_counter() - gen.last_sent >= interval:  # type: ignore[operator]
+                                piece, held = held, ""
+                        if piece:
+                            sender.piece(piece)
+                            self.sent(piece)
+                    else:
+                        whole.extend(texts)
+                    if failed is not None:
+                        message, code = failed
+                        log.warning("stream guard %s: target %s v%d failed after %d tokens: %s", self.name,
+                                    self.target, version, tokens, message)
+                        draining = True
+                        try:
+                            for _ in it:  # nothing should follow an error; do not leave it half read
+                                pass
+                        except TargetStalled:
+                            pass
+                        raise TargetFailed(code, message, f"target '{self.target}' failed: {message}", first, tokens)
+                now = time.monotonic()
+                if now >= next_poll:
+                    next_poll = now + self.cancel_poll_s
+                    if request.is_cancelled():
+                        gen.tokens_out += tokens
+                        gen.error = TritonGuardError("the request was cancelled")
+                        self.on_end(gen, "cancelled")
+                        log.info("stream guard %s: client cancelled after %d tokens", self.name, tokens)
+                        send_safely(sender.fail, "the request was cancelled", "CANCELLED")
+                        draining = True
+                        self.calls.stop(responses, it, "client cancelled")
+                        return None
+                if gen.stream and tokens >= max_tokens:
+                    # a target that ignores max_tokens: stop here
+                    draining = True
+                    self.calls.stop(responses, it, f"max_tokens {max_tokens} reached")
+                    break
+        except TargetStalled as exc:
+            idle = self.calls.idle_s
+            log.warning("stream guard %s: target %s v%d %s (stalled, or failed mid-stream)", self.name, self.target,
+                        version, exc)
+            raise TargetFailed("UNAVAILABLE", f"stalled: {exc}", f"target '{self.target}' sent nothing for {idle:g} s "
+                                "(it stalled or failed mid-stream); retry later", first, tokens, stalled=True) from None
+        call_s = time.perf_counter() - t0  # to the target's last response
+        generated: str | None = None
+        if gen.stream:
+            rest = held + pipeline.finish(gen, "")
+            if keep:
+                generated = "".join(raw)
+        else:
+            text = "".join(whole)
+            prompt_first = not gen.exclude and text.startswith(gen.prompt)  # the prompt comes first unless excluded
+            generated = text[len(gen.prompt):] if prompt_first else text
+            tokens = len(generated)  # one token per character: exact for tinylm, an estimate otherwise
+            rest = pipeline.finish(gen, text)
+            if not keep:
+                generated = None
+        gen.tokens_out += tokens
+        sender.finish(rest if rest or not gen.stream else None)  # non-streamed: exactly one response
+        if rest:
+            self.sent(rest)
+        if gen.keep_text:
+            gen.text = "".join(gen.sent)  # what this client got, redacted: what the caches keep
+        self.on_end(gen, "ok")
+        return generated, first, call_s, tokens
+
