@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.build.sources import ExportSpec, SourceError, eval_mode
-
 from exporter.build.goldens import tokenize
+from exporter.build.sources.spec import ExportSpec, SourceError, eval_mode
 from tritonguard.models.engines import EngineConfig, OnnxEngine
 
 FORMATS = {"onnx": "model.onnx", "torchscript": "model.pt"}
@@ -54,7 +53,7 @@ def _artifact_inputs(spec: ExportSpec, rows: int | None = None) -> dict[str, np.
 
 
 def _run_module(spec: ExportSpec, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - defers a heavy import
 
     with torch.inference_mode():
         res = spec.module(*[torch.from_numpy(np.ascontiguousarray(feed[t.name])) for t in spec.inputs])
@@ -105,7 +104,7 @@ def build(spec: ExportSpec, fmt: str, dest_dir: Path, *, opset: int = 17) -> Pat
         return dest
     if spec.module is None:
         raise SourceError(f"{src} is an ONNX file; it cannot be served as {fmt}")
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - defers a heavy import
 
     module = eval_mode(spec.module)
     # two rows: a batch of one lets the tracer fold the batch dim into constants
@@ -128,8 +127,8 @@ def build(spec: ExportSpec, fmt: str, dest_dir: Path, *, opset: int = 17) -> Pat
 
 
 def _refuse_external_data(path: Path) -> None:
-    import onnx  # noqa: PLC0415
-    from onnx.external_data_helper import uses_external_data  # noqa: PLC0415
+    import onnx  # noqa: PLC0415 - defers a heavy import
+    from onnx.external_data_helper import uses_external_data  # noqa: PLC0415 - defers a heavy import
 
     model = onnx.load(str(path), load_external_data=False)
     if any(uses_external_data(t) for t in model.graph.initializer):

@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from exporter.errors import ExporterError
 from exporter.build import goldens
 from exporter.build.artifacts import sha256_file
-from exporter.build.sources import TextFront
+from exporter.build.sources.spec import TextFront
+from exporter.errors import ExporterError
 from tritonguard.core import repository as repo_mod
 
 EVAL = "eval.npz"

@@ -31,84 +31,44 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from exporter.errors import ExporterError
-from exporter.build import artifacts
-
-from exporter.build import goldens
-
-from exporter.build import layout
-from exporter.build.goldens import GoldenReport
-from exporter.build.sources import (
-    HF_CONFIG,
-    JUDGES,
-    MLFLOW_SCHEMES,
-    ExportSpec,
-    SourceError,
-    load_source,
-    read_npz,
-    text_array,
+from exporter.build import artifacts, goldens, layout
+from exporter.build.configs import (
+    build_configs,
+    check_existing,
+    defer_to_lower_layers,
+    merge_existing,
 )
-from tritonguard.core import repository as repo_mod
-from tritonguard.core.errors import ConfigError
-
-from exporter.records.registry import default_uri, open_registry
+from exporter.build.errors import DuplicateArtifact, ExportError, GoldenCheckFailed
+from exporter.build.eval_sets import read_eval_file, with_eval_labels, without_labels
 from exporter.build.evaluate import EVAL, EvaluationError, evaluate, save_eval
+from exporter.build.goldens import GoldenReport
+from exporter.build.sources import load_source
+from exporter.build.sources.spec import ExportSpec, SourceError
+from exporter.build.staging import next_version, now_iso, place_versions
+from exporter.build.upgrade import apply_plan, upgrade_plan
+from exporter.records.registry import default_uri, open_registry
+from tritonguard.core import repository as repo_mod
 from tritonguard.core.config import from_params, layered_parameters, model_parameters
+from tritonguard.core.errors import ConfigError
 from tritonguard.privacy.redaction import RedactionConfig, Redactor
-from tritonguard.core.config import model_parameters
-from tritonguard.guard.model import GuardConfig, check_signature
-from tritonguard.core.tensors import ModelSignature
-from tritonguard.guard.model import GuardConfig
-from tritonguard.core.config import layered_parameters
 from tritonguard.rollout.drift import REFERENCE_FILE, reference_from_inputs
+from tritonguard.rollout.state import JUDGES
 
 FORMAT_VERSION = 1
-LABELS = "labels"  # the array of an --inputs .npz that holds the evaluation labels
 REGISTER_TIMEOUT_S = 60.0  # a registry that has not answered by then does not hold up the export
 # Triton model names become folder names and URL path segments
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 Step = Callable[[str], AbstractContextManager]
-
-
-class ExportError(ExporterError):
-    """The export cannot proceed; nothing was written to the repository."""
-
-
-class DuplicateArtifact(ExportError):
-    """The new artifact is byte-identical (same sha256) to an existing version of the model:
-    refused unless the export is forced; nothing was written."""
-
-    def __init__(self, name: str, version: int, sha256: str, where: Path):
-        self.name, self.version, self.sha256 = name, version, sha256
-        super().__init__(f"{name} v{version} already holds this artifact (sha256 {sha256[:16]}…, {where}): "
-                         f"nothing new to export. Use v{version}, or export again with --force "
-                         f"(force=True) to add it as a new version judged by equivalence")
-
-
-class GoldenCheckFailed(ExportError):
-    def __init__(self, report: GoldenReport):
-        self.report = report
-        where = f" at batch {report.batch}" if report.batch is not None else ""
-        if report.error:  # NaN/Inf, a shape mismatch: the figures would only say nan
-            what = f": {report.error}"
-        else:
-            what = " (" + ", ".join(f"{k}={_fmt(v)}" for k, v in report.metrics.items()) + ")"
-        super().__init__(f"golden check FAILED{where} on {report.n} samples{what}; nothing was written")
 
 
 @dataclass
@@ -129,10 +89,6 @@ class ExportResult:
     evaluation: dict[str, Any] | None = None  # {"metric", "value", "n", "sha256"} on the eval set
 
 
-def _fmt(v) -> str:
-    return f"{v:.6g}" if isinstance(v, float) else str(v)
-
-
 # roles that are not versioned targets: the guard and what serves it under the public name
 _FRONT_ROLES = ("guard", "intake", "front")  # written in this order: the public name last
 
@@ -143,10 +99,6 @@ def model_names(name: str, text: bool) -> dict[str, str]:
         return {"tokenizer": f"{name}_tokenizer", "encoder": f"{name}_encoder", "raw": f"{name}_raw",
                 "front": name, **layout.front_names(name)}
     return {"raw": f"{name}_raw", "guard": name}
-
-
-def next_version(repository: Path, models: Sequence[str]) -> int:
-    return 1 + max((max(repo_mod.versions(repository / m), default=0) for m in models), default=0)
 
 
 def export_source(source: str, *, name: str, repository: Path, fmt: str | None = None, opset: int = 17,
@@ -161,11 +113,11 @@ def export_source(source: str, *, name: str, repository: Path, fmt: str | None =
     An ``--inputs`` .npz with a ``labels`` array (file, MLflow and Hugging Face sources) also
     becomes the evaluation set: its input rows with those labels."""
     timings: dict[str, float] = {}
-    with _timed(step, timings, "load source"), _without_labels(source, inputs) as (inputs, labels):
+    with _timed(step, timings, "load source"), without_labels(source, inputs) as (inputs, labels):
         spec = load_source(source, inputs=inputs, task=task, input_names=input_names, output_names=output_names,
                            mlflow_uri=mlflow_uri)
         if labels is not None:
-            spec = _with_eval_labels(spec, labels)
+            spec = with_eval_labels(spec, labels)
         if eval_path is not None:
             spec = read_eval_file(eval_path, spec)
     try:
@@ -217,102 +169,6 @@ def register_version(result: ExportResult, spec: ExportSpec, repository: Path, *
         result.registration_error = box.get("error", "unknown error")
 
 
-def _takes_inputs(source: str) -> bool:
-    """Whether ``load_source`` reads ``--inputs`` for this source (callables bring their own)."""
-    path = Path(source)
-    return source.startswith(MLFLOW_SCHEMES) or path.suffix in (".onnx", ".pt") or (path / HF_CONFIG).is_file()
-
-
-@contextmanager
-def _without_labels(source: str, inputs: Path | None) -> Iterator[tuple[Path | None, Any]]:
-    """(inputs file for load_source, labels or None): an .npz holding ``labels`` is passed on
-    without them (a copy in a temporary folder), so no source takes them for a model input."""
-    if inputs is None or Path(inputs).suffix != ".npz" or not _takes_inputs(source):
-        yield inputs, None
-        return
-    arrays = read_npz(Path(inputs))
-    if LABELS not in arrays:
-        yield inputs, None
-        return
-    labels = arrays.pop(LABELS)
-    if not arrays:
-        raise SourceError(f"{inputs} holds only '{LABELS}', no inputs")
-    with tempfile.TemporaryDirectory(prefix="tritonguard-inputs-") as tmp:
-        path = Path(tmp) / Path(inputs).name
-        with open(path, "wb") as fh:
-            np.savez(fh, **arrays)
-        yield path, labels
-
-
-def read_eval_file(path: Path, spec: ExportSpec) -> ExportSpec:
-    """``spec`` with the evaluation set of ``--eval FILE``:
-
-    - ``.npz``: the public inputs (``NAME`` or ``in__NAME``), optional ``labels`` and ``slices``;
-    - ``.txt`` (text models): one text a line, no labels (compared, not scored);
-    - ``.tsv`` (text models): ``query<TAB>positive`` a line: paired texts, scored as recall@k;
-    - ``.jsonl`` (text models): ``{"text": ..., "positive": ..., "slice": ...}`` a line
-      (``positive`` and ``slice`` optional, all rows alike)."""
-    path = Path(path)
-    if not path.is_file():
-        raise SourceError(f"--eval: {path} does not exist")
-    names = [t.name for t in spec.public_inputs]
-    suffix = path.suffix.lower()
-    if suffix == ".npz":
-        arrays = read_npz(path)
-        labels, slices = arrays.pop(LABELS, None), arrays.pop("slices", None)
-        inputs = {k.removeprefix("in__"): v for k, v in arrays.items() if not k.startswith("out__")}
-        if set(inputs) != set(names):
-            raise SourceError(f"--eval {path}: the model takes inputs {names}, the file holds {sorted(inputs)}")
-        inputs = {k: (v.astype(object) if v.dtype.kind in "SU" else v) for k, v in inputs.items()}
-        return replace(spec, eval_inputs=inputs, eval_labels=labels, eval_slices=slices)
-    if spec.text is None:
-        raise SourceError(f"--eval {path}: a {spec.task} model takes an .npz evaluation set "
-                          "(its inputs, 'labels', optional 'slices')")
-    texts, positives, slices = _eval_texts(path, suffix)
-    if not texts:
-        raise SourceError(f"--eval {path} holds no texts")
-    return replace(spec, eval_inputs={names[0]: text_array(texts)},
-                   eval_labels=None if positives is None else np.array([p.encode() for p in positives], dtype=object),
-                   eval_slices=None if slices is None else np.array(slices, dtype=object))
-
-
-def _eval_texts(path: Path, suffix: str) -> tuple[list[str], list[str] | None, list[str] | None]:
-    try:
-        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SourceError(f"--eval: cannot read {path}: {exc}") from None
-    if suffix == ".txt":
-        return lines, None, None
-    if suffix == ".tsv":
-        rows = [ln.split("\t") for ln in lines]
-        if bad := [i + 1 for i, r in enumerate(rows) if len(r) != 2 or not all(x.strip() for x in r)]:
-            raise SourceError(f"--eval {path}: line {bad[0]} is not 'query<TAB>positive'")
-        return [r[0] for r in rows], [r[1] for r in rows], None
-    if suffix != ".jsonl":
-        raise SourceError(f"--eval {path}: expected .npz, .txt, .tsv or .jsonl")
-    texts, pos, sl = [], [], []
-    for i, ln in enumerate(lines, 1):
-        try:
-            row = json.loads(ln)
-            texts.append(str(row["text"]))
-        except (ValueError, KeyError, TypeError):
-            raise SourceError(f"--eval {path}: line {i} is not a JSON object with 'text'") from None
-        pos.append(row.get("positive"))
-        sl.append(row.get("slice"))
-    if any(p is None for p in pos) and not all(p is None for p in pos):
-        raise SourceError(f"--eval {path}: 'positive' must be on every line or on none")
-    return (texts, None if pos[0] is None else [str(p) for p in pos],
-            None if all(x is None for x in sl) else [str(x or "") for x in sl])
-
-
-def _with_eval_labels(spec: ExportSpec, labels: Any) -> ExportSpec:
-    """``spec`` with its golden input rows, labelled, as its evaluation set."""
-    if len(labels) != spec.n_golden:
-        raise SourceError(f"--inputs: '{LABELS}' has {len(labels)} rows, the inputs {spec.n_golden}")
-    inputs = {t.name: spec.golden_inputs[t.name] for t in spec.public_inputs}
-    return replace(spec, eval_inputs=inputs, eval_labels=labels)
-
-
 def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: str | None = None,
            opset: int = 17, step: Step | None = None, native: bool = False,
            judge: str | None = None, force: bool = False) -> ExportResult:
@@ -337,13 +193,13 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
     art_model = names["encoder" if text else "raw"]
     if native and fmt != "onnx":
         raise ExportError("--native needs --format onnx (Triton's pytorch backend wants INPUT__0-style names)")
-    configs = _configs(spec, names, native=native)  # cheap, and a spec the server would reject fails here
-    _defer_to_lower_layers(configs[names["guard"]], repository)
+    configs = build_configs(spec, names, native=native)  # cheap, and a spec the server would reject fails here
+    defer_to_lower_layers(configs[names["guard"]], repository)
     # an older layout is moved along with this export (and only if it lands)
     upgrades, upgraded = upgrade_plan(repository)
     planned = dict(upgrades)
-    _check_existing(repository, configs, planned)
-    configs, notices = _merge_existing(repository, configs, names, planned)
+    check_existing(repository, configs, planned)
+    configs, notices = merge_existing(repository, configs, names, planned)
     notices = upgraded + notices
     timings: dict[str, float] = {}
 
@@ -391,14 +247,14 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
         with timed("write repository"):
             goldens.save(vdir[names["raw"]] / repo_mod.GOLDENS, spec.golden_inputs, reference)
             _write_drift_reference(vdir[names["raw"]], spec.golden_inputs)
-            common = {"task": spec.task, "source": source, "created": _now(), "golden": report.as_dict(),
+            common = {"task": spec.task, "source": source, "created": now_iso(), "golden": report.as_dict(),
                       "format": fmt, **({"opset": opset} if fmt == "onnx" else {})}
             judging = {"judge": judged, **({"same_weights_as": same} if same is not None else {}),
                        **({"evaluation": evaluation} if evaluation is not None else {})}
             _write_manifests(spec, names, version, vdir, artifact.name, sha, tok_dir, common, judging)
-            _place([(vdir[m], repository / m / str(version)) for m in targets])
+            place_versions([(vdir[m], repository / m / str(version)) for m in targets])
             fronts = [names[r] for r in _FRONT_ROLES if r in names]
-            _apply(repository, [(m, c) for m, c in upgrades if m not in configs])
+            apply_plan(repository, [(m, c) for m, c in upgrades if m not in configs])
             for model in [*targets, *fronts]:  # targets first: the guard checks them when it loads
                 layout.write(repository / model, configs[model])
             if text:  # this version's pinned ensemble, which the guard routes to
@@ -501,166 +357,10 @@ def _timed(step: Step | None, timings: dict[str, float], label: str) -> Iterator
     timings[label] = time.perf_counter() - t0
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
 def _save_tokenizer(src: Path, dest: Path) -> None:
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415 - defers a heavy import
 
     AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(dest))
-
-
-def _configs(spec: ExportSpec, names: dict[str, str], native: bool = False) -> dict[str, dict]:
-    """All config dicts, validated (protobuf schema and guard-vs-target contract) up front."""
-
-    raw, guard = names["raw"], names["guard"]
-    if spec.text is None:
-        configs = {raw: layout.runtime_config(raw, spec, native=native)}
-        # the guard runs a runtime artifact itself (no second hop); a native target needs BLS
-        placement = "bls" if native else "inprocess"
-    else:
-        tok, enc = names["tokenizer"], names["encoder"]
-        configs = {tok: layout.tokenizer_config(tok, spec),
-                   enc: {**layout.runtime_config(enc, spec, threads=layout.ENCODER_THREADS, native=native),
-                         "version_policy": layout.ALL_VERSIONS},
-                   raw: layout.ensemble_config(raw, spec, tok, enc)}
-        placement = "bls"  # an ensemble can only be reached through Triton
-    configs[guard] = layout.guard_config(guard, spec, raw, placement=placement,
-                                         serves_as=names.get("front", ""))
-    if "front" in names:
-        configs[names["intake"]] = layout.intake_config(names["intake"], configs[guard])
-        configs[names["front"]] = layout.front_config(names["front"], configs[guard], names["intake"], guard)
-    for cfg in configs.values():
-        layout.render(cfg)
-    sig = ModelSignature.from_config(configs[guard])
-    try:
-        check_signature(sig, ModelSignature.from_config(configs[raw]), raw)
-        GuardConfig.from_parameters(model_parameters(configs[guard]), guard).validation.check_against(sig, guard)
-    except Exception as exc:  # ConfigError: a spec the guard could not load
-        raise ExportError(str(exc)) from None
-    return configs
-
-
-# what each kind of model keeps of its existing config.pbtxt (see layout.merge)
-_OWNS = {"tokenizer": layout.TOKENIZER_OWNS, "encoder": layout.ENCODER_OWNS, "guard": layout.GUARD_OWNS,
-         "intake": layout.INTAKE_OWNS, "front": layout.ENSEMBLE_OWNS}
-
-
-def _merge_existing(repository: Path, configs: dict[str, dict], names: dict[str, str],
-                    planned: dict[str, dict] | None = None) -> tuple[dict[str, dict], list[str]]:
-    """``configs`` merged over the existing config.pbtxt files (user settings kept), and the
-    notices of every value that differed. The merged guard is checked as the guard will check
-    it at load, so kept settings that no longer fit (a range on a vanished input) fail here."""
-    merged, notices = {}, []
-    for role, model in names.items():
-        path = repository / model / repo_mod.CONFIG
-        existing = (planned or {}).get(model) or (
-            repo_mod.read_config(repository / model) if path.exists() else None)  # readable: _check_existing
-        if role == "raw":
-            owns = layout.ENSEMBLE_OWNS if "tokenizer" in names else layout.RUNTIME_OWNS
-        else:
-            owns = _OWNS[role]
-        merged[model], said = layout.merge(existing, configs[model], owns)
-        notices += [f"{model}: {n}" for n in said]
-    guard = names["guard"]
-    try:
-        for cfg in merged.values():
-            layout.render(cfg)
-        _check_guard(merged[guard], guard)
-    except Exception as exc:  # noqa: BLE001 - ConfigError, or a protobuf ParseError on a kept field
-        raise ExportError(f"the settings kept from {repository / guard}/{repo_mod.CONFIG} do not fit this "
-                          f"export: {exc} (fix or remove them, then export again)") from None
-    return merged, notices
-
-
-def _check_guard(cfg: dict, guard: str) -> None:
-
-    sig = ModelSignature.from_config(cfg)
-    GuardConfig.from_parameters(model_parameters(cfg), guard).validation.check_against(sig, guard)
-
-
-def _defer_to_lower_layers(guard: dict, repository: Path) -> None:
-    """Drop the export's computed guard settings that the user already sets in a lower layer
-    ([tool.tritonguard] or TRITONGUARD_*): config.pbtxt would otherwise override them."""
-
-    if "validation.max_payload_bytes" in layered_parameters({}, repository):
-        (guard.get("parameters") or {}).pop("validation.max_payload_bytes", None)
-
-
-def upgrade_plan(repository: Path) -> tuple[list[tuple[str, dict]], list[str]]:
-    """What :func:`upgrade_layout` would write: ``[(model, config)]`` and one line per guard moved."""
-    repository = Path(repository)
-    if not repository.is_dir():
-        return [], []
-    writes: list[tuple[str, dict]] = []
-    moved = []
-    for model_dir in sorted(p for p in repository.iterdir() if (p / repo_mod.CONFIG).exists()):
-        try:
-            cfg = repo_mod.read_config(model_dir)
-        except Exception:  # noqa: BLE001, S112 - not ours to fix here; the export that needs it says so
-            continue
-        params = cfg.get("parameters") or {}
-        if cfg.get("backend") != "guard" or "serves_as" in params or not layout.needs_intake(cfg):
-            continue
-        name = model_dir.name
-        fronts = layout.front_names(name)
-        for role in ("guard", "intake"):
-            if (repository / fronts[role]).exists():
-                raise ExportError(f"cannot move guard '{name}' behind its intake: {repository / fronts[role]} "
-                                  "already exists (rename or remove it)")
-        guard = {**cfg, "name": fronts["guard"], "parameters": {**params, "serves_as": {"string_value": name}}}
-        plan = [(fronts["guard"], guard), (fronts["intake"], layout.intake_config(fronts["intake"], cfg)),
-                (name, layout.front_config(name, cfg, fronts["intake"], fronts["guard"]))]
-        for _model, config in plan:
-            layout.render(config)
-        writes += plan  # the steps first: the public name changes last
-        moved.append(f"{name}: now the ensemble {fronts['intake']} -> {fronts['guard']} "
-                     f"(the guard's settings and rollout state kept)")
-    return writes, moved
-
-
-def upgrade_layout(repository: Path) -> list[str]:
-    """Move every guard with a BYTES input that is still the public model itself (exported
-    before the intake existed) behind an intake: ``NAME`` becomes the ensemble ``NAME_intake`` ->
-    ``NAME_guard``; the guard keeps every setting and, serving as ``NAME``, its rollout state,
-    latency samples and audit anchors (they stay in ``NAME/``). No version is added. Returns one
-    line per model moved. A running server serves the new layout once the models are loaded again
-    (a restart does it)."""
-    writes, moved = upgrade_plan(repository)
-    _apply(Path(repository), writes)
-    return moved
-
-
-def _apply(repository: Path, writes: list[tuple[str, dict]]) -> None:
-    for model, config in writes:
-        layout.write(repository / model, config)
-        (repository / model / "1").mkdir(parents=True, exist_ok=True)
-
-
-def _kind(cfg: dict) -> str:
-    return cfg.get("backend") or cfg.get("platform") or "?"
-
-
-def _check_existing(repository: Path, configs: dict[str, dict], planned: dict[str, dict] | None = None) -> None:
-    """Refuse to turn an existing model into another kind (e.g. a runtime model into an
-    ensemble, or a target into a guard): its old versions would no longer match its config.
-    ``planned``: configs :func:`upgrade_plan` will write (they count as the existing ones)."""
-    for model, cfg in configs.items():
-        if model in (planned or {}):
-            if _kind(planned[model]) != _kind(cfg):
-                raise ExportError(f"model '{model}' would be '{_kind(planned[model])}' after the layout "
-                                  f"upgrade; this export would make it '{_kind(cfg)}' (choose another --name)")
-            continue
-        if not (repository / model / repo_mod.CONFIG).exists():
-            continue
-        try:
-            old = _kind(repo_mod.read_config(repository / model))
-        except Exception as exc:  # noqa: BLE001 - a broken config must be fixed by hand, not overwritten
-            raise ExportError(f"{repository / model}/config.pbtxt cannot be read ({exc})") from None
-        if old != _kind(cfg):
-            raise ExportError(f"model '{model}' already exists as '{old}'; this export would make it "
-                              f"'{_kind(cfg)}' (choose another --name)")
 
 
 def _write_manifests(spec: ExportSpec, names: dict[str, str], version: int, vdir: dict[str, Path],
@@ -689,44 +389,8 @@ def _write_manifests(spec: ExportSpec, names: dict[str, str], version: int, vdir
                 "outputs": [t.as_dict() for t in spec.inputs]})
 
 
-def _place(moves: list[tuple[Path, Path]]) -> None:
-    """Move staged version folders into the repository, all or none."""
-    for _, dest in moves:
-        if dest.exists():
-            raise ExportError(f"{dest} already exists; versions are never overwritten")
-    placed: list[Path] = []
-    try:
-        for src, dest in moves:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            _move_dir(src, dest)
-            placed.append(dest)
-    except BaseException:
-        for d in placed:
-            shutil.rmtree(d, ignore_errors=True)
-        raise
-
-
-def _move_dir(src: Path, dest: Path) -> None:
-    try:
-        os.rename(src, dest)
-        return
-    except OSError:
-        pass  # another filesystem (EXDEV): copy beside the target, then rename in one step
-    # a hidden, non-numeric name: Triton never takes it for a version while it fills up
-    partial = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
-        shutil.copytree(src, partial)
-        os.rename(partial, dest)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-
-
 def _write_drift_reference(version_dir: Path, inputs: dict) -> None:
     """Per-feature input summaries the guard's drift monitor compares live traffic with."""
-    import json  # noqa: PLC0415
-
-
     ref = reference_from_inputs(inputs)
     if ref is not None:
         (version_dir / REFERENCE_FILE).write_text(json.dumps(ref.to_dict()))

@@ -14,11 +14,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from exporter.build.sources import TextFront
-
-from tritonguard.models.tokenizer import TokenizerConfig, TokenizerModel
-from tritonguard.models.engines import EngineConfig, load_engine
+from exporter.build.sources.spec import TextFront
 from tritonguard.core.repository import load_goldens
+from tritonguard.models.engines import EngineConfig, load_engine
+from tritonguard.models.tokenizer import TokenizerConfig, TokenizerModel
 
 PASS, MARGINAL, FAIL = "PASS", "MARGINAL", "FAIL"
 _ORDER = {PASS: 0, MARGINAL: 1, FAIL: 2}
@@ -204,8 +203,7 @@ def check(task: str, reference: Mapping[str, np.ndarray], actual: Mapping[str, n
 def _encoder(tokenizer_dir: Path, max_length: int, output_names: Sequence[str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
     """TEXT [N,1] -> token tensors, through the ``tokenizer`` backend's own encode(); the
     tokenizer is loaded once, so a runner can be called chunk after chunk."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
+    from transformers import AutoTokenizer  # noqa: PLC0415 - defers a heavy import
 
     # encode() reads only these three attributes; borrowing it keeps one tokenisation code path
     backend = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(tokenizer_dir)),

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from exporter.build.sources import ExportSpec, TensorDef
+from exporter.build.sources.spec import ExportSpec, TensorDef
 from tritonguard.core import repository
 from tritonguard.core.tensors import NUMPY_TO_TRITON
 
@@ -250,8 +250,8 @@ ENSEMBLE_OWNS = Owned(fields=("ensemble_scheduling",))
 def canonical(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` as :func:`tritonguard.core.repository.read_config` returns a written one (64-bit
     integers as strings, defaults dropped), so an export's dict compares with a file's."""
-    from google.protobuf import json_format  # noqa: PLC0415
-    from tritonclient.grpc import model_config_pb2  # noqa: PLC0415
+    from google.protobuf import json_format  # noqa: PLC0415 - defers a heavy import
+    from tritonclient.grpc import model_config_pb2  # noqa: PLC0415 - defers a heavy import
 
     msg = json_format.ParseDict(config, model_config_pb2.ModelConfig())
     return json_format.MessageToDict(msg, preserving_proto_field_name=True)

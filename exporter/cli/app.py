@@ -12,15 +12,19 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
-from exporter.build.export import ExportError, GoldenCheckFailed, export_source, upgrade_layout
+from exporter.build.errors import ExportError, GoldenCheckFailed
+from exporter.build.export import export_source
+from exporter.build.upgrade import upgrade_layout
 from exporter.cli.consoles import console, log_handler, where
 from exporter.cli.status import collect, live, print_live, table, unreachable
 from exporter.cli.watch import watch as watch_view
-from exporter.errors import ExporterError
-from exporter.rollout.route import RouteChange, RouteError, apply, describe_arms, parse_arms, show
+from exporter.errors import EXIT_BAD_INPUT, ExporterError
+from exporter.rollout.route import RouteChange, RouteError, apply, parse_arms, show, state_summary
 from exporter.rollout.serving import ServingError, metrics_urls
-from tritonguard.privacy.tenancy import TenancyConfig, new_api_key
+from tritonguard.privacy.tenancy.auth import new_api_key
+from tritonguard.privacy.tenancy.config import TenancyConfig
 
 app = typer.Typer(
     help="Export models into a Triton model repository, behind a tritonguard guard.",
@@ -34,7 +38,6 @@ out = console()
 err = console(stderr=True)
 
 EXIT_GOLDEN_FAILED = 1
-EXIT_BAD_INPUT = 2  # also: an artifact identical to an existing version's (export without --force)
 EXIT_UNREACHABLE = 2  # status --server/--metrics-url: a replica that cannot be reached
 
 Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
@@ -63,7 +66,6 @@ def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug 
 
 
 def _where(repository: Path, registry: bool = False) -> None:
-
     where(err, repository, registry)
 
 
@@ -111,8 +113,6 @@ def export(
     and register it in the MLflow model registry. Settings in existing config.pbtxt files
     (guard parameters, instance groups, batching) are kept. An export whose artifact is identical
     to an existing version's is refused unless --force is given."""
-    from rich.markup import escape  # noqa: PLC0415
-
 
     _quiet_onnxruntime()
     _where(repository, registry=register)
@@ -163,7 +163,7 @@ def _quiet_onnxruntime() -> None:
     """onnxruntime logs a failing kernel to stderr itself, in red, before raising; the export
     reports the same error as its one line, so its logger only speaks of fatal errors here."""
     try:
-        import onnxruntime  # noqa: PLC0415
+        import onnxruntime  # noqa: PLC0415 - defers a heavy import
     except ImportError:
         return
     onnxruntime.set_default_logger_severity(4)
@@ -183,8 +183,6 @@ def status(
     registry stages, and (with --server) live breaker states and drift. A --server or
     --metrics-url that cannot be reached is an error (exit 2), named on stderr; under --watch
     only at the start (a replica lost later is shown in the view)."""
-    from rich.markup import escape  # noqa: PLC0415
-
 
     if watch and as_json:
         err.print("[bold red]✗ status failed:[/] --watch draws a live view; use --json without it")
@@ -249,17 +247,10 @@ def route(
     if state.get("state", "") is None:
         out.print(f"{model}: no rollout state yet (the guard writes one when it first loads)")
         return
-    cand = state["candidate"]
-    out.print(f"[bold]{model}[/] r{state['revision']}: primary v{state['primary']['version']}"
-              + (f", candidate v{cand['version']} at {cand['share']:.0%}" if cand else ", no candidate")
-              + f", shadow {state['shadow_share']:.0%}, chain {' → '.join(state['fallback'])}")
-    if arms_line := describe_arms(state):
-        out.print(f"  {arms_line}")
-    for v, g in sorted(state.get("goldens", {}).items()):
-        out.print(f"  goldens v{v}: {g.get('summary') or g.get('verdict')}")
-    for v, b in sorted(state.get("breakers", {}).items()):
-        last = f"; last trip {b['last_trip_text']}" if b.get("last_trip_text") else ""
-        out.print(f"  breaker v{v}: {b['state']} (trips {b['trips']}{last})")
+    head, *rest = state_summary(state, goldens=True)
+    out.print(f"[bold]{model}[/] {head}")
+    for line in rest:
+        out.print(f"  {line}")
 
 
 @app.command()
@@ -267,8 +258,6 @@ def upgrade(repository: Repository = Path("model_repository")) -> None:
     """Move the repository to the current layout, adding no version: a guard with a text (BYTES)
     input becomes the ensemble NAME = NAME_intake -> NAME_guard, so one malformed request cannot
     fail the batch it lands in. Settings and rollout state are kept. `export` does this too."""
-    from rich.markup import escape  # noqa: PLC0415
-
 
     if not (repository.is_dir()):
         err.print(f"[bold red]✗[/] no model repository at {escape(str(repository.resolve()))}", soft_wrap=True)
@@ -289,8 +278,6 @@ def upgrade(repository: Repository = Path("model_repository")) -> None:
 def tenant_key(tenant: Annotated[str, typer.Argument(help="Tenant id the key is for.")]) -> None:
     """A fresh random API key for TENANT on stdout (hand it over; it is stored nowhere) and, on
     stderr, its SHA-256 digest as the line to add to tenancy.keys_file."""
-    from rich.markup import escape  # noqa: PLC0415
-
 
     if not TenancyConfig().pattern.match(tenant):
         err.print(f"[bold red]✗[/] tenant id must match {escape(TenancyConfig.tenant_pattern)}")
@@ -312,7 +299,8 @@ from exporter.cli.audit_cmd import audit_app  # noqa: E402
 app.add_typer(audit_app, name="audit")
 
 # registry stages and progressive rollouts
-from exporter.cli.rollout_cmd import promote, rollback, rollout_app  # noqa: E402
+from exporter.cli.promote_cmd import promote  # noqa: E402
+from exporter.cli.rollout_cmd import rollback, rollout_app  # noqa: E402
 
 app.command()(promote)
 app.command()(rollback)

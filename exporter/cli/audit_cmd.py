@@ -24,16 +24,15 @@ from typing import Annotated, Any
 import typer
 
 from tritonguard.core.errors import ConfigError
-from tritonguard.privacy.audit import (
+from tritonguard.privacy.audit.anchors import (
     ANCHOR_PREFIX,
     FileAnchors,
     RedisAnchors,
     load_audit_key,
-    rotated_files,
-    utc_iso,
 )
-from tritonguard.privacy.audit import anchor_name as default_name
-from tritonguard.privacy.audit import verify as verify_chain
+from tritonguard.privacy.audit.anchors import anchor_name as default_name
+from tritonguard.privacy.audit.chain import rotated_files, utc_iso
+from tritonguard.privacy.audit.verify import verify as verify_chain
 
 EXIT_TAMPERED = 1
 EXIT_NO_LOG = 2

@@ -30,12 +30,15 @@ from rich.table import Table
 from rich.text import Text
 
 from exporter.batch import job as b
+from exporter.batch.encode import read_block
+from exporter.batch.run import run_job, summary
+from exporter.batch.scorer import Scorer
 from exporter.cli.consoles import console
+from exporter.errors import EXIT_BAD_INPUT
 
 out = console()
 err = console(stderr=True)
 EXIT_JOB_FAILED = 1
-EXIT_BAD_INPUT = 2
 
 
 class RowsPerSecond(ProgressColumn):
@@ -107,12 +110,12 @@ def batch_command(
         with Progress(*columns, console=err, transient=False) as progress:
             task = progress.add_task(escape(model), total=total, completed=total - sum(x.rows for x in pending))
             try:
-                b.run_job(job, pending, workers=workers, ray_address=ray_address,
+                run_job(job, pending, workers=workers, ray_address=ray_address,
                           on_block=lambda r: (results.append(r), progress.advance(task, r.rows)))
             except Exception as exc:  # noqa: BLE001 - Ray wraps a worker's error; name its cause
                 failed = _cause(exc)
     wall = time.perf_counter() - t0
-    result = b.summary(output, dead, total)
+    result = summary(output, dead, total)
     result.update(wall_s=round(wall, 1), output=str(output), dead_letter=str(dead), complete=failed is None)
     if results:  # this run's scoring, from the first block's start to the last commit (Ray's start-up excluded)
         span = max(r.finished for r in results) - min(r.started for r in results)
@@ -142,9 +145,9 @@ def _dry_run(b: Any, job: Any, blocks: list[Any]) -> None:
     if not blocks:
         raise b.BatchError("the input holds no rows")
     first = blocks[0]
-    enc = b.read_block(first, job)
+    enc = read_block(first, job)
     sample = {k: v[: job.batch_rows] for k, v in enc.tensors.items()}
-    scorer = b.Scorer(job)
+    scorer = Scorer(job)
     try:
         outs, served, rejected = scorer.score(sample) if enc.rows.size else ({}, [], {})
     finally:

@@ -17,14 +17,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from exporter.build.compile import CompileError, compile_model, environment
+from exporter.build.compile import compile_model, environment
+from exporter.build.variants import CompileError
 from exporter.cli.consoles import console
+from exporter.errors import EXIT_BAD_INPUT
 from exporter.records.registry import default_uri
 
 # full-width lines when piped (a CI log, `| cat`); $COLUMNS respected
 out = console()
 err = console(stderr=True)
-EXIT_BAD_INPUT = 2
 
 _STYLE = {"admitted": "green", "rejected": "red", "skipped": "dim"}
 _LABELS = {"top1_agreement": "top1", "max_abs_prob_diff": "Δp", "min_cosine": "cos≥", "max_abs_diff": "Δ"}

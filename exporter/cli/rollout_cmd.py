@@ -1,9 +1,8 @@
-"""``python -m exporter promote | rollback | rollout …``: registry stages and progressive rollouts.
+"""``python -m exporter rollback | rollout status|abort|pause|resume``: stop or steer a
+progressive rollout, or restore the previous production version.
 
-``promote`` registers the version in the MLflow registry (idempotent), stages it, and walks it
-through the traffic steps with the statistical gates between them; PRODUCTION comes from the
-rollout's last passing gate (through the approvers, if any), ARCHIVED from a failing one.
-Exit codes: 0 promoted/done, 1 rolled back or aborted, 2 bad input, 3 paused/holding.
+Exit codes: 0 done, 1 rolled back or aborted, 2 bad input, 3 paused/holding
+(:mod:`exporter.cli.rollout_common`). ``promote`` is :mod:`exporter.cli.promote_cmd`.
 """
 
 from __future__ import annotations
@@ -14,366 +13,30 @@ from typing import Annotated
 
 import typer
 
-from exporter.cli.consoles import WideConsole, where
-from exporter.errors import BadInput, ExporterError
-from exporter.records.registry import RegistryError, open_registry
-from exporter.rollout.controller import (
-    ACTIVE,
-    ControllerError,
-    RolloutConfig,
-    RolloutController,
-    evidence,
-    metrics_reader,
-    store_labels_reader,
-    store_latency_reader,
+from exporter.cli.consoles import where
+from exporter.cli.rollout_common import (
+    Model,
+    Repository,
+    Servers,
+    controller_for,
+    err,
+    exit_for,
+    out,
+    purge,
+    reconcile,
+    who_text,
 )
-from exporter.rollout.gates.config import GateConfig, parse_increase
-from exporter.rollout.generation import MAX_REGRESSION, judge_generation
-from exporter.rollout.guards import guard_target, judge_limits
-from exporter.rollout.judge import JudgeError, judge_offline, manifest_judge, parse_margin
-from exporter.rollout.reconcile import reconcile_registry
-from exporter.rollout.route import RouteChange, apply, parse_arms
-from exporter.rollout.serving import ensure_loaded, metrics_urls, purge_cache
-from tritonguard.core.repository import read_manifest
-from tritonguard.rollout.state import JUDGES, open_store
+from exporter.errors import EXIT_BAD_INPUT, ExporterError
+from exporter.records.progress import ControllerError
+from exporter.records.registry import RegistryError
+from exporter.rollout.controller import RolloutController
+from exporter.rollout.guards import guard_target
+from exporter.rollout.progress import ACTIVE, evidence
+from exporter.rollout.route import RouteChange, apply
+from exporter.rollout.serving import ensure_loaded, metrics_urls
+from exporter.rollout.window import metrics_reader, store_latency_reader
 
-# no wraps at 80 columns when piped (tables included): a CI log keeps whole lines
-out = WideConsole(soft_wrap=True)
-err = WideConsole(stderr=True, soft_wrap=True)
-EXIT_ROLLED_BACK, EXIT_BAD_INPUT, EXIT_HOLDING = 1, 2, 3
-
-Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
-Model = Annotated[str, typer.Argument(help="Guard model name, e.g. digits.")]
 rollout_app = typer.Typer(help="Inspect or steer a progressive rollout.", no_args_is_help=True, add_completion=False)
-
-
-def _registry(repository: Path, approve_cmd: list[str] | None = None):
-
-    return open_registry(repository, approvers={"PRODUCTION": approve_cmd} if approve_cmd else None)
-
-
-def _purge(repository: Path, model: str, why: str) -> None:
-
-    try:
-        done = purge_cache(repository, model, by=why)
-    except Exception as exc:  # noqa: BLE001 - keys carry the artifact hash: a failed purge is not fatal
-        err.print(f"[yellow]![/] cache purge of {model} failed: {exc}")
-        return
-    tiers = ", ".join(f"{k} {v}" for k, v in done.items() if k != "epoch") or "no shared tiers"
-    err.print(f"[green]✓[/] cache of {model} purged (epoch {done['epoch']}; {tiers})")
-
-
-def _controller(model: str, repository: Path, urls: list[str], *, approver: str | None = None,
-                approve_cmd: list[str] | None = None, config=None):
-
-    target = guard_target(repository, model)
-    reg = _registry(repository, approve_cmd)
-
-    # hooks are idempotent: a resumed rollout may call them again
-    def on_promote(v: int) -> None:
-        stage = reg.stage(model, v)
-        if stage != "PRODUCTION":
-            reg.transition(model, v, "PRODUCTION", stage, approver, reason="rollout gates passed")
-
-    def on_rollback(v: int, reason: str) -> None:
-        stage = reg.stage(model, v)
-        if stage in ("DRAFT", "STAGING"):
-            reg.transition(model, v, "ARCHIVED", stage, approver, reason=reason)
-        err.print(f"[bold red]↩[/] v{v} rolled back: {reason}")
-        _purge(repository, model, "rollback")
-
-    def on_step(step: int, share: float, report) -> None:
-        err.print(f"[green]→[/] step {step + 1}: {share:.0%}" + (f"  ({report.summary()})" if report else ""))
-
-    try:  # exact per-call latencies from the store; without them the gate reads histogram buckets
-        latency = store_latency_reader(model, repository)
-    except Exception as exc:  # noqa: BLE001 - e.g. Redis unreachable at start: the buckets still judge
-        err.print(f"[yellow]![/] latency samples unavailable ({type(exc).__name__}: {exc}); judging histograms")
-        latency = None
-    try:  # labelled rows (request labels and `exporter feedback`) from the store
-        labels = store_labels_reader(model, repository)
-    except Exception as exc:  # noqa: BLE001 - the labels gate then reads the metrics
-        err.print(f"[yellow]![/] labels from the store unavailable ({type(exc).__name__}: {exc}); "
-                  "judging request labels from the metrics")
-        labels = None
-    return RolloutController(model, repository, metrics_reader(urls, model, target=target), config=config,
-                             on_promote=on_promote, on_rollback=on_rollback, on_step=on_step,
-                             latency_reader=latency, labels_reader=labels), reg, target
-
-
-def _reconcile(repository: Path, model: str, **kwargs) -> None:
-    """The registry's PRODUCTION follows the routing's primary; problems are warnings."""
-
-    done = reconcile_registry(repository, model, warn=lambda msg: err.print(f"[yellow]![/] {msg}"), **kwargs)
-    if done:
-        err.print(f"[green]✓[/] {done}")
-
-
-def _who(progress) -> str:
-    """``v2``, or for an A/B/n rollout ``arms v2=0.3, v3 (rolled_back)``."""
-    if progress.mode != "abn":
-        return f"v{progress.candidate}"
-    return "arms " + ", ".join(f"v{v}={a['weight']:g}" + ("" if a["status"] == "running" else f" ({a['status']})")
-                               for v, a in progress.arms.items())
-
-
-def _exit_for(progress) -> None:
-    style = {"done": "green", "running": "yellow", "paused": "yellow", "superseded": "yellow"}.get(progress.status, "red")
-    out.print(f"[bold]{progress.model}[/] {_who(progress)}: [{style}]{progress.status}[/] at step "
-              f"{progress.step_index + 1}/{len(progress.steps)} ({progress.steps[progress.step_index]:g} %): "
-              f"{progress.reason}")
-    if progress.status in ("rolled_back", "aborted"):
-        raise typer.Exit(EXIT_ROLLED_BACK)
-    if progress.status in ("running", "paused"):
-        raise typer.Exit(EXIT_HOLDING)
-
-
-Servers = Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of each replica "
-                                                   "(repeat): the version is loaded there if needed.")]
-
-
-def promote(
-    model: Model,
-    version: Annotated[int | None, typer.Option("--version", help="Version of the guard's target to promote.")] = None,
-    to: Annotated[str, typer.Option("--to", help="staging (registered, loaded, no traffic) or production.")] = "production",
-    rollout: Annotated[bool, typer.Option("--rollout/--no-rollout", help="production: walk the traffic steps "
-                                          "with gates (default), or switch at once (goldens still apply).")] = True,
-    server: Servers = None,
-    metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Triton metrics URL of each "
-                           "replica (repeat; default: each --server's port + 2).")] = None,
-    repository: Repository = Path("model_repository"),
-    primary: Annotated[int | None, typer.Option(help="Primary version (default: the state's).")] = None,
-    mode: Annotated[str, typer.Option(help="split (A/B share) or shadow (mirrored traffic).")] = "split",
-    arms: Annotated[str | None, typer.Option("--arms", help="A/B/n instead of --version: VERSION=WEIGHT,... "
-                    "(e.g. 2=0.3,3=0.2); each arm walks the steps at that share of its weight, gated on "
-                    "its own; a failing arm leaves alone; the rest stay at full weight.")] = None,
-    steps: Annotated[str, typer.Option(help="Percent steps.")] = "1,5,10,25,50,100",
-    dwell_s: Annotated[float, typer.Option(help="Minimum seconds at each step.")] = 300.0,
-    interval_s: Annotated[float, typer.Option(help="Seconds between looks.")] = 30.0,
-    max_step_s: Annotated[float | None, typer.Option(help="Roll back a step inconclusive this long.")] = None,
-    min_requests: Annotated[int, typer.Option(help="Candidate requests before a gate may pass.")] = 200,
-    max_error_rate: Annotated[float, typer.Option(help="Error rate that must fail (SPRT p1).")] = 0.01,
-    min_compared: Annotated[int, typer.Option(help="Compared candidate rows before the agreement gate may pass.")] = 100,
-    min_agreement: Annotated[float, typer.Option(help="Validator agreement the candidate needs on compared rows.")] = 0.98,
-    min_latency_samples: Annotated[int, typer.Option(help="Target calls per version before the latency gate may pass.")] = 100,
-    latency_tolerance: Annotated[float, typer.Option(help="Candidate may be this fraction slower than the "
-                                                     "primary (per call, at the same batch size) before the "
-                                                     "rank test may fail it.")] = 0.15,
-    judge: Annotated[str | None, typer.Option("--judge", help="task (a new model: judged on the task, "
-                     "non-inferiority) or equivalence (the same weights: numerical tolerances); default: what "
-                     "the version's manifest says.")] = None,
-    max_regression: Annotated[str | None, typer.Option("--max-regression", help="Task judge: accuracy the "
-                              "candidate may lose against the primary, e.g. 0.5pp (default); for a generative "
-                              "model, the relative bits per char it may add, e.g. 3% (default).")] = None,
-    max_disagreement: Annotated[str | None, typer.Option("--max-disagreement", help="Task judge without labels: "
-                                "the share of answers the candidate may change against the primary (top-1; for "
-                                "embeddings, rows under --min-cosine), e.g. 2% (default: the guard's "
-                                "judge.max_disagreement, else 2 %). Never the candidate's own difference.")] = None,
-    min_cosine: Annotated[float | None, typer.Option("--min-cosine", help="Embeddings: a row whose cosine to the "
-                          "primary's is below this disagrees (default: the guard's judge.min_cosine, else 0.90).")] = None,
-    min_labels: Annotated[int, typer.Option("--min-labels", help="Judge on labels: every step waits until both "
-                          "versions have this many labelled rows (the 'label' request parameter, or "
-                          "`exporter feedback`) and the candidate is shown no worse than --max-regression; "
-                          "the disagreement limit is then reported, not enforced. 0: labels may stop a "
-                          "candidate, never hold one.")] = 0,
-    max_slice_regression: Annotated[str | None, typer.Option("--max-slice-regression", help="With labels: the "
-                                    "recall one class or named slice may lose, e.g. 5pp (default: the guard's "
-                                    "judge.max_slice_regression, else 5 pp).")] = None,
-    max_cost_increase: Annotated[str | None, typer.Option("--max-cost-increase", help="Cost gate: roll back a "
-                                 "candidate that costs more than this per request than the primary (guards' cost "
-                                 "meter), e.g. 10% or 0.1; judged from the 50 % step. Default: no cost gate.")] = None,
-    approver: Annotated[str | None, typer.Option(help="Who approves (recorded in the history).")] = None,
-    approve_cmd: Annotated[list[str] | None, typer.Option(help="Shell command that must exit 0 before PRODUCTION (repeat).")] = None,
-    detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
-) -> None:
-    """Register VERSION (or each --arms version), load it on the servers, and stage it or roll it out."""
-
-    to = to.lower()
-    servers = list(server or [])
-    where(err, repository, registry=True)
-    try:
-        if to not in ("staging", "production"):
-            raise BadInput(f"--to must be staging or production, got {to!r}")
-        if (version is None) == (arms is None):
-            raise BadInput("pass --version N (one candidate) or --arms V=W,... (A/B/n), not both or neither")
-        arm_weights = None
-        if arms is not None:
-
-            arm_weights = dict(parse_arms(arms))
-            if not arm_weights or to != "production" or not rollout:
-                raise BadInput("--arms needs at least one VERSION=WEIGHT and a gated rollout to production")
-            mode = "abn"
-        config = None
-        if judge is not None and judge not in JUDGES:
-            raise BadInput(f"--judge must be one of {', '.join(JUDGES)}, got {judge!r}")
-        margin = parse_margin(max_regression or "0.5pp")
-        cost_limit = None if max_cost_increase is None else parse_increase(max_cost_increase)
-        limits = judge_limits(repository, model, max_disagreement=max_disagreement, min_cosine=min_cosine,
-                              max_slice_regression=max_slice_regression)
-        if min_labels < 0:
-            raise BadInput(f"--min-labels must be >= 0, got {min_labels}")
-        if to == "production" and rollout:
-            config = _rollout_config(steps=steps, mode=mode, arms=arm_weights, dwell_s=dwell_s,
-                                     interval_s=interval_s, max_step_s=max_step_s,
-                                     gates={"min_requests": min_requests, "max_error_rate": max_error_rate,
-                                            "min_compared": min_compared, "min_agreement": min_agreement,
-                                            "min_latency_samples": min_latency_samples,
-                                            "latency_tolerance": latency_tolerance, "max_regression": margin,
-                                            "max_cost_increase": cost_limit,
-                                            "max_disagreement": limits.max_disagreement,
-                                            "limit_source": limits.sources["max_disagreement"],
-                                            "max_slice_regression": limits.max_slice_regression,
-                                            "min_labels": min_labels})
-            urls = metrics_urls(servers, metrics_url or [])
-            if not urls:
-                raise BadInput("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL)")
-        else:
-            urls = []
-        ctl, reg, target = _controller(model, repository, urls, approver=approver,
-                                       approve_cmd=approve_cmd, config=config)
-
-        def register(v: int):
-            vdir = repository / target / str(v)
-            manifest = read_manifest(vdir)
-            if manifest is None:
-                raise RegistryError(f"v{v} of '{target}' has no manifest in {vdir}: not an exported version")
-            return reg.register(model, v, manifest, {}, source=str(vdir.resolve()))
-
-        # the version serving now is PRODUCTION (registered if it was not: a guard pins its
-        # first version as primary without the registry), so that a later `rollback` has
-        # somewhere to go back to; a registry that fails here is said, and register() below decides
-        state = open_store(model, repository).load()
-        serving = primary or (state.primary if state else -1)
-        if serving > 0 and serving not in (version, *(arm_weights or ())):
-            _reconcile(repository, model, primary=serving, create=True, registry=reg)
-
-        def stage_version(v: int):
-            info = register(v)
-            for item in ensure_loaded(servers, repository, model, v):
-                err.print(f"[green]✓[/] loaded {item}")
-            if info.stage in ("DRAFT", "ARCHIVED"):
-                reason = "staged" if to == "staging" else "rollout started"
-                info = reg.transition(model, v, "STAGING", info.stage, approver, reason=reason)
-            return info
-
-        if arm_weights is not None:
-            for v in arm_weights:
-                stage_version(v)
-            progress = ctl.start(None, primary=primary)
-            if not detach:
-                progress = ctl.run()
-            else:
-                out.print(f"[bold]{model}[/]: A/B/n rollout of {arms} started at {progress.steps[0]:g} % of the "
-                          f"weights; drive it with `exporter rollout resume {model} --server …`")
-                return
-            _exit_for(progress)
-            return
-        info = stage_version(version)
-        if to == "staging":
-            out.print(f"[bold]{model}[/] v{version}: STAGING (no traffic; `promote --to production` rolls it out)")
-            return
-        if not rollout:
-            if info.stage != "PRODUCTION":
-                reg.transition(model, version, "PRODUCTION", info.stage, approver, reason="promoted without rollout")
-            apply(repository, model, RouteChange(primary=version, candidate=0), by="promote",
-                  reason=f"v{version} made primary by promote --no-rollout")
-            _purge(repository, model, "promote")
-            out.print(f"[bold]{model}[/] v{version}: PRODUCTION and primary (no gradual rollout)")
-            return
-        judged = _judge_before_traffic(repository, model, target, version, primary or serving, judge, config,
-                                       None if max_regression is None else margin, limits)
-        if judged is not None and judged.verdict == "FAIL":
-            on_stop = reg.stage(model, version)
-            if on_stop in ("DRAFT", "STAGING"):
-                reg.transition(model, version, "ARCHIVED", on_stop, approver, reason=judged.summary())
-            out.print(f"[bold]{model}[/] v{version}: [red]rolled_back[/] before any traffic: {judged.summary()}")
-            raise typer.Exit(EXIT_ROLLED_BACK)
-        progress = ctl.start(version, primary=primary)
-        if detach:
-            out.print(f"[bold]{model}[/] v{version}: rollout started at {progress.steps[0]:g} %; "
-                      f"drive it with `exporter rollout resume {model} --server …`")
-            return
-        progress = ctl.run()
-        if progress.status == "done":
-            _purge(repository, model, "promote")
-    except ExporterError as exc:
-        err.print(f"[bold red]✗ promote failed:[/] {exc}")
-        raise typer.Exit(EXIT_BAD_INPUT) from None
-    _exit_for(progress)
-
-
-def _rollout_config(**kwargs):
-    """A RolloutConfig from promote's flags; a value out of range is bad input (exit 2)."""
-    gates, steps = kwargs.pop("gates"), kwargs.pop("steps")
-    try:
-        return RolloutConfig(**kwargs, steps=tuple(float(s) for s in steps.split(",")), gates=GateConfig(**gates))
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
-
-
-def _judge_before_traffic(repository: Path, model: str, target: str, version: int, primary: int,
-                          judge: str | None, config, margin: float | None = None, limits=None):
-    """Decide how the rollout compares ``version`` with ``primary`` and run both on the
-    evaluation data (:mod:`exporter.rollout.judge`); sets the gates in ``config``. None when there is no
-    gated rollout or nothing to compare against (then the live gates alone decide, said loudly)."""
-
-    if config is None:
-        return None
-    name = judge or manifest_judge(repository, target, version)
-    config.gates.judge = name
-    manifest = read_manifest(repository / target / str(version)) or {}
-    if manifest.get("task") == "generation":
-        return _judge_generation(repository, model, target, version, primary, name, config, margin)
-    outputs = manifest.get("outputs") or [{}]
-    if primary is None or primary < 1 or not outputs[0].get("name"):
-        err.print(f"[yellow]![/] {model} v{version}: no offline judgement (no primary or no manifest outputs); "
-                  f"judged live ({name})")
-        return None
-    if manifest.get("task") == "embedding" and name == "task":
-        config.gates.cosine_floor = limits.min_cosine  # the guards count rows under it as disagreeing
-    try:
-        judged = judge_offline(repository, target, primary, version, judge=name, task=manifest.get("task", ""),
-                               output=outputs[0]["name"], max_regression=config.gates.max_regression,
-                               min_agreement=config.gates.min_agreement or 0.99,
-                               max_disagreement=limits.max_disagreement, limit_source=limits.sources["max_disagreement"],
-                               min_cosine=limits.min_cosine, max_slice_regression=limits.max_slice_regression,
-                               labels_live=config.gates.min_labels > 0)
-    except JudgeError as exc:
-        err.print(f"[yellow]![/] {model} v{version}: no offline judgement ({exc}); judged live ({name}, "
-                  f"disagreement limit {config.gates.max_disagreement:.2%}: {config.gates.limit_source})")
-        return None
-    config.gates.expected_disagreement = judged.expected_disagreement
-    if judged.limit is not None:
-        config.gates.disagreement_limit, config.gates.limit_source = judged.limit, judged.limit_source
-    config.offline = judged.to_dict()
-    err.print(f"[bold]judge[/] {model} v{version} vs v{primary}: {judged.summary()}")
-    return judged
-
-
-def _judge_generation(repository: Path, model: str, target: str, version: int, primary: int, name: str,
-                      config, margin: float | None):
-    """A generative version (``task: generation``): greedy texts and bits per char of both
-    versions on the evaluation texts (:mod:`exporter.rollout.generation`)."""
-
-    if primary is None or primary < 1:
-        err.print(f"[yellow]![/] {model} v{version}: no offline judgement (no primary); judged live ({name})")
-        return None
-    try:
-        judged = judge_generation(repository, target, primary, version, judge=name,
-                                  max_regression=MAX_REGRESSION if margin is None else margin,
-                                  min_agreement=config.gates.min_agreement or 0.99)
-    except JudgeError as exc:
-        err.print(f"[yellow]![/] {model} v{version}: no offline judgement ({exc}); judged live ({name})")
-        return None
-    # live, the canary compares greedy texts: equal for a re-export (the agreement gate judges
-    # them); for another training run they differ by nature, and bits per char on the eval texts,
-    # this judge's task metric, has decided: live disagreement is then reported, not judged
-    config.gates.expected_disagreement = judged.expected_disagreement
-    if name == "task":
-        config.gates.judge_disagreement = False
-    config.offline = judged.to_dict()
-    err.print(f"[bold]judge[/] {model} v{version} vs v{primary}: {judged.summary()}")
-    return judged
 
 
 def rollback(
@@ -387,13 +50,13 @@ def rollback(
 
     where(err, repository, registry=True)
     try:
-        ctl, reg, _ = _controller(model, repository, [], approver=approver)
+        ctl, reg, _ = controller_for(model, repository, [], approver=approver)
         progress = ctl.status()
         if progress is not None and progress.status in ACTIVE:
             progress = ctl.abort(reason)
-            _purge(repository, model, "rollback")
-            _reconcile(repository, model, registry=reg)
-            out.print(f"[bold]{model}[/]: rollout of {_who(progress)} aborted, taken out of the routing")
+            purge(repository, model, "rollback")
+            reconcile(repository, model, registry=reg)
+            out.print(f"[bold]{model}[/]: rollout of {who_text(progress)} aborted, taken out of the routing")
             return
         target_version = reg.previous_production(model)
         if target_version is None:
@@ -402,11 +65,11 @@ def rollback(
         info = reg.rollback(model, approver=approver, reason=reason)
         apply(repository, model, RouteChange(primary=info.version, candidate=0), by="rollback",
               reason=f"rolled back to v{info.version} by `exporter rollback` ({reason})", rolled_back=True)
-        _purge(repository, model, "rollback")
+        purge(repository, model, "rollback")
     except ExporterError as exc:
         err.print(f"[bold red]✗ rollback failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    _reconcile(repository, model, registry=reg)
+    reconcile(repository, model, registry=reg)
     out.print(f"[bold]{model}[/]: v{info.version} is primary and PRODUCTION again")
 
 
@@ -428,7 +91,7 @@ def rollout_status(
     except ExporterError as exc:  # unreadable progress, or its Redis unreachable
         err.print(f"[bold red]✗ status failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    _reconcile(repository, model)
+    reconcile(repository, model)
     live = None
     if urls and progress is not None and progress.status in ("running", "paused"):
         live = _peek(model, repository, urls)
@@ -441,7 +104,7 @@ def rollout_status(
     if progress is None:
         out.print(f"{model}: no rollout")
         return
-    out.print(f"[bold]{model}[/] {_who(progress)} ({progress.mode}) {progress.status}, step "
+    out.print(f"[bold]{model}[/] {who_text(progress)} ({progress.mode}) {progress.status}, step "
               f"{progress.step_index + 1}/{len(progress.steps)} at {progress.steps[progress.step_index]:g} %, "
               f"look {progress.look}: {progress.reason}")
     if progress.status != "done":  # a finished rollout's reason already names its evidence
@@ -486,12 +149,12 @@ def rollout_abort(model: Model, repository: Repository = Path("model_repository"
     """Stop MODEL's rollout and take the candidate out of the routing state."""
 
     try:
-        ctl, _, _ = _controller(model, repository, [])
+        ctl, _, _ = controller_for(model, repository, [])
         progress = ctl.abort(reason)
     except ControllerError as exc:
         err.print(f"[bold red]✗ abort failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    out.print(f"[bold]{model}[/] {_who(progress)}: aborted, taken out of the routing ({reason})")
+    out.print(f"[bold]{model}[/] {who_text(progress)}: aborted, taken out of the routing ({reason})")
 
 
 @rollout_app.command("pause")
@@ -503,7 +166,7 @@ def rollout_pause(model: Model, repository: Repository = Path("model_repository"
     except ControllerError as exc:
         err.print(f"[bold red]✗ pause failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    _exit_for(progress)
+    exit_for(progress)
 
 
 @rollout_app.command("resume")
@@ -518,11 +181,11 @@ def rollout_resume(model: Model, server: Servers = None,
         urls = metrics_urls(list(server or []), metrics_url or [])
         if not urls:
             raise ControllerError("resume reads the guards' metrics: pass --server URL (or --metrics-url URL)")
-        ctl, _, _ = _controller(model, repository, urls, approver=approver)
+        ctl, _, _ = controller_for(model, repository, urls, approver=approver)
         progress = ctl.resume()
         if progress.status == "done":
-            _purge(repository, model, "promote")
+            purge(repository, model, "promote")
     except ExporterError as exc:
         err.print(f"[bold red]✗ resume failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    _exit_for(progress)
+    exit_for(progress)

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 from rich import box
 from rich.table import Table
 
-from exporter.records.registry import _sqlite_path, default_uri, open_registry
-from exporter.rollout.controller import ControllerError, RolloutController
+from exporter.records.progress import ControllerError
+from exporter.records.registry import default_uri, open_registry, sqlite_path
+from exporter.rollout.controller import RolloutController
 from exporter.rollout.gates.readings import scrape
 from exporter.rollout.reconcile import reconcile_registry
-from exporter.rollout.route import describe_arms
-from exporter.rollout.serving import _base
+from exporter.rollout.route import state_summary
+from exporter.rollout.serving import server_url
 from tritonguard.core import catalogue
 from tritonguard.core import repository as repo_mod
-from tritonguard.rollout.state import StateError, open_store
+from tritonguard.rollout.state import StateError
+from tritonguard.rollout.stores import open_store
 from tritonguard.triton import http as triton_http
 
 # the figures worth a column, per task, in the order shown
@@ -132,7 +136,7 @@ def unreachable(servers: list[str], metrics_urls: list[str], *, explicit_metrics
     problems = []
     down: set[int] = set()
     for i, server in enumerate(servers):
-        base = _base(server).rstrip("/")
+        base = server_url(server).rstrip("/")
         why = _get(f"{base}/v2/health/live")
         # any HTTP answer means something listens there; only a failed connection is "down"
         if why is not None and not why.startswith("HTTP "):
@@ -147,18 +151,16 @@ def unreachable(servers: list[str], metrics_urls: list[str], *, explicit_metrics
         if explicit_metrics or i >= len(servers):
             problems.append(f"metrics URL {url} cannot be read: {why}")
         else:
-            problems.append(f"metrics of server {_base(servers[i]).rstrip('/')} at {url} (its HTTP port + 2) "
+            problems.append(f"metrics of server {server_url(servers[i]).rstrip('/')} at {url} (its HTTP port + 2) "
                             f"cannot be read: {why}; pass --metrics-url if they are elsewhere")
     return problems
 
 
 def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
     """Stages by version from the registry, or None when there is none (never creates one)."""
-    import os  # noqa: PLC0415
-
 
     uri = default_uri(repository)
-    db = _sqlite_path(uri)
+    db = sqlite_path(uri)
     if db is not None and not db.exists() and not os.environ.get("MLFLOW_TRACKING_URI"):
         return None
     try:
@@ -225,14 +227,12 @@ def triton_compute(servers: list[str], model: str, version: int | None) -> dict[
     infer and output, from ``batch_stats``: once per execution, however many requests it fused;
     an ensemble has none, then per request), queue seconds, executions and rows. Per server that
     cannot say: ``problems``."""
-    import json  # noqa: PLC0415
-
 
     out: dict[str, Any] = {"model": model, "version": version, "compute_s": 0.0, "queue_s": 0.0,
                            "executions": 0, "rows": 0, "servers": 0, "problems": []}
     path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + "/stats"
     for server in servers:
-        url = _base(server).rstrip("/") + path
+        url = server_url(server).rstrip("/") + path
         try:
             status, body = triton_http.request(url, timeout=PROBE_TIMEOUT_S)
             if status != 200:
@@ -302,7 +302,6 @@ def live(repository: Path, metrics_urls: list[str], servers: list[str] | None = 
 
 
 def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
-
     for g in guards:
         st = g.get("state") or {}
         console.print(f"\n[bold]{g['model']}[/] → {g['target']}")
@@ -311,14 +310,10 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
         elif not st:
             console.print("  routing: no state yet (the guard writes one when it loads)")
         else:
-            cand = st.get("candidate")
-            console.print(f"  routing r{st['revision']}: primary v{st['primary']['version']}"
-                          + (f", candidate v{cand['version']} at {cand['share']:.0%}" if cand else ", no candidate")
-                          + f", shadow {st['shadow_share']:.0%}, chain {' → '.join(st['fallback'])}")
-            if arms_line := describe_arms(st):
-                console.print(f"  {arms_line}")
-            for v, b in sorted(st.get("breakers", {}).items()):
-                console.print(f"  breaker v{v}: {b.get('state', 'closed')} (trips {b.get('trips', 0)})")
+            head, *rest = state_summary(st)
+            console.print(f"  routing {head}")
+            for line in rest:
+                console.print(f"  {line}")
         stages = g.get("stages")
         if isinstance(stages, dict) and "error" in stages:
             console.print(f"  registry: [red]{stages['error']}[/]")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import shutil
 import tempfile
 import time
 from enum import Enum
@@ -23,13 +24,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from exporter.cli.consoles import console
+from exporter.errors import EXIT_BAD_INPUT
 from exporter.tune import sweep as tune
-from exporter.tune.sweep import describe, fmt_value
+from exporter.tune.apply import apply_configs
+from exporter.tune.knobs import KNOBS, TuneError, describe, discover, fmt_value
+from exporter.tune.search import Objective
 
 out = console()
 err = console(stderr=True)
 EXIT_APPLY_SKIPPED = 1
-EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 3
 
 
@@ -49,7 +52,6 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def points_table(result) -> Table:
-
     obj = result.settings.objective
     ok = [p for p in result.points if p.ok and p.phase != "confirm"]
     t = Table(title=f"tune {result.model}: {obj.describe()}", box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
@@ -79,7 +81,6 @@ def points_table(result) -> Table:
 
 
 def _summary(result) -> list[str]:
-
     lines = []
     b, c = result.baseline, result.chosen
     if c is None:
@@ -129,7 +130,6 @@ class _Progress:
         return self.bars.__exit__(*exc)
 
     def __call__(self, event: str, data: Any) -> None:
-
         con = self.bars.console
         if event == "space":
             for knob, reason in data.pruned.items():
@@ -188,19 +188,19 @@ def tune_command(
         only = None
         if knobs is not None:
             only = tuple(k.strip() for k in knobs.split(",") if k.strip())
-            unknown = [k for k in only if k not in tune.KNOBS]
+            unknown = [k for k in only if k not in KNOBS]
             if unknown or not only:
-                raise tune.TuneError(f"unknown knob(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(tune.KNOBS)}")
+                raise TuneError(f"unknown knob(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(KNOBS)}")
         if budget_points < 1 or budget_s <= 0 or window_ms < 100 or trials < 1:
-            raise tune.TuneError("--budget-points >= 1, --budget-s > 0, --window-ms >= 100 and --trials >= 1")
+            raise TuneError("--budget-points >= 1, --budget-s > 0, --window-ms >= 100 and --trials >= 1")
         if (max_instances is not None and max_instances < 1) or (max_threads is not None and max_threads < 1):
-            raise tune.TuneError("--max-instances and --max-threads must be >= 1")
-        obj = tune.Objective(objective.value, p99_ms, min_throughput_pct, min_gain)
+            raise TuneError("--max-instances and --max-threads must be >= 1")
+        obj = Objective(objective.value, p99_ms, min_throughput_pct, min_gain)
         settings = tune.Settings(concurrency=conc, objective=obj, budget_points=budget_points, budget_s=budget_s,
                                  window_ms=window_ms, trials=trials, stability_pct=stability_pct, knobs=only,
                                  max_instances=max_instances, max_threads=max_threads, confirm=confirm)
-        tune.discover(repository, model)  # bad input fails here, before a server starts
-    except (tune.TuneError, typer.BadParameter) as exc:
+        discover(repository, model)  # bad input fails here, before a server starts
+    except (TuneError, typer.BadParameter) as exc:
         err.print(f"[bold red]✗ tune:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
@@ -213,13 +213,11 @@ def tune_command(
     try:
         with _Progress(budget_points) as bar:
             result, start_texts = tune.run(repository, model, settings, workdir, folder / "tritonserver.log", progress=bar)
-    except tune.TuneError as exc:
+    except TuneError as exc:
         err.print(f"[bold red]✗ tune {escape(model)}:[/] {escape(str(exc))} [dim](after {time.monotonic() - t0:.0f} s; "
                   f"server log {escape(str(folder / 'tritonserver.log'))})[/]", soft_wrap=True)
         raise typer.Exit(EXIT_RUN_FAILED) from None
     finally:
-        import shutil  # noqa: PLC0415
-
         shutil.rmtree(workdir, ignore_errors=True)
 
     out.print(points_table(result))
@@ -242,7 +240,7 @@ def tune_command(
             applied = []
             code = EXIT_APPLY_SKIPPED
         else:
-            applied = tune.apply_configs(repository, result.pipe, start_texts, result.base, chosen.knobs, stamp)
+            applied = apply_configs(repository, result.pipe, start_texts, result.base, chosen.knobs, stamp)
             for a in applied:
                 if a.status == "written":
                     err.print(f"[green]✓ wrote[/] {escape(a.model)}: {escape(a.detail)} [dim](backup {escape(a.backup)})[/]",

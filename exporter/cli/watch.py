@@ -1,7 +1,7 @@
 """``exporter status --watch``: one live terminal view of every guard, redrawn every few seconds
 from the rollout state and the metrics port of every ``--server``: routing, rollout step and gates,
 breakers (worst replica), traffic as rates between two readings, input drift, and cost per 1000
-requests per version over the last interval (the guards' cost meter, ``tritonguard/cost.py``)."""
+requests per version over the last interval (the guards' cost meter, ``tritonguard/observe/cost.py``)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ from filelock import Timeout
 from exporter.errors import ExporterError
 from tritonguard.core.files import atomic_write
 from tritonguard.core.store import file_lock
-from tritonguard.rollout.state import RedisStateStore, StateUnavailable
+from tritonguard.rollout.state import StateUnavailable
+from tritonguard.rollout.stores import RedisStateStore
 
 log = logging.getLogger(__name__)
 

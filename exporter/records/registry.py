@@ -25,14 +25,13 @@ Exactly one PRODUCTION per model: promoting archives the previous one in the sam
 section. The alias is authoritative: if a crash left a stale PRODUCTION tag, the next promotion
 archives it. Every registration and transition is appended to a hash-chained JSON Lines file
 (records carry ``seq``/``prev``/``hash`` as in :mod:`tritonguard.privacy.audit`, whose ``verify`` checks
-it); it is only ever appended to.
+it); it is only ever appended to (:mod:`exporter.records.history`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import getpass
-import hashlib
 import importlib
 import json
 import logging
@@ -49,16 +48,22 @@ from typing import Any
 from urllib.parse import unquote
 
 from exporter.errors import ExporterError
+from exporter.records.history import (
+    HISTORY_FILE,
+    append_record,
+    check_history,
+    read_records,
+    rollback_target,
+)
 from exporter.records.progress import ControllerError, ProgressUnavailable, RedisProgress
 from tritonguard.core.store import file_lock
-from tritonguard.privacy.audit import GENESIS, VerifyResult, canonical, verify
+from tritonguard.privacy.audit.verify import VerifyResult
 
 log = logging.getLogger(__name__)
 
 STAGES = ("DRAFT", "STAGING", "PRODUCTION", "ARCHIVED")
 ALIASES = {"PRODUCTION": "production", "STAGING": "staging"}
 T = "tritonguard."  # tag prefix
-HISTORY_FILE = "registry_history.jsonl"
 Approver = str | Callable[[dict[str, Any]], Any]
 _CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -105,7 +110,7 @@ def open_registry(repository: str | os.PathLike, **kwargs: Any) -> Registry:
     server the history file is kept beside the repository (``<repository>.registry/``), the place
     the embedded store would use, since MLflow itself has no append-only record."""
     uri = default_uri(repository)
-    if _sqlite_path(uri) is None and "history_path" not in kwargs:
+    if sqlite_path(uri) is None and "history_path" not in kwargs:
         repo = Path(repository).resolve()
         kwargs["history_path"] = repo.parent / (repo.name + ".registry") / HISTORY_FILE
     return Registry(uri, **kwargs)
@@ -118,7 +123,7 @@ def registry_exists(repository: str | os.PathLike) -> bool:
     """Whether there is a registry to read for ``repository``: ``$MLFLOW_TRACKING_URI`` is set,
     or the embedded sqlite store beside the repository exists (reads never create one)."""
     uri = default_uri(repository)
-    db = _sqlite_path(uri)
+    db = sqlite_path(uri)
     return db is None or db.exists()
 
 
@@ -134,7 +139,7 @@ def code_hash(cwd: str | os.PathLike | None = None) -> str | None:
     return head + ("-dirty" if dirty else "") if head else None
 
 
-def _sqlite_path(uri: str) -> Path | None:
+def sqlite_path(uri: str) -> Path | None:
     """The database file of a sqlite URI as SQLAlchemy reads it: ``sqlite:///rel.db`` is
     relative, ``sqlite:////abs.db`` absolute; None for other URIs and in-memory databases."""
     if not uri.startswith("sqlite:///"):
@@ -161,7 +166,7 @@ class Registry:
                  lock_url: str | None = None):
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         self.uri = tracking_uri
-        db = _sqlite_path(tracking_uri)
+        db = sqlite_path(tracking_uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
         if history_path is None and db is None:
@@ -188,7 +193,7 @@ class Registry:
 
     # -- reads ------------------------------------------------------------------------------
     def _find(self, name: str, version: int) -> Any | None:
-        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 - defers a heavy import
 
         try:
             found = self.client.search_model_versions(
@@ -224,7 +229,7 @@ class Registry:
         return self._alias(name, ALIASES["PRODUCTION"])
 
     def _alias(self, name: str, alias: str) -> int | None:
-        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 - defers a heavy import
 
         try:
             mv = self.client.get_model_version_by_alias(name, alias)
@@ -273,12 +278,12 @@ class Registry:
         files on the server), so for a remote registry a local folder becomes
         ``tritonguard://<this host>/<absolute path>``: what it is, and where to find it."""
         source = source or f"{name}/{int(version)}"
-        if _sqlite_path(self.uri) is not None or "://" in source:
+        if sqlite_path(self.uri) is not None or "://" in source:
             return source
         return f"tritonguard://{socket.gethostname()}{Path(source).resolve().as_posix()}"
 
     def _ensure_model(self, name: str) -> None:
-        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 - defers a heavy import
 
         try:
             self.client.get_registered_model(name)
@@ -433,70 +438,24 @@ class Registry:
 
     # -- history -----------------------------------------------------------------------------
     def _append(self, fields: dict[str, Any]) -> None:
-        """One hash-chained record; the caller holds the registry lock, this file lock covers
-        remote registries whose lock is only optimistic."""
-        path = self.history_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(f"{path}.lock"):
-            seq, prev = _tail(path)
-            rec = {"seq": seq, "ts": self.clock(), "prev": prev, **fields}
-            body = canonical(rec)
-            line = b'{"hash":"' + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:] + b"\n"
-            with open(path, "ab") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+        """One hash-chained record in the history (:func:`exporter.records.history.append_record`)."""
+        append_record(self.history_path, fields, self.clock)
 
     def verify_history(self) -> VerifyResult:
-        if not self.history_path.exists():
-            return VerifyResult(True, 0, None, "no history yet")
-        return verify(self.history_path)
+        return check_history(self.history_path)
 
     def history(self, name: str | None = None) -> list[dict[str, Any]]:
         """Records of ``name`` (all models if None), oldest first; HistoryCorrupt if tampered."""
         result = self.verify_history()
         if not result.ok:
             raise HistoryCorrupt(f"registry history {self.history_path}: {result.reason}")
-        if not self.history_path.exists():
-            return []
-        with open(self.history_path, "rb") as f:
-            recs = [json.loads(line) for line in f if line.strip()]
-        return [r for r in recs if name is None or r.get("model") == name]
+        return read_records(self.history_path, name)
 
     def previous_production(self, name: str) -> int | None:
         """The latest version that was PRODUCTION before the current one and did not leave
         production through a rollback (the version a rollback should restore)."""
         current = self.production(name)
-        records = self.history(name)
-        rolled_back: set[int] = set()
-        for rec in records:
-            if rec["type"] == "transition" and rec.get("rollback"):
-                rolled_back.update(rec.get("archived", []))
-            elif rec["type"] == "transition" and rec["to"] == "PRODUCTION":
-                rolled_back.discard(rec["version"])  # promoted again on purpose
-        for rec in reversed(records):
-            v = rec.get("version")
-            if rec["type"] == "transition" and rec["to"] == "PRODUCTION" and v != current \
-                    and v not in rolled_back:
-                return v
-        return None
-
-
-def _tail(path: Path) -> tuple[int, str]:
-    """(next seq, hash of the last record) of the history file."""
-    if not path.exists() or path.stat().st_size == 0:
-        return 0, GENESIS
-    with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        f.seek(max(0, size - (1 << 16)))
-        last = f.read().splitlines()[-1]
-    try:
-        rec = json.loads(last)
-        return int(rec["seq"]) + 1, str(rec["hash"])
-    except (ValueError, KeyError, TypeError):
-        # chain on from the raw line so verify() still points at the damage, not past it
-        log.error("registry history %s: last line is not a record", path)
-        return 0, hashlib.sha256(last).hexdigest()
+        return rollback_target(self.history(name), current)
 
 
 def _run_approver(spec: Approver, request: dict[str, Any]) -> bool:

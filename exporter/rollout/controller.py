@@ -1,7 +1,7 @@
 """Progressive rollout controller: walks a candidate through traffic steps with gates between them.
 
 Each :meth:`RolloutController.tick` is one look: read the guards' metrics, judge the window since
-the step began with :func:`exporter.rollout.gates.engine.evaluate`, then
+the step began with :func:`exporter.rollout.gates.evaluate.evaluate`, then
 
 - FAIL at any look: roll back at once (candidate out of the rollout state, ``on_rollback``);
 - PASS once the step has dwelt ``dwell_s``: next step (``on_step``), or after the last one
@@ -30,6 +30,10 @@ step, dwell and baseline, with the gates it started with. Every read-modify-writ
 store's lock; :meth:`run` also holds the driver lock so that only one process drives a rollout,
 while :meth:`abort` and :meth:`pause` work from anywhere. Hooks must be idempotent: a crash
 between a hook and the state write repeats the hook on resume.
+
+Around the controller: :mod:`exporter.rollout.progress` (the configuration, the progress
+document, the statuses, the evidence), :mod:`exporter.rollout.window` (the readers, and one
+look at a window) and :mod:`exporter.rollout.arms` (the A/B/n half of the controller).
 """
 
 from __future__ import annotations
@@ -38,191 +42,46 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-from exporter.records.progress import (
-    LEASE_S,
-    PROGRESS_FILE,
-    ControllerError,
-    ProgressUnavailable,
-    open_progress,
-)
-from exporter.rollout.gates.config import GateConfig
-from exporter.rollout.gates.evaluate import evaluate
-from exporter.rollout.gates.readings import GuardReadings, scrape
-from exporter.rollout.gates.reasons import golden_reason, trip_reason
-from exporter.rollout.gates.verdict import FAIL, INCONCLUSIVE, PASS, GateReport
+from exporter.records.progress import LEASE_S, ControllerError, open_progress
+from exporter.rollout.arms import AbnRollout
+from exporter.rollout.gates.readings import GuardReadings
+from exporter.rollout.gates.reasons import golden_reason
+from exporter.rollout.gates.verdict import FAIL, PASS, GateReport
 from exporter.rollout.guards import validator_limits
-from exporter.rollout.judge import OfflineJudgement
-from tritonguard.rollout.feedback import LABEL, open_feedback_log, tally
-from tritonguard.rollout.latency import open_latency_log, paired_key
-from tritonguard.rollout.state import Arm, Candidate, RolloutState, StateError, open_store
+from exporter.rollout.progress import (
+    ABORTED,
+    ACTIVE,
+    DONE,
+    FORMAT_VERSION,
+    PAUSED,
+    ROLLED_BACK,
+    RUNNING,
+    SUPERSEDED,
+    Progress,
+    RolloutConfig,
+    evidence,
+    judge_doc,
+    passed_on,
+    pin_primary,
+)
+from exporter.rollout.window import (
+    WINDOW,
+    LabelsReader,
+    LatencyReader,
+    Reader,
+    breaker_from_state,
+    look,
+)
+from tritonguard.rollout.latency import paired_key
+from tritonguard.rollout.state import Candidate, RolloutState, StateError
+from tritonguard.rollout.stores import open_store
 
-__all__ = ["PROGRESS_FILE", "ControllerError", "ProgressUnavailable", "RolloutConfig", "RolloutController",
-           "Progress", "evidence", "metrics_reader", "settle_progress", "store_labels_reader"]
+__all__ = ["RolloutController", "settle_progress"]
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-RUNNING, PAUSED, ABORTED, DONE, ROLLED_BACK = "running", "paused", "aborted", "done", "rolled_back"
-# a finished rollout whose outcome was later replaced by hand (route --primary, --arms, promote
-# --no-rollout): the record stays, saying it no longer describes what serves
-SUPERSEDED = "superseded"
-ACTIVE = (RUNNING, PAUSED)
-BREAKER_CODES = {"closed": 0, "half_open": 1, "open": 2}
-WINDOW = ("baseline", "look", "reference", "last_report", "reason")  # one gated window's fields
-Reader = Callable[[int, int], GuardReadings]  # (primary, candidate) -> readings
-# (version, since) -> that version's exact per-call latencies since a wall-clock time
-LatencyReader = Callable[[int, float], Any]
-# (versions, since) -> their labelled rows answered since then (tritonguard.rollout.feedback.Tally)
-LabelsReader = Callable[[Sequence[int], float], Any]
-
-
-@dataclass(kw_only=True)
-class RolloutConfig:
-    steps: tuple[float, ...] = (1, 5, 10, 25, 50, 100)  # percent of traffic (or mirrored traffic)
-    mode: str = "split"  # "split", "shadow" or "abn"
-    arms: dict[int, float] | None = None  # abn: version -> full traffic weight (fraction)
-    dwell_s: float = 300.0  # minimum time at each step
-    interval_s: float = 30.0  # time between looks
-    max_step_s: float | None = None  # an inconclusive step this old rolls back; None: hold forever
-    promote: bool = True  # after the last step: make the candidate primary; False: stop there
-    gates: GateConfig = field(default_factory=GateConfig)
-    offline: dict[str, Any] | None = None  # the judgement before traffic (exporter.rollout.judge), for the record
-
-    def __post_init__(self) -> None:
-        self.steps = tuple(float(s) for s in self.steps)
-        if not self.steps or any(not 0 < s <= 100 for s in self.steps) or \
-                list(self.steps) != sorted(set(self.steps)):
-            raise ValueError(f"rollout.steps must be increasing percentages in (0, 100], got {self.steps}")
-        if self.mode not in ("split", "shadow", "abn"):
-            raise ValueError(f"rollout.mode must be 'split', 'shadow' or 'abn', got {self.mode!r}")
-        if self.mode == "abn":
-            arms = {int(v): float(w) for v, w in (self.arms or {}).items()}
-            if not arms or any(not 0 < w < 1 for w in arms.values()) or sum(arms.values()) >= 1:
-                raise ValueError(f"rollout.arms (abn) must give each version a weight in (0, 1), summing "
-                                 f"below 1 (the primary answers the rest), got {self.arms}")
-            self.arms = arms
-        elif self.arms:
-            raise ValueError(f"rollout.arms is for mode 'abn', not {self.mode!r}")
-        if self.dwell_s < 0 or self.interval_s <= 0:
-            raise ValueError("rollout.dwell_s must be >= 0 and rollout.interval_s > 0")
-        if self.max_step_s is not None and self.max_step_s < self.dwell_s:
-            raise ValueError(f"rollout.max_step_s ({self.max_step_s}) must be >= dwell_s ({self.dwell_s})")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RolloutConfig:
-        gates = dict(d.get("gates", {}))
-        if "agree_verdicts" in gates:
-            gates["agree_verdicts"] = tuple(gates["agree_verdicts"])
-        return cls(**{**d, "steps": tuple(d["steps"]), "gates": GateConfig(**gates),
-                      "arms": {int(v): w for v, w in d["arms"].items()} if d.get("arms") else None})
-
-
-@dataclass(kw_only=True)
-class Progress:
-    model: str
-    candidate: int
-    primary: int
-    mode: str
-    steps: list[float]
-    config: dict[str, Any] = field(default_factory=dict)  # the RolloutConfig it was started with
-    status: str = RUNNING
-    step_index: int = 0
-    step_started_at: float = 0.0
-    started_at: float = 0.0
-    look: int = 0
-    baseline: dict[str, Any] | None = None  # GuardReadings at the start of the step's window
-    reference: dict[str, float] | None = None  # primary latency buckets of an earlier window
-    last_report: dict[str, Any] | None = None
-    reason: str = ""
-    updated_at: float = 0.0
-    # abn: per arm ("<version>"): weight, status, and its own window (baseline, look, reference,
-    # last_report, reason); the fields above then describe the rollout as a whole
-    arms: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # gate -> what its last PASS rested on (the evidence promote's last line names)
-    judged: dict[str, str] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
-
-    def live_arms(self) -> list[int]:
-        return [int(v) for v, a in self.arms.items() if a["status"] == RUNNING]
-
-    @property
-    def share(self) -> float:
-        return self.steps[self.step_index] / 100
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _pin_primary(s: RolloutState, primary: int) -> None:
-    """Make ``primary`` the state's primary, remembering the one it replaces."""
-    if s.primary != primary:
-        if s.primary > 0:
-            s.previous_primary = s.primary
-        s.primary = primary
-
-
-def _judge_doc(cfg: RolloutConfig) -> dict[str, Any]:
-    """The rollout state's ``judges`` entry for a version under test: how the guards compare it."""
-    doc: dict[str, Any] = {"judge": cfg.gates.judge}
-    if cfg.gates.judge == "task" and cfg.gates.cosine_floor is not None:
-        doc["cosine"] = cfg.gates.cosine_floor
-    return doc
-
-
-def _name_the_trip(report: GateReport, breaker: dict[str, Any] | None) -> None:
-    """A failing breaker gate says why the breaker tripped (the figure against its limit), from
-    the breaker document the guards share in the rollout state."""
-
-    last = (breaker or {}).get("last_trip")
-    if not last:
-        return
-    for g in report.gates:
-        if g.name == "breaker" and g.verdict == FAIL:
-            g.reason = f"{g.reason}; last trip {trip_reason(last)}"
-
-
-def _passed(g: dict[str, Any]) -> str | None:
-    """A few words on what a passing gate rested on; None for gates every rollout passes."""
-    f = g.get("figures") or {}
-    name = g["name"]
-    if name == "disagreement":
-        return (f"disagreement limit {f.get('limit', 0):.2%} ({f.get('limit_source', '')}): "
-                f"{f.get('disagree', 0):.0f}/{f.get('compared', 0):.0f} rows differ")
-    if name == "labels":
-        origins = ", ".join(f"{k} {v:.0f}" for k, v in sorted((f.get("origins") or {}).items()))
-        return (f"live labels: accuracy {f.get('candidate_accuracy', 0):.2%} vs {f.get('primary_accuracy', 0):.2%} "
-                f"on {f.get('candidate_labeled', 0):.0f} / {f.get('primary_labeled', 0):.0f} rows ({origins})")
-    if name == "agreement":
-        return f"validator agreement {f.get('agreement', 0):.2%} on {f.get('compared', 0):.0f} rows"
-    if name == "latency":
-        return "latency" + (f" (ratio {f['ratio']:.3f})" if isinstance(f.get("ratio"), (int, float)) else "")
-    if name == "cost":
-        return "cost"
-    return None
-
-
-def evidence(p: Progress) -> str:
-    """What the rollout's decisions rested on: the offline judgement, then each live gate's
-    last PASS, so that a promotion without labels reads as one on a disagreement limit."""
-
-    parts = []
-    offline = (p.config or {}).get("offline")
-    if offline:
-        try:
-            parts.append(OfflineJudgement(**offline).evidence())
-        except TypeError:  # a progress written by an older release
-            parts.append(f"offline {offline.get('verdict', '?')}")
-    else:
-        parts.append("no offline judgement")
-    parts.extend(p.judged.values())
-    return "; ".join(parts)
 
 
 def settle_progress(model: str, repo: str | os.PathLike, state: RolloutState, reason: str, *,
@@ -240,40 +99,7 @@ def settle_progress(model: str, repo: str | os.PathLike, state: RolloutState, re
         return None
 
 
-def metrics_reader(urls: Sequence[str], model: str, *, target: str | None = None,
-                   timeout: float = 5.0) -> Reader:
-    """A reader scraping every Triton metrics URL (one per replica) and summing them."""
-    def read(primary: int, candidate: int) -> GuardReadings:
-        r = GuardReadings.from_scrapes([scrape(u, timeout) for u in urls], model, primary,
-                                       candidate, target=target)
-        r.taken_at = time.time()  # the guards stamp latency samples with wall-clock time too
-        return r
-    return read
-
-
-def store_labels_reader(model: str, repo: str | os.PathLike) -> LabelsReader:
-    """Labelled rows the guards of ``model`` recorded (labels sent with requests) and ``exporter
-    feedback`` joined (labels that came later), from the state's store."""
-
-    log_ = open_feedback_log(model, repo)
-
-    def read(versions: Sequence[int], since: float) -> Any:
-        return tally(log_.read(LABEL), versions, since=since)
-    return read
-
-
-def store_latency_reader(model: str, repo: str | os.PathLike) -> LatencyReader:
-    """Exact per-call latencies the guards of ``model`` keep in the state's store (files beside
-    the model, or Redis), every instance and replica together."""
-
-    log_ = open_latency_log(model, repo)
-
-    def read(version: int, since: float) -> Any:
-        return log_.read(version, since=since)
-    return read
-
-
-class RolloutController:
+class RolloutController(AbnRollout):
     def __init__(self, model: str, repo: str | os.PathLike, reader: Reader, *,
                  config: RolloutConfig | None = None, store: Any = None,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
@@ -346,12 +172,12 @@ class RolloutController:
             share = cfg.steps[0] / 100
 
             def route(s: RolloutState) -> RolloutState:
-                _pin_primary(s, primary)
+                pin_primary(s, primary)
                 split = cfg.mode == "split"
                 s.candidate = Candidate(candidate, share if split else 0.0)
                 s.shadow_share = 0.0 if split else share
                 s.breakers.pop(str(candidate), None)  # a fresh rollout starts with a closed breaker
-                s.judges[str(candidate)] = _judge_doc(cfg)  # how the guards compare it
+                s.judges[str(candidate)] = judge_doc(cfg)  # how the guards compare it
                 return s
 
             self.store.update(route, by=self.by)
@@ -384,14 +210,14 @@ class RolloutController:
                 log.warning("rollout of '%s': metrics unavailable: %s", self.model, exc)
                 p.reason = f"metrics unavailable: {type(exc).__name__}: {exc}"
                 return self._timeout(p, cfg) or self._save(p)
-            self._breaker_from_state(readings, state, p.candidate)
+            breaker_from_state(readings, state, p.candidate)
             golden = state.goldens.get(str(p.candidate), {})
             if golden.get("verdict") == FAIL:
                 # the guards never route to it: no traffic would ever judge it, so it is done
                 return self._finish(p, ROLLED_BACK, f"{self._golden_text(golden)} (on the server, at "
                                                     f"{p.share:.0%})")
             window = {k: getattr(p, k) for k in WINDOW}
-            report = self._look(window, readings, cfg, p.mode, self._latency(p.primary, p.candidate), p.share,
+            report = look(window, readings, cfg, p.mode, self._latency(p.primary, p.candidate), p.share,
                                 trip=state.breakers.get(str(p.candidate)),
                                 labels=self._labels(cfg, [p.primary, p.candidate], p.started_at))
             for k in WINDOW:
@@ -404,7 +230,7 @@ class RolloutController:
             if report.verdict != PASS or not dwelt:
                 return self._timeout(p, cfg) or self._save(p)
             for g in report.to_dict()["gates"]:
-                if g["verdict"] == PASS and (what := _passed(g)):
+                if g["verdict"] == PASS and (what := passed_on(g)):
                     p.judged[g["name"]] = what
             if p.step_index + 1 < len(p.steps):
                 return self._advance(p, readings, report)
@@ -485,20 +311,20 @@ class RolloutController:
         for v in versions:
             window = ({k: p.arms[str(v)].get(k) for k in WINDOW} if p.mode == "abn"
                       else {k: getattr(p, k) for k in WINDOW})
-            window = json.loads(json.dumps(window))  # a copy: _look writes into it
+            window = json.loads(json.dumps(window))  # a copy: look() writes into it
             try:
                 readings = self.reader(p.primary, v)
             except Exception as exc:  # noqa: BLE001 - unreachable replicas: said, not raised
                 return {"status": p.status, "error": f"metrics unavailable: {type(exc).__name__}: {exc}"}
             if state is not None:
-                self._breaker_from_state(readings, state, v)
+                breaker_from_state(readings, state, v)
             share = p.share * p.arms[str(v)]["weight"] if p.mode == "abn" else p.share
             mode = "split" if p.mode == "abn" else p.mode
             if window["baseline"] is None:
                 out["windows"][str(v)] = {"report": None, "reason": "no baseline yet (the driver's first look "
                                                                     "takes it)", "readings": readings.to_dict()}
                 continue
-            report = self._look(window, readings, cfg, mode, self._latency(p.primary, v), share,
+            report = look(window, readings, cfg, mode, self._latency(p.primary, v), share,
                                 trip=state.breakers.get(str(v)) if state else None,
                                 labels=self._labels(cfg, [p.primary, v], p.started_at))
             out["windows"][str(v)] = {"report": None if report is None else report.to_dict(),
@@ -573,46 +399,6 @@ class RolloutController:
         self._hook(self.on_rollback, p.candidate, reason)
         return p
 
-    # -- A/B/n ----------------------------------------------------------------------------------
-    def _start_arms(self, cfg: RolloutConfig, state: RolloutState, primary: int) -> Progress:
-        """Under the lock: route the first step's weights to every arm."""
-        assert cfg.arms is not None
-        if primary in cfg.arms:
-            raise ControllerError(f"v{primary} is the primary of '{self.model}': it cannot be an arm")
-        if state.candidate is not None:
-            raise ControllerError(f"'{self.model}' has a candidate (v{state.candidate.version}): an A/B/n "
-                                  "rollout needs none")
-        share = cfg.steps[0] / 100
-
-        def route(s: RolloutState) -> RolloutState:
-            _pin_primary(s, primary)
-            s.arms = [Arm(v, w * share) for v, w in cfg.arms.items()]
-            for v in cfg.arms:
-                s.breakers.pop(str(v), None)
-                s.judges[str(v)] = _judge_doc(cfg)
-            return s
-
-        self.store.update(route, by=self.by)
-        now = self.clock()
-        arms = {str(v): {"weight": w, "status": RUNNING, "baseline": None, "look": 0, "reference": None,
-                         "last_report": None, "reason": ""} for v, w in cfg.arms.items()}
-        p = self._save(Progress(model=self.model, candidate=min(cfg.arms), primary=primary, mode="abn",
-                                steps=list(cfg.steps), config=cfg.to_dict(), step_started_at=now,
-                                started_at=now, arms=arms))
-        log.info("A/B/n rollout of '%s' started: %s at %g %% of their weights", self.model,
-                 ", ".join(f"v{v}={w:g}" for v, w in cfg.arms.items()), cfg.steps[0])
-        self._hook(self.on_step, 0, share, None)
-        return p
-
-    def _route_arms(self, p: Progress, share: float) -> None:
-        live = {v: p.arms[str(v)]["weight"] * share for v in p.live_arms()}
-
-        def route(s: RolloutState) -> RolloutState:
-            s.arms = [Arm(a.version, live[a.version]) for a in s.arms if a.version in live]
-            return s
-
-        self.store.update(route, by=self.by)
-
     def _latency(self, primary: int, candidate: int) -> Callable[[float], tuple[Any, Any]] | None:
         """(candidate, primary) latency samples of the same window, from the store; None without
         a latency reader. Only calls made at the same time are compared: the load differs between
@@ -644,110 +430,7 @@ class RolloutController:
             return None
 
     def _golden_text(self, golden: dict[str, Any]) -> str:
-
         return golden_reason(golden, validator_limits(self.repo, self.model))
-
-    @staticmethod
-    def _look(window: dict[str, Any], readings: GuardReadings, cfg: RolloutConfig, mode: str,
-              latency: Callable[[float], tuple[Any, Any]] | None = None,
-              share: float | None = None, trip: dict[str, Any] | None = None,
-              labels: Any = None) -> GateReport | None:
-        """One look at a window (the :data:`WINDOW` fields of a candidate's progress, or of one
-        arm); None while only its start was taken (the first look) or retaken (a counter reset)."""
-        if window["baseline"] is None:
-            window["baseline"], window["reason"] = readings.to_dict(), "baseline taken"
-            return None
-        window["look"] += 1
-        ref = {float(k): v for k, v in window["reference"].items()} if window["reference"] else None
-        samples = None
-        if latency is not None and mode == "split" and cfg.gates.latency:
-            try:
-                samples = latency(float(window["baseline"].get("taken_at", 0.0)))
-            except Exception as exc:  # noqa: BLE001 - samples unavailable: the bucket gate judges
-                log.warning("latency samples unavailable (%s: %s); judging histogram buckets", type(exc).__name__, exc)
-        report = evaluate(GuardReadings.from_dict(window["baseline"]), readings, cfg.gates, look=window["look"],
-                          mode=mode, primary_reference=ref, latency_samples=samples, share=share,
-                          labels=labels)
-        _name_the_trip(report, trip)
-        window["last_report"], window["reason"] = report.to_dict(), report.summary()
-        if report.reset:
-            window["baseline"], window["look"] = readings.to_dict(), 0
-            return None
-        used = report.primary_latency
-        if used and ref is None and max(used.values(), default=0) >= cfg.gates.min_latency_samples:
-            window["reference"] = used
-        return report
-
-    def _tick_arms(self, p: Progress, cfg: RolloutConfig) -> Progress:
-        state = self.store.load()
-        live = p.live_arms()
-        routed = {a.version for a in state.arms} if state is not None else set()
-        if not set(live) <= routed:
-            return self._finish_arms(p, ABORTED, "the arms were changed outside the controller", [])
-        try:
-            readings = {v: self.reader(p.primary, v) for v in live}
-        except Exception as exc:  # noqa: BLE001 - unreachable metrics: hold, never pass
-            log.warning("rollout of '%s': metrics unavailable: %s", self.model, exc)
-            p.reason = f"metrics unavailable: {type(exc).__name__}: {exc}"
-            return self._timeout(p, cfg) or self._save(p)
-        p.look += 1
-        verdicts: dict[int, str] = {}
-        failed: list[int] = []
-        for v in live:
-            self._breaker_from_state(readings[v], state, v)
-            arm = p.arms[str(v)]
-            # an arm's own share of traffic decides whether its latency is judged: a rarely called
-            # arm runs cold even in paired timings (a same-speed arm at 15 % of ~90 req/s read 1.25x)
-            report = self._look(arm, readings[v], cfg, "split", self._latency(p.primary, v),
-                                p.share * arm["weight"], trip=state.breakers.get(str(v)) if state else None,
-                                labels=self._labels(cfg, [p.primary, v], p.started_at))
-            if report is None:
-                continue
-            verdicts[v] = report.verdict
-            if report.verdict == FAIL:
-                arm["status"], arm["reason"] = ROLLED_BACK, f"gate failed at {p.share:.0%}: {report.summary()}"
-                failed.append(v)
-        if failed:
-            self._route_arms(p, p.share)  # the failed arms leave; the others keep their weights
-            for v in failed:
-                log.warning("rollout of '%s': arm v%d rolled back: %s", self.model, v, p.arms[str(v)]["reason"])
-                self._hook(self.on_rollback, v, p.arms[str(v)]["reason"])
-        live = p.live_arms()
-        overall = FAIL if not live else PASS if all(verdicts.get(v) == PASS for v in live) else INCONCLUSIVE
-        p.last_report = {"verdict": overall, "arms": {v: a["last_report"] for v, a in p.arms.items()}}
-        p.reason = "; ".join(f"v{v}: {a['reason']}" for v, a in p.arms.items())
-        if not live:
-            p.status = ROLLED_BACK
-            return self._save(p)
-        dwelt = self.clock() - p.step_started_at >= cfg.dwell_s
-        if not dwelt or any(verdicts.get(v) != PASS for v in live):
-            return self._timeout(p, cfg) or self._save(p)
-        if p.step_index + 1 < len(p.steps):
-            p.step_index += 1
-            self._route_arms(p, p.share)
-            p.step_started_at = self.clock()
-            for v in live:
-                p.arms[str(v)].update(baseline=readings[v].to_dict(), look=0)
-            self._save(p)
-            log.info("A/B/n rollout of '%s': step %d, %g %% of the arms' weights", self.model, p.step_index,
-                     p.share * 100)
-            self._hook(self.on_step, p.step_index, p.share, None)
-            return p
-        p.status, p.reason = DONE, (f"every step passed: {', '.join(f'v{v}' for v in live)} at full weight; "
-                                    "end the split with route --arms none, promote the winner")
-        return self._save(p)
-
-    def _finish_arms(self, p: Progress, status: str, reason: str, remove: list[int]) -> Progress:
-        for v in remove:
-            p.arms[str(v)].update(status=status, reason=reason)
-        if remove:
-            self._route_arms(p, p.share)
-        p.status, p.reason = status, reason
-        self._save(p)
-        log.warning("A/B/n rollout of '%s' %s: %s", self.model, status, reason)
-        for v in remove:
-            self._hook(self.on_rollback, v, reason)
-        return p
 
     def _timeout(self, p: Progress, cfg: RolloutConfig) -> Progress | None:
         limit = cfg.max_step_s
@@ -759,15 +442,6 @@ class RolloutController:
     def _config(self, p: Progress) -> RolloutConfig:
         """The configuration the rollout was started with: a resumed one keeps its gates."""
         return RolloutConfig.from_dict(p.config) if p.config else self.config
-
-    @staticmethod
-    def _breaker_from_state(readings: GuardReadings, state: RolloutState, candidate: int) -> None:
-        # guards share tripped breakers through the state document: count them even when the
-        # breaker gauge is missing or was scraped from a replica that has not seen the trip
-        doc = state.breakers.get(str(candidate))
-        if doc is not None:
-            code = BREAKER_CODES.get(doc.get("state", "closed"), 2)
-            readings.breaker_state = max(code, readings.breaker_state or 0)
 
     def _hook(self, fn: Callable[..., Any] | None, *args: Any) -> None:
         if fn is None:

@@ -34,7 +34,8 @@ from exporter.rollout.judge import (
     upper_bound,
 )
 from tritonguard.core import repository as repo_mod
-from tritonguard.generation.generator import CharTokenizer, SamplingParams
+from tritonguard.generation.contract import SamplingParams
+from tritonguard.generation.decoder import CharTokenizer
 from tritonguard.rollout.state import JUDGES
 
 PROMPT_CHARS = 40

@@ -17,10 +17,11 @@ from exporter.records.registry import (
     open_registry,
     registry_exists,
 )
-from exporter.rollout.controller import ACTIVE, RolloutController
+from exporter.rollout.controller import RolloutController
 from exporter.rollout.guards import guard_target
+from exporter.rollout.progress import ACTIVE
 from tritonguard.core.repository import read_manifest
-from tritonguard.rollout.state import open_store
+from tritonguard.rollout.stores import open_store
 
 log = logging.getLogger(__name__)
 

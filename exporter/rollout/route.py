@@ -17,7 +17,8 @@ from exporter.rollout.guards import guard_target, validator_limits
 from exporter.rollout.reconcile import reconcile_registry
 from tritonguard.core import repository
 from tritonguard.rollout.breaker import CLOSED
-from tritonguard.rollout.state import Arm, Candidate, RolloutState, StateError, open_store
+from tritonguard.rollout.state import Arm, Candidate, RolloutState, StateError
+from tritonguard.rollout.stores import open_store
 
 DEFAULT_CHOICES = ("abstain", "none")
 
@@ -139,6 +140,25 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli", reaso
 
         settle_progress(model, repo, state, reason or f"routing changed by {by}", rolled_back=rolled_back)
     return state
+
+
+def state_summary(state: dict[str, Any], *, goldens: bool = False) -> list[str]:
+    """A state document in lines, the one wording every view uses: the routing
+    (``r3: primary v1, candidate v2 at 5%, shadow 0%, chain candidate → primary → default``), the
+    A/B/n split, the goldens (with ``goldens``) and the breakers."""
+    cand = state.get("candidate")
+    lines = [f"r{state['revision']}: primary v{state['primary']['version']}"
+             + (f", candidate v{cand['version']} at {cand['share']:.0%}" if cand else ", no candidate")
+             + f", shadow {state['shadow_share']:.0%}, chain {' → '.join(state['fallback'])}"]
+    if arms_line := describe_arms(state):
+        lines.append(arms_line)
+    if goldens:
+        lines += [f"goldens v{v}: {g.get('summary') or g.get('verdict')}"
+                  for v, g in sorted(state.get("goldens", {}).items())]
+    for v, b in sorted(state.get("breakers", {}).items()):
+        last = f"; last trip {b['last_trip_text']}" if b.get("last_trip_text") else ""
+        lines.append(f"breaker v{v}: {b.get('state', 'closed')} (trips {b.get('trips', 0)}{last})")
+    return lines
 
 
 def describe_arms(state: dict[str, Any]) -> str | None:

@@ -29,9 +29,11 @@ from typing import Any
 from exporter.errors import ExporterError
 from tritonguard.core import repository
 from tritonguard.core.config import from_params, layered_parameters, split_parameters
-from tritonguard.guard.model import GuardConfig
-from tritonguard.privacy.cache import CacheConfig, PrivacyMode, _Redis, _Sqlite
-from tritonguard.rollout.state import open_store
+from tritonguard.guard.config import GuardConfig
+from tritonguard.privacy.cache.config import CacheConfig, PrivacyMode
+from tritonguard.privacy.cache.tiers import RedisTier as _Redis
+from tritonguard.privacy.cache.tiers import SqliteTier as _Sqlite
+from tritonguard.rollout.stores import open_store
 from tritonguard.triton import http as triton_http
 
 log = logging.getLogger(__name__)
@@ -86,12 +88,13 @@ def _request(url: str, method: str = "GET", body: bytes | None = None, timeout: 
     return status, raw.decode("utf-8", "replace")
 
 
-def _base(server: str) -> str:
+def server_url(server: str) -> str:
+    """``server`` as a URL: ``host:port`` gets ``http://``."""
     return server if server.startswith(("http://", "https://")) else f"http://{server}"
 
 
 def ready(server: str, name: str, version: int) -> bool:
-    code, _ = _request(f"{_base(server)}/v2/models/{name}/versions/{version}/ready")
+    code, _ = _request(f"{server_url(server)}/v2/models/{name}/versions/{version}/ready")
     return code == 200
 
 
@@ -102,7 +105,7 @@ def ensure_loaded(servers: Sequence[str], repo: Path, model: str, version: int, 
         for server in servers:
             if ready(server, name, v):
                 continue
-            code, body = _request(f"{_base(server)}/v2/repository/models/{name}/load", "POST", b"{}",
+            code, body = _request(f"{server_url(server)}/v2/repository/models/{name}/load", "POST", b"{}",
                                   timeout=timeout_s)
             if code != 200:
                 try:
@@ -132,7 +135,7 @@ def metrics_urls(servers: Sequence[str], explicit: Sequence[str]) -> list[str]:
         return list(explicit)
     out = []
     for server in servers:
-        base = _base(server)
+        base = server_url(server)
         scheme, _, rest = base.partition("://")
         host, _, port = rest.rstrip("/").rpartition(":")
         if not host or not port.isdigit():

@@ -1,1 +1,4 @@
-"""TODO"""
+"""``exporter tune``: sweeping guard and target serving knobs together on a private server.
+
+May import: build, records, errors; tritonguard's lower planes (ops, to start servers).
+"""

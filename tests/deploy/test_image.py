@@ -10,7 +10,7 @@ from tests.deploy.conftest import CHART, KSERVE, ROOT
 
 try:
     import tomllib
-except ModuleNotFoundError:  # Python 3.10: the package's own fallback (tritonguard/config.py)
+except ModuleNotFoundError:  # Python 3.10: the package's own fallback (tritonguard/core/config.py)
     import tomli as tomllib
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()

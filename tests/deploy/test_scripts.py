@@ -163,7 +163,8 @@ def _bin_with(tmp_path: Path, python3: str) -> str:
 def test_rollout_job_exits_with_promotes_exit_code(docs, tmp_path):
     """The real exporter behind the Job's wrapper: a rollout of a model the repository does not
     hold is bad input (2), and the pod exits with that code."""
-    from exporter.cli.rollout_cmd import EXIT_BAD_INPUT, EXIT_HOLDING, EXIT_ROLLED_BACK
+    from exporter.cli.rollout_common import EXIT_HOLDING, EXIT_ROLLED_BACK
+    from exporter.errors import EXIT_BAD_INPUT
 
     # the codes the chart, its NOTES and docs/kubernetes.md promise
     assert (EXIT_ROLLED_BACK, EXIT_BAD_INPUT, EXIT_HOLDING) == (1, 2, 3)

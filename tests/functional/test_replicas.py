@@ -21,7 +21,7 @@ import tritonclient.http as httpclient
 from exporter.build.export import export
 from tritonguard.core.repository import read_config, write_config
 from tritonguard.ops.server import Server
-from tritonguard.rollout.state import open_store
+from tritonguard.rollout.stores import open_store
 
 pytestmark = pytest.mark.functional
 

@@ -248,3 +248,12 @@ def layered_parameters(model_params: Mapping[str, str], repo_dir: str | os.PathL
             out[key] = value
             out.sources[key] = label
     return out
+
+
+def with_source(message: str, params: Any) -> str:
+    """Name the layer (pyproject.toml, environment, config.pbtxt) of a key a config error quotes."""
+    sources = getattr(params, "sources", {})
+    for key, source in sources.items():
+        if f"'{key}'" in message and source != "config.pbtxt":
+            return f"{message} (set in {source})"
+    return message

@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,26 +69,25 @@ def parse_request(inputs: Mapping[str, np.ndarray], cfg: GeneratorConfig) -> Seq
 
 class GeneratorModel:
     def initialize(self, args: dict[str, str]) -> None:
-        triton.setup_logging()
-        cfg = triton.model_config(args)
-        self.name = args["model_name"]
-        if not (cfg.get("model_transaction_policy") or {}).get("decoupled"):
+        a = triton.prologue(args)
+        self.name = a.name
+        if not a.decoupled:
             raise ConfigError(f"model '{self.name}': backend 'generator' needs "
                               "model_transaction_policy { decoupled: true }")
-        self.config = from_params(GeneratorConfig, model_parameters(cfg), model=self.name)
-        version_dir = Path(args["model_repository"]) / args["model_version"]
+        self.config = from_params(GeneratorConfig, model_parameters(a.config), model=self.name)
+        version_dir = a.version_dir
         try:
             tok = CharTokenizer.from_dict(json.loads((version_dir / "vocab.json").read_text()))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model '{self.name}': cannot read {version_dir / 'vocab.json'}: {exc}") from None
         model = StepModel(version_dir / "model.onnx", self.config.intra_op_threads)
-        self.metrics = generation_metrics(self.name, args["model_version"])
+        self.metrics = generation_metrics(self.name, a.version)
         self.engine = Engine(Decoder(model, tok), max_active=self.config.max_active,
                              max_queue=self.config.max_queue,
                              cancel_poll_s=self.config.cancel_poll_ms / 1000, name=self.name,
                              metrics=self.metrics, itl_per_token=self.config.itl_per_token)
         log.info("generator %s v%s: vocab %d, hidden %d, max_tokens_cap %d", self.name,
-                 args["model_version"], tok.vocab_size, model.hidden, self.config.max_tokens_cap)
+                 a.version, tok.vocab_size, model.hidden, self.config.max_tokens_cap)
 
     def execute(self, requests: list[Any]) -> None:
         received = time.perf_counter()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tritonguard.core import repository
-from tritonguard.core.config import from_params, layered_parameters, model_parameters
+from tritonguard.core.config import from_params, layered_parameters, model_parameters, with_source
 from tritonguard.core.errors import ConfigError, InvalidInput, TargetError
 from tritonguard.core.tensors import ModelSignature
 from tritonguard.guard.config import SERVED_BY, GuardConfig, TargetConfig, check_signature
@@ -38,7 +38,7 @@ from tritonguard.observe.cost import cost_meter
 from tritonguard.observe.tracing import Tracer
 from tritonguard.rollout.feedback import recorder_for as feedback_recorder
 from tritonguard.rollout.latency import recorder_for
-from tritonguard.rollout.state import open_store
+from tritonguard.rollout.stores import open_store
 from tritonguard.rollout.validators import ValidatorRegistry
 from tritonguard.triton import backend as triton
 from tritonguard.triton.metrics import Metrics
@@ -89,17 +89,16 @@ class InProcessTarget:
 
 class GuardModel:
     def initialize(self, args: dict[str, str]) -> None:
-        triton.setup_logging()
-        cfg = triton.model_config(args)
-        self.name = args["model_name"]
-        self.version = args["model_version"]
-        repo = self.repo = Path(args["model_repository"]).parent
+        a = triton.prologue(args)
+        cfg = a.config
+        self.name, self.version = a.name, a.version
+        repo = self.repo = a.repository
         # defaults < [tool.tritonguard] in pyproject.toml < TRITONGUARD_* < config.pbtxt
         params = layered_parameters(model_parameters(cfg), repo, os.environ)
         try:
             self.config = GuardConfig.from_parameters(params, self.name)
         except ConfigError as exc:
-            raise ConfigError(_with_source(str(exc), params)) from None
+            raise ConfigError(with_source(str(exc), params)) from None
         if self.config.target.serves_as:
             self.name = self.config.target.serves_as
         self.signature = ModelSignature.from_config(cfg)
@@ -148,7 +147,7 @@ class GuardModel:
             def ready(_version: int) -> bool:
                 return self._served
 
-        instances = triton.instance_count(cfg)
+        instances = a.instances
         # startup security check: hard failures refuse the load, the rest are logged warnings
         enforce_security(self.name, security_findings(self.config, self.signature, params, instances=instances))
         self.validator = BatchValidator(self.signature, self.config.validation)
@@ -158,7 +157,7 @@ class GuardModel:
             guard=self.name, target=tcfg.target, signature=self.signature, output_names=self.output_names,
             config=self.config, repo=repo, metrics=self.metrics,
             audit_path=audit_file(self.config.audit.path, model=self.name,
-                                  instance=args.get("model_instance_name", self.name), instances=instances),
+                                  instance=a.instance, instances=instances),
             # settings that change what the target answers for the same inputs
             key_params={"placement": tcfg.placement, "runtime": runtime_overrides},
         )
@@ -172,19 +171,19 @@ class GuardModel:
         self.privacy.attach(self.router)
         # compute and cost per answered request (tritonguard.observe.cost): fed once per batch, below
         self.cost = cost_meter(self.config.cost, placement=tcfg.placement, target_config=target_config, params=params,
-                               instance_kind=args.get("model_instance_kind", ""), metrics=self.metrics,
+                               instance_kind=a.instance_kind, metrics=self.metrics,
                                label=self.privacy.label)
         # spans per safety stage (OpenTelemetry); None when tracing.endpoint is unset: then the
         # SDK is never imported and each batch pays one `is None` test
         self.tracer: Tracer | None = None
         if self.config.tracing.enabled:
             self.tracer = Tracer(self.config.tracing, model=self.name,
-                                 instance=args.get("model_instance_name", ""), metrics=self.metrics)
+                                 instance=a.instance, metrics=self.metrics)
             self.router.tracer = self.tracer
             log.info("guard %s: tracing to %s (sample ratio %g for requests without a traced parent)",
                      self.name, self.config.tracing.endpoint, self.config.tracing.sample_ratio)
         # the path of every batch, in order, holding only the stages this guard's config needs
-        # (tritonguard/pipeline.py; each stage is one concern in tritonguard/stages/)
+        # (tritonguard/guard/pipeline.py; each stage is one concern in tritonguard/guard/stages/)
         traced = self.tracer is not None
         self.pipeline = Pipeline([
             ValidateStage(self.validator, self.input_names, self.metrics),
@@ -267,15 +266,6 @@ class GuardModel:
             self.tracer.close()
         self.privacy.close()
         self.metrics.close()
-
-
-def _with_source(message: str, params: Any) -> str:
-    """Name the layer (pyproject.toml, environment, config.pbtxt) of a key a config error quotes."""
-    sources = getattr(params, "sources", {})
-    for key, source in sources.items():
-        if f"'{key}'" in message and source != "config.pbtxt":
-            return f"{message} (set in {source})"
-    return message
 
 
 __all__ = ["GuardModel", "GuardConfig", "TargetConfig", "InvalidInput", "SERVED_BY"]

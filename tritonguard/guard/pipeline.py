@@ -6,7 +6,7 @@ only the stages it needs::
     validate → tenancy → redact (input) → keys → cache.lookup → route → redact (output)
              → respond → cache.fill → audit → quota release → cost
 
-Each stage is one concern in one module (``tritonguard/stages/``) with one method,
+Each stage is one concern in one module (``tritonguard/guard/stages/``) with one method,
 ``run(batch)``. A stage reads what earlier stages left on the batch and narrows or fills it:
 requests it answers or refuses leave ``batch.route`` (the requests still pending, their fused
 inputs ``batch.fused`` and ``batch.sizes``); ``route`` sets ``batch.routed``. When a stage

@@ -1,7 +1,7 @@
 """Privacy, tenants, cache and audit around the guard's routing, on whole batches.
 
 :class:`PrivacyStage` holds a guard's privacy services and builds the stages that use them
-(``tritonguard/stages/``: tenancy, redaction, keys, cache, audit), which the guard runs in its
+(``tritonguard/guard/stages/``: tenancy, redaction, keys, cache, audit), which the guard runs in its
 pipeline (:mod:`tritonguard.guard.pipeline`): tenants and quotas, redacted text inputs, one cache key per
 batch row — tenant + guard + the primary version's artifact SHA-256 + the canonical (redacted)
 inputs + requested outputs + output-affecting settings — looked up L1 → L2 → L3 (a request is
@@ -188,7 +188,7 @@ PrivacyBatch = Batch  # the name tests and benchmarks used before the stages had
 
 class PrivacyStage:
     """A guard's privacy services — tenant labels, quotas, the redactor, the cache, the audit
-    log — and the stages that use them (``tritonguard/stages/``), in the guard's order:
+    log — and the stages that use them (``tritonguard/guard/stages/``), in the guard's order:
 
     - before routing (:attr:`inbound`): tenancy → redact (input) → keys → cache.lookup;
     - after routing, before responses (:attr:`outbound`): redact (output);

@@ -16,19 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 from tritonguard.triton import backend as triton
+from tritonguard.triton.streams import echo_inputs
 
 
 class IntakeModel:
     def initialize(self, args: dict[str, str]) -> None:
-        triton.setup_logging()
-        cfg = triton.model_config(args)
-        if cfg.get("dynamic_batching") is not None or cfg.get("sequence_batching") is not None:
+        a = triton.prologue(args)
+        if a.config.get("dynamic_batching") is not None or a.config.get("sequence_batching") is not None:
             # the intake is there to see one request per execute(); a batcher undoes that
-            raise ValueError(f"model '{args['model_name']}': the intake backend must not batch "
+            raise ValueError(f"model '{a.name}': the intake backend must not batch "
                              "(remove dynamic_batching from its config.pbtxt)")
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        p = triton.pb()
         # the input tensors go back as they came (outputs are named as the inputs): no copy
         # through numpy, nothing deserialised here
-        return [p.InferenceResponse(output_tensors=request.inputs()) for request in requests]
+        return echo_inputs(requests)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,16 +44,14 @@ def run_fused(engine, inputs: list[dict[str, np.ndarray]], input_names, output_n
 
 class RuntimeModel:
     def initialize(self, args: dict[str, str]) -> None:
-        triton.setup_logging()
-        cfg = triton.model_config(args)
-        self.name = args["model_name"]
-        self.signature = ModelSignature.from_config(cfg)
-        self.engine_config = from_params(EngineConfig, model_parameters(cfg), model=self.name)
-        version_dir = Path(args["model_repository"]) / args["model_version"]
+        a = triton.prologue(args)
+        self.name = a.name
+        self.signature = ModelSignature.from_config(a.config)
+        self.engine_config = from_params(EngineConfig, model_parameters(a.config), model=self.name)
         self.input_names = [s.name for s in self.signature.inputs]
         self.output_names = [s.name for s in self.signature.outputs]
-        self.engine = load_engine(version_dir, self.engine_config, self.input_names, self.output_names)
-        log.info("runtime %s v%s serves %s", self.name, args["model_version"], self.engine.path.name)
+        self.engine = load_engine(a.version_dir, self.engine_config, self.input_names, self.output_names)
+        log.info("runtime %s v%s serves %s", self.name, a.version, self.engine.path.name)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         try:

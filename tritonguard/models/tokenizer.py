@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,13 +34,12 @@ class TokenizerConfig:
 
 class TokenizerModel:
     def initialize(self, args: dict[str, str]) -> None:
-        triton.setup_logging()
-        cfg = triton.model_config(args)
-        self.name = args["model_name"]
-        self.config = from_params(TokenizerConfig, model_parameters(cfg), model=self.name)
-        self.signature = ModelSignature.from_config(cfg)
+        a = triton.prologue(args)
+        self.name = a.name
+        self.config = from_params(TokenizerConfig, model_parameters(a.config), model=self.name)
+        self.signature = ModelSignature.from_config(a.config)
         self.output_names = [s.name for s in self.signature.outputs]
-        path = Path(args["model_repository"]) / args["model_version"] / self.config.tokenizer_dir
+        path = a.version_dir / self.config.tokenizer_dir
         if not path.is_dir():
             raise ConfigError(f"model '{self.name}': tokenizer folder {path} is missing")
         from transformers import AutoTokenizer  # noqa: PLC0415

@@ -18,7 +18,7 @@ Cache hits are charged guard time only, under ``target_version="cache"``; defaul
 ``"default"``. Not measured: canary re-runs and shadow calls (a background worker), golden checks,
 and anything the target does for other callers.
 
-Exported through :class:`tritonguard.triton.backend.Metrics` (which adds the guard's ``model`` and
+Exported through :class:`tritonguard.triton.metrics.Metrics` (which adds the guard's ``model`` and
 ``version``): ``tritonguard_compute_seconds_total{target_version,tenant,part}``,
 ``tritonguard_cost_total{target_version,tenant,part}`` (in the prices' currency),
 ``tritonguard_cost_requests_total{target_version,tenant}`` (requests charged) and the gauge

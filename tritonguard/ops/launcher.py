@@ -11,16 +11,19 @@ breaks ``_ssl`` and so transformers), then passes every flag through.
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from tritonguard.core.files import atomic_path
-from tritonguard.ops.supervisor import supervise, with_default_control
+from tritonguard.ops.supervisor.control import supervise, with_default_control
 
 NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 NGC_BACKENDS = Path("/opt/tritonserver/backends")
@@ -180,7 +183,6 @@ def _missing_shared_libs(binary: str, env: dict[str, str]) -> list[str]:
     ldd = shutil.which("ldd")
     if ldd is None:
         return []
-    import subprocess  # noqa: PLC0415
 
     out = subprocess.run([ldd, binary], env=env, capture_output=True, text=True, check=False)
     return [line.split()[0] for line in out.stdout.splitlines() if "not found" in line]
@@ -222,10 +224,6 @@ def perf_analyzer_run(url: str, model: str, concurrency: int, data: Path, *, win
                       stability_pct: float, timeout: float) -> tuple[dict[str, str] | None, str]:
     """One perf_analyzer measurement over HTTP at one concurrency: (its CSV row, or None when it
     failed, and its output). Callers choose what to retry (``bench`` and ``exporter tune``)."""
-    import csv  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
     binary, _, env = resolve_perf_analyzer([])
     fd, name = tempfile.mkstemp(suffix=".csv")
     os.close(fd)

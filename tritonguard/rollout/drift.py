@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +199,8 @@ def ks_2samp_rows(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     last = np.ones(vals.shape, dtype=bool)
     last[:, :-1] = vals[:, 1:] != vals[:, :-1]
     d = np.where(last, np.abs(cdf_gap), 0.0).max(axis=1)
+    from scipy import stats  # noqa: PLC0415 - defers scipy (seconds to import) to its first use
+
     p = stats.kstwo.sf(d, np.round(n1 * n2 / (n1 + n2)))
     return d, np.clip(p, 0.0, 1.0)
 

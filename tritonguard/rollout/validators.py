@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from tritonguard.core.errors import ConfigError
 
@@ -171,6 +170,8 @@ def regression(candidate: Any, reference: Any, config: ValidatorConfig) -> Verdi
 
 
 def _row_spearman(c: np.ndarray, r: np.ndarray) -> np.ndarray:
+    from scipy import stats  # noqa: PLC0415 - defers scipy (seconds to import) to its first use
+
     rc = stats.rankdata(c, axis=1)
     rr = stats.rankdata(r, axis=1)
     rc -= rc.mean(axis=1, keepdims=True)

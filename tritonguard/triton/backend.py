@@ -10,6 +10,8 @@ import json
 import logging
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,44 @@ def setup_logging() -> None:
 
 def model_config(args: Mapping[str, str]) -> dict[str, Any]:
     return json.loads(args["model_config"])
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What ``initialize(args)`` tells a Python-based backend, read once: the model's name and
+    version, its parsed config.pbtxt, its folder and version folder, its instance."""
+
+    name: str
+    version: str
+    config: dict[str, Any]
+    model_dir: Path  # <repository>/<model>
+    instance: str  # e.g. digits_0_0
+    instance_kind: str
+
+    @property
+    def version_dir(self) -> Path:
+        return self.model_dir / self.version
+
+    @property
+    def repository(self) -> Path:
+        return self.model_dir.parent
+
+    @property
+    def decoupled(self) -> bool:
+        return bool((self.config.get("model_transaction_policy") or {}).get("decoupled"))
+
+    @property
+    def instances(self) -> int:
+        return instance_count(self.config)
+
+
+def prologue(args: Mapping[str, str]) -> ModelArgs:
+    """The start of every backend's ``initialize``: library logging to the server log, and the
+    arguments read once."""
+    setup_logging()
+    return ModelArgs(name=args["model_name"], version=str(args.get("model_version", "1")), config=model_config(args),
+                     model_dir=Path(args["model_repository"]), instance=args.get("model_instance_name", args["model_name"]),
+                     instance_kind=args.get("model_instance_kind", ""))
 
 
 def request_inputs(request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:

@@ -39,7 +39,8 @@ from tritonguard.guard.routing.goldens import GoldensChecker
 from tritonguard.guard.routing.signals import Alerts, Signals
 from tritonguard.guard.routing.view import RolloutView, route_shares
 from tritonguard.rollout.breaker import Breaker, BreakerConfig
-from tritonguard.rollout.state import RolloutState, StateStore
+from tritonguard.rollout.state import RolloutState
+from tritonguard.rollout.stores import StateStore
 from tritonguard.rollout.validators import FAIL, ValidatorConfig, ValidatorRegistry
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from tritonguard.guard.routing.config import SKIPPED, UNREADY_CODES, RoutingConf
 from tritonguard.guard.routing.goldens import GoldensChecker
 from tritonguard.guard.routing.router import Router
 from tritonguard.rollout.breaker import CLOSED, BreakerConfig
-from tritonguard.rollout.state import StateStore
+from tritonguard.rollout.stores import StateStore
 from tritonguard.rollout.validators import FAIL, PASS, ValidatorConfig, ValidatorRegistry
 
 log = logging.getLogger(__name__)

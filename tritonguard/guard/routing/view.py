@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from tritonguard.core import repository
-from tritonguard.rollout.state import RolloutState, StateError, StateStore
+from tritonguard.rollout.state import RolloutState, StateError
+from tritonguard.rollout.stores import StateStore
 
 log = logging.getLogger(__name__)
 

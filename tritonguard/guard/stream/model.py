@@ -40,7 +40,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,7 +58,7 @@ from tritonguard.guard.stream.services import StreamServices
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed
 from tritonguard.privacy.cache.semantic import SemanticCacheConfig
 from tritonguard.rollout.latency import recorder_for
-from tritonguard.rollout.state import open_store
+from tritonguard.rollout.stores import open_store
 from tritonguard.triton import backend as triton
 from tritonguard.triton.metrics import Metrics
 from tritonguard.triton.streams import ResponseSink, embed_texts, send_safely
@@ -71,10 +70,10 @@ class StreamGuardModel:
     """``initialize`` / ``execute`` / ``finalize`` of a decoupled guard (see the module doc)."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        triton.setup_logging()
-        cfg = triton.model_config(args)
-        self.name = args["model_name"]
-        if not (cfg.get("model_transaction_policy") or {}).get("decoupled"):
+        a = triton.prologue(args)
+        cfg = a.config
+        self.name = a.name
+        if not a.decoupled:
             raise ConfigError(f"model '{self.name}': the stream guard needs model_transaction_policy {{ decoupled: true }}")
         names = {i["name"] for i in cfg.get("input", [])}
         if "text_input" not in names or OUTPUT not in {o["name"] for o in cfg.get("output", [])}:
@@ -93,7 +92,7 @@ class StreamGuardModel:
         self.stats = {"requests": 0, "rejected": 0, "ok": 0, "cancelled": 0, "target_errors": 0,
                       "errors": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0,
                       "cache_hits": 0}
-        self.repo = repo = Path(args["model_repository"]).parent
+        self.repo = repo = a.repository
         self.local = LocalGenerator(repo, self.target, guard=self.name) if s.guard.placement == "inprocess" else None
         self.calls = TargetCalls(name=self.name, target=self.target, local=self.local,
                                  idle_s=s.guard.target_idle_timeout_s)
@@ -101,14 +100,13 @@ class StreamGuardModel:
         # no IPC on a worker's per-token path. The rollout families are the batch guard's, so the
         # rollout's gates read a stream guard as they read any guard
         self.metrics = Metrics(
-            self.name, args.get("model_version", "1"), counters={**catalogue.GUARD_COUNTERS, **catalogue.STREAM_COUNTERS},
+            self.name, a.version, counters={**catalogue.GUARD_COUNTERS, **catalogue.STREAM_COUNTERS},
             gauges=catalogue.GUARD_GAUGES, histograms={**catalogue.STREAM_LATENCY, **catalogue.STREAM_HISTOGRAMS},
             zero_at_load=[*(("stream_requests", {"outcome": o, "tenant": s.tenancy.default})
                             for o in catalogue.STREAM_OUTCOMES),
                           "state_errors", "compare_drops", *(["similarity_errors"] if s.similarity.model else [])])
         self.services = StreamServices(s, name=self.name, target=self.target, repo=repo, metrics=self.metrics,
-                                       embed=self._embed, instance=args.get("model_instance_name", self.name),
-                                       instances=triton.instance_count(cfg))
+                                       embed=self._embed, instance=a.instance, instances=a.instances)
         self.label = self.services.label
         similarity = None  # sampled_similarity of canary/shadow texts: the trigram cosine
         if s.similarity.model:

@@ -1,0 +1,110 @@
+"""What ``promote`` and the rollout commands share: their consoles, exit codes and arguments,
+the controller wired to the registry and the response cache (hooks: PRODUCTION on promotion,
+ARCHIVED and a cache purge on rollback), the registry reconciled with the routing, and the
+one-line report a command exits with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from exporter.cli.consoles import WideConsole
+from exporter.records.registry import open_registry
+from exporter.rollout.controller import RolloutController
+from exporter.rollout.guards import guard_target
+from exporter.rollout.reconcile import reconcile_registry
+from exporter.rollout.serving import purge_cache
+from exporter.rollout.window import metrics_reader, store_labels_reader, store_latency_reader
+
+# no wraps at 80 columns when piped (tables included): a CI log keeps whole lines
+out = WideConsole(soft_wrap=True)
+err = WideConsole(stderr=True, soft_wrap=True)
+EXIT_ROLLED_BACK, EXIT_HOLDING = 1, 3  # and EXIT_BAD_INPUT (2), exporter.errors
+
+Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
+Model = Annotated[str, typer.Argument(help="Guard model name, e.g. digits.")]
+
+
+def registry_for(repository: Path, approve_cmd: list[str] | None = None):
+    return open_registry(repository, approvers={"PRODUCTION": approve_cmd} if approve_cmd else None)
+
+
+def purge(repository: Path, model: str, why: str) -> None:
+    try:
+        done = purge_cache(repository, model, by=why)
+    except Exception as exc:  # noqa: BLE001 - keys carry the artifact hash: a failed purge is not fatal
+        err.print(f"[yellow]![/] cache purge of {model} failed: {exc}")
+        return
+    tiers = ", ".join(f"{k} {v}" for k, v in done.items() if k != "epoch") or "no shared tiers"
+    err.print(f"[green]✓[/] cache of {model} purged (epoch {done['epoch']}; {tiers})")
+
+
+def controller_for(model: str, repository: Path, urls: list[str], *, approver: str | None = None,
+                approve_cmd: list[str] | None = None, config=None):
+    target = guard_target(repository, model)
+    reg = registry_for(repository, approve_cmd)
+
+    # hooks are idempotent: a resumed rollout may call them again
+    def on_promote(v: int) -> None:
+        stage = reg.stage(model, v)
+        if stage != "PRODUCTION":
+            reg.transition(model, v, "PRODUCTION", stage, approver, reason="rollout gates passed")
+
+    def on_rollback(v: int, reason: str) -> None:
+        stage = reg.stage(model, v)
+        if stage in ("DRAFT", "STAGING"):
+            reg.transition(model, v, "ARCHIVED", stage, approver, reason=reason)
+        err.print(f"[bold red]↩[/] v{v} rolled back: {reason}")
+        purge(repository, model, "rollback")
+
+    def on_step(step: int, share: float, report) -> None:
+        err.print(f"[green]→[/] step {step + 1}: {share:.0%}" + (f"  ({report.summary()})" if report else ""))
+
+    try:  # exact per-call latencies from the store; without them the gate reads histogram buckets
+        latency = store_latency_reader(model, repository)
+    except Exception as exc:  # noqa: BLE001 - e.g. Redis unreachable at start: the buckets still judge
+        err.print(f"[yellow]![/] latency samples unavailable ({type(exc).__name__}: {exc}); judging histograms")
+        latency = None
+    try:  # labelled rows (request labels and `exporter feedback`) from the store
+        labels = store_labels_reader(model, repository)
+    except Exception as exc:  # noqa: BLE001 - the labels gate then reads the metrics
+        err.print(f"[yellow]![/] labels from the store unavailable ({type(exc).__name__}: {exc}); "
+                  "judging request labels from the metrics")
+        labels = None
+    return RolloutController(model, repository, metrics_reader(urls, model, target=target), config=config,
+                             on_promote=on_promote, on_rollback=on_rollback, on_step=on_step,
+                             latency_reader=latency, labels_reader=labels), reg, target
+
+
+def reconcile(repository: Path, model: str, **kwargs) -> None:
+    """The registry's PRODUCTION follows the routing's primary; problems are warnings."""
+
+    done = reconcile_registry(repository, model, warn=lambda msg: err.print(f"[yellow]![/] {msg}"), **kwargs)
+    if done:
+        err.print(f"[green]✓[/] {done}")
+
+
+def who_text(progress) -> str:
+    """``v2``, or for an A/B/n rollout ``arms v2=0.3, v3 (rolled_back)``."""
+    if progress.mode != "abn":
+        return f"v{progress.candidate}"
+    return "arms " + ", ".join(f"v{v}={a['weight']:g}" + ("" if a["status"] == "running" else f" ({a['status']})")
+                               for v, a in progress.arms.items())
+
+
+def exit_for(progress) -> None:
+    style = {"done": "green", "running": "yellow", "paused": "yellow", "superseded": "yellow"}.get(progress.status, "red")
+    out.print(f"[bold]{progress.model}[/] {who_text(progress)}: [{style}]{progress.status}[/] at step "
+              f"{progress.step_index + 1}/{len(progress.steps)} ({progress.steps[progress.step_index]:g} %): "
+              f"{progress.reason}")
+    if progress.status in ("rolled_back", "aborted"):
+        raise typer.Exit(EXIT_ROLLED_BACK)
+    if progress.status in ("running", "paused"):
+        raise typer.Exit(EXIT_HOLDING)
+
+
+Servers = Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of each replica "
+                                                   "(repeat): the version is loaded there if needed.")]

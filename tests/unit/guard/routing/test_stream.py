@@ -1,0 +1,354 @@
+"""StreamRouter without Triton: the stream guard's version choice, goldens, breaker, fallback and
+canary/shadow comparisons, over a real rollout state file and text functions standing in for
+the versions (the served path is tests/functional/test_generation_rollout.py)."""
+
+import json
+import logging
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from tests.unit.guard.routing.test_router import Metrics
+from tritonguard.core.errors import TargetError
+from tritonguard.guard.routing.config import RoutingConfig
+from tritonguard.guard.routing.stream import (
+    StreamRouter,
+    embedding_similarity,
+    load_generation_goldens,
+    trigram_cosine,
+)
+from tritonguard.rollout.breaker import BreakerConfig
+from tritonguard.rollout.state import Candidate
+from tritonguard.rollout.stores import open_store
+
+
+def echo(prompt, sampling):
+    """Version 1: a deterministic 'model'."""
+    return prompt[::-1] + "|" + str(json.loads(sampling).get("max_tokens"))
+
+
+def make(tmp_path, versions, *, candidate=None, share=1.0, shadow=0.0, judge=None, similarity=None, **breaker):
+    repo = tmp_path / "repo"
+    for v in versions:
+        (repo / "lm" / str(v)).mkdir(parents=True, exist_ok=True)
+    store = open_store("g", repo)
+
+    def setup(s):
+        s.primary = 1
+        if candidate is not None:
+            s.candidate = Candidate(candidate, share)
+            s.shadow_share = shadow
+            if judge:
+                s.judges[str(candidate)] = {"judge": judge}
+        return s
+
+    store.update(setup)
+    calls = []
+
+    def run_text(version, prompt, sampling):
+        calls.append((version, prompt))
+        fn = versions[version]
+        return fn(prompt, sampling)
+
+    metrics = Metrics()
+    cfg = {"min_requests": 5, "window": 20, "min_compared": 5, **breaker}
+    router = StreamRouter(guard="g", repo=repo, target="lm", run_text=run_text, store=store,
+                          config=RoutingConfig(reconcile_interval_s=0, poll_interval_s=0),
+                          breaker=BreakerConfig(**cfg), metrics=metrics, seed=0, similarity=similarity)
+    return router, metrics, calls, repo
+
+
+def write_goldens(repo, version, cases):
+    (repo / "lm" / str(version) / "goldens.json").write_text(json.dumps({"format_version": 1, "cases": cases}))
+
+
+def drain(router, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not router.worker.jobs.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # the job in hand
+
+
+def test_primary_only_without_a_candidate(tmp_path):
+    router, *_ = make(tmp_path, {1: echo})
+    try:
+        picks = {router.pick()[:2] for _ in range(50)}
+        assert picks == {(1, "primary")}
+    finally:
+        router.close()
+
+
+def test_candidate_share_is_honoured(tmp_path):
+    router, *_ = make(tmp_path, {1: echo, 2: echo}, candidate=2, share=0.3)
+    try:
+        versions = [router.pick()[0] for _ in range(2000)]
+        share = versions.count(2) / len(versions)
+        assert 0.25 < share < 0.35, share
+    finally:
+        router.close()
+
+
+def test_goldens_pass_fail_and_skip(tmp_path):
+    cases = [{"prompt": "abc", "sampling": {"max_tokens": 4, "temperature": 0}, "text": "cba|4"},
+             {"prompt": "xy", "sampling": {"max_tokens": 2, "temperature": 0}, "text": "yx|2"}]
+
+    def drifted(prompt, sampling):
+        return echo(prompt, sampling) if prompt != "xy" else "something else"
+
+    router, metrics, _, repo = make(tmp_path, {1: echo, 2: drifted, 3: echo}, candidate=2)
+    try:
+        write_goldens(repo, 1, cases)
+        write_goldens(repo, 2, cases)
+        assert router.check_goldens(1)["verdict"] == "PASS"
+        bad = router.check_goldens(2)
+        assert bad["verdict"] == "FAIL"
+        assert bad["metrics"]["exact_match_rate"] == 0.5
+        assert bad["metrics"]["first_mismatch"]["prompt"] == "xy"
+        assert router.check_goldens(3)["verdict"] == "SKIPPED"  # no goldens.json
+        # a candidate that failed its goldens gets no traffic, and the verdict is shared
+        assert {router.pick()[0] for _ in range(50)} == {1}
+        assert open_store("g", repo).load().goldens["2"]["verdict"] == "FAIL"
+    finally:
+        router.close()
+
+
+def test_goldens_of_an_unready_version_are_not_stored_as_fail(tmp_path):
+    def unready(prompt, sampling):
+        raise TargetError("Request for unknown model: 'lm' version 2 is not found", "NOT_FOUND")
+
+    router, _, _, repo = make(tmp_path, {1: echo, 2: unready}, candidate=2)
+    try:
+        write_goldens(repo, 2, [{"prompt": "a", "sampling": {}, "text": "a|None"}])
+        result = router.check_goldens(2)
+        assert result["verdict"] == "FAIL" and result.get("unready")
+        assert router.golden_verdict(2) == "FAIL"
+        assert "2" not in open_store("g", repo).load().goldens  # checked again once it loads
+    finally:
+        router.close()
+
+
+def test_unreadable_goldens_fail(tmp_path):
+    router, _, _, repo = make(tmp_path, {1: echo})
+    try:
+        (repo / "lm" / "1" / "goldens.json").write_text('{"cases": [{"prompt": 1}]}')
+        result = router.check_goldens(1)
+        assert result["verdict"] == "FAIL" and "unreadable" in result["metrics"]["error"]
+    finally:
+        router.close()
+    with pytest.raises(ValueError, match="case 0"):
+        load_generation_goldens(repo / "lm" / "1" / "goldens.json")
+
+
+def test_errors_trip_the_candidate_and_traffic_goes_home(tmp_path):
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: echo}, candidate=2, share=1.0)
+    try:
+        assert router.pick()[0] == 2
+        for _ in range(6):
+            router.record(2, ok=False, first_response_s=0.01, code="INTERNAL")
+        assert router.breaker(2).state == "open"
+        assert metrics.total("trips", target_version="2", reason="error_rate") == 1
+        assert metrics.total("target_errors", target_version="2") == 6
+        assert {router.pick()[0] for _ in range(20)} == {1}
+    finally:
+        router.close()
+
+
+def test_non_finite_logits_trip_at_once(tmp_path):
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: echo}, candidate=2)
+    try:
+        for _ in range(4):
+            router.record(2, ok=True, first_response_s=0.01)
+        router.record(2, ok=False, first_response_s=0.01, non_finite=True)
+        assert router.breaker(2).state == "open"
+        assert metrics.total("trips", reason="non_finite") == 1
+        assert metrics.total("target_errors", code="NON_FINITE") == 1
+        assert metrics.total("served", served_by="lm:2") == 4
+    finally:
+        router.close()
+
+
+def test_an_open_primary_breaker_degrades_service_it_does_not_end_it(tmp_path):
+    router, *_ = make(tmp_path, {1: echo})
+    try:
+        router.breaker(1).trip(time.time(), "manual")
+        assert not router.routable(1, time.time())
+        assert router.pick()[:2] == (1, "fallback")  # the last resort: nothing else can answer
+    finally:
+        router.close()
+
+
+def test_fallback_goes_down_the_chain(tmp_path):
+    router, *_ = make(tmp_path, {1: echo, 2: echo}, candidate=2)
+    try:
+        assert router.next_version({2}) == 1  # the candidate failed before its first token
+        assert router.next_version({1, 2}) is None  # nothing else to try
+    finally:
+        router.close()
+
+
+def test_canary_compares_deterministic_texts(tmp_path):
+    router, metrics, calls, _ = make(tmp_path, {1: echo, 2: echo}, candidate=2)
+    try:
+        router.after_served(2, 0.5, "hello", '{"max_tokens": 4}', echo("hello", '{"max_tokens": 4}'),
+                            deterministic=True)
+        router.after_served(2, 0.5, "other", '{"max_tokens": 4}', "not what v1 says", deterministic=True)
+        router.after_served(2, 0.5, "sampled", '{"max_tokens": 4}', "x", deterministic=False)  # no canary
+        drain(router)
+        assert metrics.total("compared", kind="canary", verdict="PASS", target_version="2") == 1
+        assert metrics.total("compared", kind="canary", verdict="FAIL", target_version="2") == 1
+        assert [c for c in calls if c[0] == 1] == [(1, "hello"), (1, "other")]
+    finally:
+        router.close()
+
+
+def test_task_judged_candidate_counts_agreement_and_never_trips_on_it(tmp_path):
+    def retrain(prompt, sampling):
+        return "different"
+
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: retrain}, candidate=2, share=0.0, shadow=1.0, judge="task")
+    try:
+        for i in range(30):
+            router.after_served(1, 0.5, f"p{i}", '{"max_tokens": 4}', echo(f"p{i}", '{"max_tokens": 4}'),
+                                deterministic=True)
+        drain(router)
+        assert metrics.total("compared", kind="shadow", verdict="DISAGREE", target_version="2") == 30
+        assert router.breaker(2).state == "closed"
+    finally:
+        router.close()
+
+
+def test_shadow_errors_count_against_the_candidate(tmp_path):
+    def broken(prompt, sampling):
+        raise TargetError("boom", "INTERNAL")
+
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: broken}, candidate=2, share=0.0, shadow=1.0)
+    try:
+        for i in range(10):
+            router.after_served(1, 0.5, f"p{i}", "{}", "x", deterministic=False)
+        drain(router)
+        assert metrics.total("target_errors", target_version="2") >= 5
+        assert router.breaker(2).state == "open"
+    finally:
+        router.close()
+
+
+def test_sampled_shadow_publishes_similarity_not_a_verdict(tmp_path):
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: echo}, candidate=2, share=0.0, shadow=1.0)
+    try:
+        router.after_served(1, 0.5, "abc", "{}", echo("abc", "{}"), deterministic=False)
+        drain(router)
+        assert metrics.total("compared") == 0
+        key = ("validator_score", ("figure", "sampled_similarity"), ("kind", "shadow"), ("target_version", "2"))
+        assert metrics.gauges[key] == pytest.approx(1.0)
+    finally:
+        router.close()
+
+
+def test_trigram_cosine():
+    assert trigram_cosine("the string", "the string") == pytest.approx(1.0)
+    assert trigram_cosine("", "") == 1.0
+    assert trigram_cosine("abcdef", "uvwxyz") == 0.0
+    assert 0 < trigram_cosine("return the list", "returns a list") < 1
+
+
+# -- sampled_similarity by embedding (similarity.model) --------------------------------------------
+SIMILARITY_KEY = ("validator_score", ("figure", "sampled_similarity"), ("kind", "shadow"), ("target_version", "2"))
+
+
+def bag_of_words(texts):
+    """A deterministic stand-in for minilm_raw: hashed word counts, [n, 64] float32 (not normalised)."""
+    out = np.zeros((len(texts), 64), np.float32)
+    for i, text in enumerate(texts):
+        for word in text.split():
+            out[i, zlib.crc32(word.encode()) % 64] += 1.0
+    return out
+
+
+class Embedder:
+    def __init__(self, fn=bag_of_words):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, texts):
+        self.calls.append(list(texts))
+        return self.fn(texts)
+
+
+def reorder(prompt, sampling):
+    """Version 2: the same words as the primary's answer, in another order."""
+    return "blue green red"
+
+
+def test_sampled_similarity_is_the_embedding_cosine_when_given(tmp_path):
+    embed = Embedder()
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: reorder}, candidate=2, share=0.0, shadow=1.0,
+                               similarity=embedding_similarity(embed))
+    try:
+        router.after_served(1, 0.5, "colours", "{}", "red green blue", deterministic=False)
+        drain(router)
+        # the same bag of words: cosine 1 by the embedder, 2/3 by character trigrams
+        assert metrics.gauges[SIMILARITY_KEY] == pytest.approx(1.0)
+        assert trigram_cosine("blue green red", "red green blue") < 0.7
+        assert embed.calls == [["blue green red", "red green blue"]]  # one call, both texts
+        assert metrics.total("similarity_errors") == 0 and metrics.total("compared") == 0
+    finally:
+        router.close()
+
+
+def test_a_failing_embedding_falls_back_to_trigrams_and_counts(tmp_path, caplog):
+    def unloaded(texts):
+        raise TargetError("embedding model 'minilm_raw': model is not ready", "UNAVAILABLE")
+
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: reorder}, candidate=2, share=0.0, shadow=1.0,
+                               similarity=embedding_similarity(unloaded))
+    try:
+        with caplog.at_level(logging.WARNING, logger="tritonguard.guard.routing.stream"):
+            for _ in range(3):
+                router.after_served(1, 0.5, "colours", "{}", "red green blue", deterministic=False)
+                drain(router)
+        assert metrics.gauges[SIMILARITY_KEY] == pytest.approx(trigram_cosine("blue green red", "red green blue"))
+        assert metrics.total("similarity_errors") == 3
+        warnings = [r for r in caplog.records if "sampled similarity" in r.getMessage()]
+        assert len(warnings) == 1  # once a minute, not once a comparison
+        assert router.breaker(2).state == "closed"  # an embedding failure says nothing about the candidate
+    finally:
+        router.close()
+
+
+def test_embedding_similarity():
+    embed = Embedder()
+    sim = embedding_similarity(embed)
+    assert sim("", "") == 1.0 and sim("", "a") == 0.0 and sim("a", "") == 0.0
+    assert embed.calls == []  # empty texts never reach the model
+    assert sim("a b", "b a") == pytest.approx(1.0)
+    assert 0.0 <= sim("a b", "c d") < 1.0
+    assert embedding_similarity(lambda t: np.array([[1.0, 0.0], [-2.0, 0.0]]))("x", "y") == -1.0
+    assert embedding_similarity(lambda t: np.array([[1e-30, 0.0], [1.0, 0.0]]))("x", "y") == 0.0  # zero norm
+    assert embedding_similarity(lambda t: np.array([[3.0, 4.0], [3.0, 4.0]], np.float32))("x", "y") == 1.0  # clipped
+    with pytest.raises(ValueError):
+        embedding_similarity(lambda t: np.zeros((1, 4)))("x", "y")  # not a batch of 2
+    with pytest.raises(ValueError):
+        embedding_similarity(lambda t: np.array([[np.nan, 1.0], [1.0, 1.0]]))("x", "y")
+
+
+def test_the_latency_gate_gets_whole_generations_sized_by_their_tokens(tmp_path):
+    """The breaker times a generation to its first response; the rollout's latency gate gets the
+    whole call, with its tokens as the call's size (the gate compares equal sizes only). A call
+    without a token, or a failed one, gives the gate nothing."""
+    from tritonguard.rollout.latency import LatencyRecorder, open_latency_log
+
+    router, metrics, *_ = make(tmp_path, {1: echo, 2: echo}, candidate=2, share=1.0)
+    log = open_latency_log("g", tmp_path / "repo", url="")
+    router.latency = LatencyRecorder(log)
+    try:
+        router.record(2, ok=True, first_response_s=0.004, call_s=0.050, tokens=12)
+        router.record(2, ok=True, first_response_s=0.003, call_s=0.020, tokens=0)
+        router.record(2, ok=False, first_response_s=0.003, call_s=0.020, tokens=5, code="INTERNAL")
+        assert router.latency.flush()
+        got = log.read(2)
+        assert got.rows.tolist() == [12] and got.seconds.tolist() == pytest.approx([0.050])
+        # the breaker's latency is the time to first response
+        assert router.breaker(2).latency_p95(1) == pytest.approx(4.0, rel=0.01)
+    finally:
+        router.close()
