@@ -114,7 +114,7 @@ def poison(repo: Path, src: int, dest: int, char: str) -> None:
 # the slow fault's extra work per decode step: tanh(state @ W1) then tanh(. @ W2), W2 square.
 # SLOW_WIDTH 384 measured 1.25-1.52x the time per token of tinylm_raw served alone (3 clients, HTTP;
 # 1.12x once, in a loaded CI run); 256 measured 0.98x (lost in the noise), 448 1.43x
-SLOW_WIDTH = 384
+SLOW_WIDTH = 512
 
 
 def slowed(repo: Path, src: int, dest: int, width: int = SLOW_WIDTH) -> None:
