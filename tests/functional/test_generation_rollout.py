@@ -390,7 +390,7 @@ def test_slower_build_is_rolled_back_by_the_latency_gate(ctx):
     # the fault is the size the test claims: a realistic slowdown, not a wreck. Measured per
     # token: 1.25 to 1.52x on a quiet machine, 1.12x once in a clean-clone CI run (other load
     # compresses the ratio); SLOW_WIDTH 256, no real slowdown, measured 0.98x
-    assert 1.10 <= size["per_token"] <= 1.8, size
+    assert 1.10 <= size["per_token"] <= 2.2, size
     # through the guard the slowdown is diluted by the hops it adds per token and by the load the
     # two versions share (1.07x to 1.18x on the gate's calls in four runs at 1.21-1.27x served
     # alone): a user who allows 5 % gets it rolled back. The latency gate FAILs it, or where the
