@@ -152,8 +152,16 @@ def register_version(result: ExportResult, spec: ExportSpec, repository: Path, *
             manifest = repo_mod.read_manifest(vdir)
             if manifest is None:
                 raise ExportError(f"{vdir} has no manifest")
-            box["info"] = open_registry(repository).register(result.name, result.version, manifest, spec.lineage(),
-                                                 source=str(vdir))
+            registry = open_registry(repository)
+            if not registry.versions(result.name):
+                # a registry that starts after the model did (a copied repository, a registry added
+                # later): the versions already here first, so MLflow's numbers follow ours
+                for earlier in repo_mod.versions(vdir.parent):
+                    edir = vdir.parent / str(earlier)
+                    emanifest = repo_mod.read_manifest(edir) if earlier < result.version else None
+                    if emanifest is not None:
+                        registry.register(result.name, earlier, emanifest, {}, source=str(edir))
+            box["info"] = registry.register(result.name, result.version, manifest, spec.lineage(), source=str(vdir))
         except Exception as exc:  # noqa: BLE001 - reported to the caller; the export stands
             lines = str(exc).strip().splitlines()
             box["error"] = f"{type(exc).__name__}: {lines[0][:500] if lines else ''}"

@@ -154,6 +154,25 @@ def test_mlflow_export_registers_the_version_with_hash_verdict_and_lineage(store
     assert reg.verify_history().ok and [r["version"] for r in reg.history("tiny")] == [1, 2]
 
 
+def test_a_copied_repository_registers_its_versions_in_order(store, tmp_path):
+    """The README's walk copies model_repository (v1, no registry) and exports v2: v1 becomes
+    MLflow version 1 and v2 version 2, not the other way round."""
+    import shutil
+
+    first = tmp_path / "first"
+    export_source("models:/tiny_torch@champion", name="tiny", repository=first, inputs=store["inputs"],
+                  task="classifier", input_names=["X"], output_names=["P"], mlflow_uri=store["uri"])
+    repo = tmp_path / "walk" / "repo"
+    shutil.copytree(first, repo)  # the copy has no registry beside it
+    res = export_source("models:/tiny_torch/1", name="tiny", repository=repo, inputs=store["inputs"],
+                        task="classifier", mlflow_uri=store["uri"], input_names=["X"], output_names=["P"],
+                        force=True)
+    assert res.version == 2 and res.registration_error is None, res.registration_error
+    reg = registry_of(repo)
+    assert [(v.version, int(v.mlflow_version)) for v in reg.versions("tiny")] == [(1, 1), (2, 2)]
+    assert res.registration.version == 2 and int(res.registration.mlflow_version) == 2
+
+
 def test_mlflow_onnx_flavor_with_its_logged_input_example(store, tmp_path):
     """mlflow.onnx stores weights as external data; the repository gets one self-contained file.
     No --inputs: the goldens are the input example logged with the model."""
