@@ -30,12 +30,12 @@ from exporter.errors import EXIT_BAD_INPUT, BadInput, ExporterError
 from exporter.records.registry import RegistryError
 from exporter.rollout.gates.config import GateConfig, parse_increase
 from exporter.rollout.generation import MAX_REGRESSION, judge_generation
-from exporter.rollout.guards import judge_limits
+from exporter.rollout.guards import guard_target, judge_limits
 from exporter.rollout.judge import JudgeError, judge_offline, manifest_judge, parse_margin
 from exporter.rollout.progress import RolloutConfig
 from exporter.rollout.route import RouteChange, apply, parse_arms
 from exporter.rollout.serving import ensure_loaded, metrics_urls
-from tritonguard.core.repository import read_manifest
+from tritonguard.core.repository import read_manifest, versions
 from tritonguard.rollout.state import JUDGES
 from tritonguard.rollout.stores import open_store
 
@@ -120,6 +120,16 @@ def promote(
                               max_slice_regression=max_slice_regression)
         if min_labels < 0:
             raise BadInput(f"--min-labels must be >= 0, got {min_labels}")
+        target = guard_target(repository, model)
+        exported = [v for v in versions(repository / target) if read_manifest(repository / target / str(v))]
+        for v in (version, *(arm_weights or ())):
+            if v not in exported:
+                there = "has a folder but no manifest (not an exported version)" \
+                    if (repository / target / str(v)).is_dir() else "does not exist"
+                raise BadInput(f"'{model}' has no version {v}: {repository / target / str(v)} {there}; "
+                               f"exported versions of '{model}' (its model '{target}'): "
+                               f"{', '.join(f'v{x}' for x in exported) or 'none'}")
+
         if to == "production" and rollout:
             config = _rollout_config(steps=steps, mode=mode, arms=arm_weights, dwell_s=dwell_s,
                                      interval_s=interval_s, max_step_s=max_step_s,
@@ -144,7 +154,7 @@ def promote(
             vdir = repository / target / str(v)
             manifest = read_manifest(vdir)
             if manifest is None:
-                raise RegistryError(f"v{v} of '{target}' has no manifest in {vdir}: not an exported version")
+                raise RegistryError(f"'{model}' v{v} (in '{target}') has no manifest in {vdir}: not an exported version")
             return reg.register(model, v, manifest, {}, source=str(vdir.resolve()))
 
         # the version serving now is PRODUCTION (registered if it was not: a guard pins its

@@ -232,6 +232,18 @@ def test_promote_registers_and_reconciles_the_unregistered_primary(repo):
     assert reg.production(MODEL) == 2 and reg.stage(MODEL, 1) == "ARCHIVED"
 
 
+def test_promote_of_a_version_that_does_not_exist_names_the_model_and_lists_its_versions(repo):
+    (repo / "m_raw" / "4").mkdir()  # a folder without a manifest: not an exported version
+    res = cli("promote", MODEL, "--version", "9", "--to", "staging", "-r", str(repo))
+    assert res.exit_code == 2, res.output
+    flat = " ".join(res.output.split())
+    assert f"'{MODEL}' has no version 9" in flat and "does not exist" in flat, res.output
+    assert f"exported versions of '{MODEL}' (its model 'm_raw'): v1, v2, v3" in flat, res.output
+    res = cli("promote", MODEL, "--version", "4", "--to", "staging", "-r", str(repo))
+    assert res.exit_code == 2 and "has a folder but no manifest" in " ".join(res.output.split()), res.output
+    assert not (repo.parent / "model_repository.registry").exists()  # refused before anything was written
+
+
 # -- 3. verdicts with the figure and its limit -------------------------------------------------
 def test_golden_reason_names_the_figure_and_the_limit():
     fail = {"verdict": "FAIL", "metrics": {"PROBS": {"rows": 64, "agreement": 1.0, "max_abs_diff": 0.031,
