@@ -22,6 +22,7 @@ and Python version (the docstrings are the running interpreter's), and so is the
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import hashlib
 import importlib
@@ -162,9 +163,23 @@ class CharGRU(nn.Module):
         return logits[:, -1, :], state
 
 
+_TRAINED: dict[tuple[int, int], tuple[CharGRU, CharTokenizer, dict[str, float]]] = {}
+
+
 def train(seed: int = SEED, steps: int = STEPS) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
     """Train on the training split of :func:`corpus` (the held-out documents never); returns
-    the model, its tokenizer and a few figures."""
+    the model, its tokenizer and a few figures. Training is deterministic for a seed and a
+    number of steps, so a second call with the same ones in this process (a re-export of the
+    same weights) gets a copy of the first result instead of training again."""
+    if (seed, steps) in _TRAINED:
+        model, tok, figures = _TRAINED[(seed, steps)]
+        return copy.deepcopy(model), tok, dict(figures)
+    model, tok, figures = _train(seed, steps)
+    _TRAINED[(seed, steps)] = (copy.deepcopy(model), tok, dict(figures))
+    return model, tok, figures
+
+
+def _train(seed: int, steps: int) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
     t0 = time.perf_counter()
     torch.set_num_threads(THREADS)
     torch.manual_seed(seed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -82,22 +83,53 @@ def _write_parquet(table: Any, path: Path) -> None:
         pq.write_table(table, tmp)
 
 
+ROWS_REPORT_S = 0.5  # how often a worker tells the driver how many rows were answered
+
+
+class RowsAnswered:
+    """Rows answered so far, summed over every worker: the driver's progress moves with the
+    answers, not only with committed blocks (a 65,536-row block of text takes minutes). Reports
+    are coalesced to one per ``ROWS_REPORT_S`` per worker; ``add`` never blocks the scorer."""
+
+    def __init__(self, report: Callable[[int], Any]):
+        self._report, self._pending, self._last = report, 0, time.monotonic()
+        self._lock = threading.Lock()
+
+    def add(self, rows: int) -> None:
+        with self._lock:
+            self._pending += rows
+            if time.monotonic() - self._last < ROWS_REPORT_S:
+                return
+            n, self._pending, self._last = self._pending, 0, time.monotonic()
+        self._report(n)
+
+    def flush(self) -> None:
+        with self._lock:
+            n, self._pending = self._pending, 0
+        if n:
+            self._report(n)
+
+
 class BlockWorker:
     """The Ray Data actor: one Scorer (gRPC clients, thread pool) for every block it is given."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, counter: Any = None):
         self.job = job
-        self.scorer = Scorer(job)
+        self.rows = RowsAnswered(lambda n: counter.add.remote(n)) if counter is not None else None
+        self.scorer = Scorer(job, on_rows=self.rows.add if self.rows else None)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         results = [run_block(Block(**json.loads(b)), self.job, self.scorer) for b in batch["block"]]
+        if self.rows is not None:
+            self.rows.flush()
         return {"result": [json.dumps(asdict(r)) for r in results]}
 
 
 def run_job(job: Job, blocks: list[Block], *, workers: int, ray_address: str | None,
-            on_block: Callable[[BlockResult], None]) -> None:
+            on_block: Callable[[BlockResult], None], on_rows: Callable[[int], None] | None = None) -> None:
     """Score ``blocks`` on Ray Data: an actor pool of ``workers`` BlockWorkers, two blocks in
-    flight per actor so one is read and written while the other is being served."""
+    flight per actor so one is read and written while the other is being served. ``on_rows``
+    gets the rows answered so far in this run (committed or not), about twice a second."""
     try:
         import ray  # noqa: PLC0415 - defers a heavy import
     except ImportError:
@@ -122,20 +154,63 @@ def run_job(job: Job, blocks: list[Block], *, workers: int, ray_address: str | N
     ctx.print_on_execution_start = False
     ds = ray.data.from_items([{"block": json.dumps(asdict(b))} for b in blocks], override_num_blocks=len(blocks))
     pool = ray.data.ActorPoolStrategy(size=workers, max_concurrent_calls_per_actor=2, enable_true_multi_threading=True)
-    ds = ds.map_batches(_bound_worker(job), batch_size=1, compute=pool, num_cpus=0.25)
-    for row in ds.iter_rows():
-        on_block(BlockResult(**json.loads(row["result"])))
+    counter = _Counter.remote() if on_rows is not None else None
+    stop = threading.Event()
+
+    def poll() -> None:  # the driver's side: read the counter, never fail the job
+        while not stop.wait(ROWS_REPORT_S):
+            try:
+                on_rows(ray.get(counter.total.remote(), timeout=5))
+            except Exception:  # noqa: BLE001, S112 - progress is a view; the next poll tries again
+                continue
+
+    poller = threading.Thread(target=poll, name="batch-progress", daemon=True) if counter is not None else None
+    ds = ds.map_batches(_bound_worker(job, counter), batch_size=1, compute=pool, num_cpus=0.25)
+    if poller is not None:
+        poller.start()
+    try:
+        for row in ds.iter_rows():
+            on_block(BlockResult(**json.loads(row["result"])))
+    finally:
+        stop.set()
+        if poller is not None:
+            poller.join(timeout=10)
 
 
-def _bound_worker(job: Job) -> type:
+def _bound_worker(job: Job, counter: Any = None) -> type:
     """BlockWorker with ``job`` in its class (pickled with it) rather than in constructor
     arguments, which Ray would keep in the object store for actor restarts."""
 
     class Worker(BlockWorker):
         def __init__(self) -> None:
-            super().__init__(job)
+            super().__init__(job, counter)
 
     return Worker
+
+
+class _RowCounter:
+    """A Ray actor summing the rows the workers answered (works on a cluster as on one host)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self, rows: int) -> None:
+        self.n += rows
+
+    def total(self) -> int:
+        return self.n
+
+
+class _LazyRemote:
+    """``ray.remote(_RowCounter)`` made on first use, so that importing this module needs no Ray."""
+
+    def remote(self) -> Any:
+        import ray  # noqa: PLC0415 - defers a heavy import
+
+        return ray.remote(num_cpus=0)(_RowCounter).remote()
+
+
+_Counter = _LazyRemote()
 
 
 def summary(out: Path, dead: Path, total_rows: int) -> dict[str, Any]:

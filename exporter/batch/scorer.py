@@ -34,10 +34,11 @@ class Scorer:
     servers, ``concurrency`` in flight per server. A rejected request is bisected until the
     rejected rows stand alone; transient errors are retried with backoff and full jitter."""
 
-    def __init__(self, job: Job, sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, job: Job, sleep: Callable[[float], None] = time.sleep,
+                 on_rows: Callable[[int], None] | None = None):
         import tritonclient.grpc as grpcclient  # noqa: PLC0415 - defers a heavy import
 
-        self.job, self.sleep = job, sleep
+        self.job, self.sleep, self.on_rows = job, sleep, on_rows
         self.grpc = grpcclient
         self.clients = [grpcclient.InferenceServerClient(url) for url in job.servers]
         self._next = itertools.cycle(range(len(self.clients)))
@@ -80,10 +81,16 @@ class Scorer:
     def _range(self, tensors: dict[str, np.ndarray], lo: int, hi: int) -> list[tuple[int, int, Any]]:
         """[lo, hi) as one request, or bisected while the guard rejects it."""
         try:
-            return [(lo, hi, self._infer({k: v[lo:hi] for k, v in tensors.items()}))]
+            answer = [(lo, hi, self._infer({k: v[lo:hi] for k, v in tensors.items()}))]
         except _Rejected as exc:
             if hi - lo == 1:
+                if self.on_rows is not None:
+                    self.on_rows(1)
                 return [(lo, hi, (exc.rule, exc.message))]
+        else:
+            if self.on_rows is not None:
+                self.on_rows(hi - lo)
+            return answer
         mid = (lo + hi) // 2
         return self._range(tensors, lo, mid) + self._range(tensors, mid, hi)
 

@@ -1,7 +1,9 @@
 """``python -m exporter batch MODEL --input PATH --output PATH``: score a table through a
 guarded model on Ray Data, resumably (:mod:`exporter.batch.job`).
 
-Progress and the summary go to stderr (``--json``: the summary as JSON on stdout). Exit 0 when
+Progress and the summary go to stderr (``--json``: the summary as JSON on stdout). Progress
+counts rows answered, committed or not (a block of text rows takes minutes to commit); where
+stderr is not a terminal, a plain line every ``$TRITONGUARD_BATCH_PROGRESS_S`` seconds (10). Exit 0 when
 every input row is in the output or the dead-letter folder, exactly once (rejected rows do not
 fail a job); 1 when the job stopped (servers gone longer than ``--retry-timeout``, a worker
 died): run the same command again to resume; 2 on bad input (arguments, mapping, an output
@@ -11,6 +13,7 @@ folder that holds another job).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -108,10 +111,36 @@ def batch_command(
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RowsPerSecond(),
                    TextColumn("ETA"), TimeRemainingColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err, transient=False) as progress:
-            task = progress.add_task(escape(model), total=total, completed=total - sum(x.rows for x in pending))
+            base = total - sum(x.rows for x in pending)
+            task = progress.add_task(escape(model), total=total, completed=base)
+            shown = {"committed": 0, "answered": 0, "line": time.monotonic(), "start": time.monotonic()}
+            every = float(os.environ.get("TRITONGUARD_BATCH_PROGRESS_S", "10"))
+
+            def show() -> None:  # rows answered (committed or not); never behind the commits
+                done_now = max(shown["committed"], shown["answered"])
+                progress.update(task, completed=base + done_now)
+                now = time.monotonic()
+                if not err.is_terminal and now - shown["line"] >= every:
+                    # no live bar in a log file or a pipe: a plain line every `every` seconds
+                    shown["line"] = now
+                    rate = done_now / (now - shown["start"]) if now > shown["start"] else 0.0
+                    left = (total - base - done_now) / rate if rate else None
+                    err.print(f"{escape(model)}: {base + done_now:,}/{total:,} rows answered "
+                              f"({base + shown['committed']:,} committed), {rate:,.0f} rows/s, ETA "
+                              f"{'-' if left is None else time.strftime('%H:%M:%S', time.gmtime(left))}",
+                              soft_wrap=True, highlight=False)
+
+            def on_block(r: b.BlockResult) -> None:
+                results.append(r)
+                shown["committed"] += r.rows
+                show()
+
+            def on_rows(n: int) -> None:
+                shown["answered"] = n
+                show()
+
             try:
-                run_job(job, pending, workers=workers, ray_address=ray_address,
-                          on_block=lambda r: (results.append(r), progress.advance(task, r.rows)))
+                run_job(job, pending, workers=workers, ray_address=ray_address, on_block=on_block, on_rows=on_rows)
             except Exception as exc:  # noqa: BLE001 - Ray wraps a worker's error; name its cause
                 failed = _cause(exc)
     wall = time.perf_counter() - t0

@@ -113,3 +113,24 @@ def test_version_of_and_backoff():
     assert scorer._backoff(0, "tenant 'a' is over its rate limit; retry after 960 ms") >= 0.96
     assert all(0 <= scorer._backoff(20, "") <= 5.0 for _ in range(100))
     assert scorer._Rejected("input 'IMAGE' violates finite: NaN").rule == "finite"
+
+
+def test_rows_answered_are_reported_coalesced_and_flushed(monkeypatch):
+    """The driver's progress gets every answered row, at most one report per ROWS_REPORT_S per
+    worker, the rest on flush (end of a block)."""
+    from exporter.batch import run
+
+    clock = [100.0]
+    monkeypatch.setattr(run.time, "monotonic", lambda: clock[0])
+    reports: list[int] = []
+    rows = run.RowsAnswered(reports.append)
+    for _ in range(10):
+        rows.add(64)  # within the first interval: held back
+    assert reports == []
+    clock[0] += run.ROWS_REPORT_S
+    rows.add(64)
+    assert reports == [704]
+    rows.add(10)
+    rows.flush()
+    rows.flush()  # nothing left: no empty report
+    assert reports == [704, 10] and sum(reports) == 11 * 64 + 10
