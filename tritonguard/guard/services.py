@@ -44,8 +44,8 @@ from tritonguard.privacy.cache.config import PrivacyMode, load_key
 from tritonguard.privacy.cache.tiered import TieredCache
 from tritonguard.privacy.redaction import Redactor
 from tritonguard.privacy.tenancy.auth import authenticator
-from tritonguard.privacy.tenancy.labels import MAX_TENANT_LABELS, OTHER_TENANTS, TenantLabels
 from tritonguard.privacy.tenancy.fleet import FleetQuotaManager, fleet_url
+from tritonguard.privacy.tenancy.labels import MAX_TENANT_LABELS, OTHER_TENANTS, TenantLabels
 from tritonguard.privacy.tenancy.quotas import QUOTA_FILE, QuotaManager, SharedQuotaManager
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ from tritonguard.privacy.cache.semantic import SemanticCache
 from tritonguard.privacy.cache.tiered import TieredCache
 from tritonguard.privacy.redaction import Redactor
 from tritonguard.privacy.tenancy.budget import TokenBudget
-from tritonguard.privacy.tenancy.labels import TenantLabels
 from tritonguard.privacy.tenancy.fleet import FleetQuotaManager, fleet_url
+from tritonguard.privacy.tenancy.labels import TenantLabels
 from tritonguard.privacy.tenancy.quotas import QuotaManager
 
 
