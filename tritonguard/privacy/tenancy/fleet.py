@@ -49,12 +49,13 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "tritonguard:quota:"
 
-# KEYS[1] bucket hash; ARGV rps, capacity, want (< 0: give tokens back).
-# Returns {granted, seconds until the next token (string)}; time is Redis's own (TIME).
+# KEYS[1] bucket hash; ARGV rps, capacity, want (< 0: give tokens back), lease.
+# Returns {granted, seconds until a whole lease has refilled (string)}; time is Redis's own (TIME).
+# Waiting for a whole lease, not one token, keeps a dry bucket from being polled once per token.
 _TAKE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local rps, cap, want = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local rps, cap, want, lease = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local b = redis.call('HMGET', KEYS[1], 'tokens', 'stamp')
 local tokens = tonumber(b[1])
 if tokens == nil then tokens = cap else tokens = math.min(cap, tokens + math.max(0, now - tonumber(b[2])) * rps) end
@@ -69,7 +70,7 @@ end
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'stamp', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil((cap - tokens) / rps * 1000) + 60000)
 local wait = 0
-if tokens < 1 then wait = (1 - tokens) / rps end
+if tokens < lease then wait = (math.min(lease, cap) - tokens) / rps end
 return {grant, tostring(wait)}
 """
 
@@ -216,7 +217,8 @@ class FleetQuotaManager(QuotaManager):
         return max(1, min(int(quota.capacity), math.ceil(quota.rps * self.lease_s)))
 
     def _take_tokens(self, tenant: str, quota: Quota, want: int) -> tuple[int, float] | None:
-        out = self._call(self._take, keys=[self._rate_key(tenant)], args=[quota.rps, quota.capacity, want])
+        out = self._call(self._take, keys=[self._rate_key(tenant)],
+                         args=[quota.rps, quota.capacity, want, self.lease_size(quota)])
         return None if out is None else (int(out[0]), float(out[1]))
 
     def _grow(self, tenant: str, quota: Quota, delta: int) -> int | None:
@@ -334,12 +336,13 @@ class FleetQuotaManager(QuotaManager):
         for tenant, st in want:
             if now < st.deny_until:
                 continue
-            got = self._take_tokens(tenant, st.quota, self.lease_size(st.quota))
+            lease = self.lease_size(st.quota)
+            got = self._take_tokens(tenant, st.quota, lease)
             with self._lock:
-                st.wanted = False
+                st.wanted = got is not None and got[0] == 0  # a dry bucket: asked again once refilled
                 if got is not None:
                     st.tokens += got[0]
-                    if got[0] == 0:
+                    if got[0] < lease:
                         st.deny_until = now + got[1]
             if got is None:
                 return
