@@ -13,9 +13,11 @@ import time
 import uuid
 
 import pytest
+import redis  # noqa: F401 - imported before the replicas fork, as a serving process has it
 
 from tests.conftest import REDIS_SERVER, RedisServer
 from tritonguard.core.config import from_params
+from tritonguard.privacy.tenancy import fleet
 from tritonguard.privacy.tenancy.config import TenancyConfig
 from tritonguard.privacy.tenancy.fleet import FleetQuotaManager, fleet_url
 from tritonguard.privacy.tenancy.quotas import QuotaManager, SharedQuotaManager
@@ -40,12 +42,21 @@ def _fork(target, *args):
 
 
 # -- rate: one bucket for every replica ---------------------------------------------------------------
-def _hammer(url, guard, start_at, seconds, interval, out):
+def _warm(q, barrier):
+    """Up like a serving replica (connected, lease key set, scripts loaded), then start together:
+    a replica still importing or connecting when the others start would shorten the window."""
+    q.sync()
+    q.client.script_load(fleet._TAKE)
+    q.client.script_load(fleet._SLOTS)
+    barrier.wait(30)
+
+
+def _hammer(url, guard, barrier, seconds, interval, out):
     """A replica sending 'acme' requests every ``interval`` s (above its share of the quota)."""
     q = manager(url, guard)
     admitted = attempts = 0
-    time.sleep(max(0.0, start_at - time.time()))
-    end = start_at + seconds
+    _warm(q, barrier)
+    end = time.time() + seconds
     while time.time() < end:
         attempts += 1
         if q.admit(["acme"])[0] is None:
@@ -58,9 +69,9 @@ def _hammer(url, guard, start_at, seconds, interval, out):
 
 def test_replicas_share_one_rate_within_ten_percent(redis_server):
     guard = f"g{uuid.uuid4().hex[:8]}"
-    out = multiprocessing.get_context("fork").Queue()
-    start_at = time.time() + 1.0  # every replica starts together, after its manager is up
-    procs = [_fork(_hammer, redis_server.url, guard, start_at, SECONDS, 1 / 250, out) for _ in range(REPLICAS)]
+    ctx = multiprocessing.get_context("fork")
+    out, barrier = ctx.Queue(), ctx.Barrier(REPLICAS)
+    procs = [_fork(_hammer, redis_server.url, guard, barrier, SECONDS, 1 / 250, out) for _ in range(REPLICAS)]
     results = [out.get(timeout=30) for _ in procs]
     for p in procs:
         p.join(10)
@@ -105,13 +116,14 @@ def test_refusal_carries_retry_advice_and_the_tokens_come_back_on_close(redis_se
 
 
 # -- requests in flight: one cap for every replica ------------------------------------------------------
-def _hold(url, guard, start_at, seconds, live, peak, lock, out):
+def _hold(url, guard, barrier, seconds, live, peak, lock, out):
     """A replica admitting 'pool' requests three at a time and holding them a few ms."""
     q = manager(url, guard)
     rng = random.Random()
     admitted = 0
-    time.sleep(max(0.0, start_at - time.time()))
-    while time.time() < start_at + seconds:
+    _warm(q, barrier)
+    end = time.time() + seconds
+    while time.time() < end:
         ok = [t for t, why in zip(["pool"] * 3, q.admit(["pool"] * 3), strict=True) if why is None]
         if ok:
             with lock:
@@ -132,8 +144,8 @@ def test_in_flight_cap_holds_across_replicas(redis_server):
     guard = f"g{uuid.uuid4().hex[:8]}"
     ctx = multiprocessing.get_context("fork")
     live, peak, lock, out = ctx.Value("i", 0, lock=False), ctx.Value("i", 0, lock=False), ctx.Lock(), ctx.Queue()
-    start_at = time.time() + 1.0
-    procs = [_fork(_hold, redis_server.url, guard, start_at, 2.0, live, peak, lock, out) for _ in range(3)]
+    barrier = ctx.Barrier(3)
+    procs = [_fork(_hold, redis_server.url, guard, barrier, 2.0, live, peak, lock, out) for _ in range(3)]
     admitted = [out.get(timeout=30) for _ in procs]
     for p in procs:
         p.join(10)
