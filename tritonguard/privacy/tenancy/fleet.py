@@ -6,11 +6,13 @@ Rate (``rps``/``burst``): the bucket lives in Redis (a hash, refilled by Redis's
 atomic Lua script, :data:`_TAKE`). A replica takes a *lease* of up to ``K`` tokens at a time
 (``K`` = :attr:`FleetQuotaManager.lease_s` seconds of the rate, at least 1, at most the burst),
 spends them locally, and asks for the next lease from a background thread once it holds fewer than
-``K/2``; only a replica that has none at all (its first request, or after the bucket ran dry) asks
-on the request path, bounded by the client's socket timeout (``timeout_s``, 50 ms). A refusal from
-Redis says how long until the next token: the replica refuses locally (with that retry advice)
-until then instead of asking again. What the fleet admits is therefore what the one bucket grants:
-``rps * seconds + burst``, less the few tokens the replicas still hold when traffic stops.
+``K/2``; only a replica whose lease cannot cover a batch (its first request, or the bucket ran
+dry) asks on the request path, bounded by the client's socket timeout (``timeout_s``, 50 ms). A
+refusal from Redis says how long until a whole lease has refilled: the replica refuses locally
+(with that retry advice) until then instead of asking again, so a dry bucket is asked about once
+per lease, not once per token. What the fleet admits is therefore what the one bucket grants:
+``rps * seconds + burst``, less the few tokens the replicas still hold when traffic stops (given
+back by :meth:`FleetQuotaManager.close`).
 
 In flight (``max_in_flight``): a Redis hash per tenant holds how many slots each replica holds
 (:data:`_SLOTS`); a replica grows its share on the request path when its own requests would exceed
