@@ -33,6 +33,9 @@ GUARD_COUNTERS = {
                           "Damaged cache files moved aside (the tier then starts empty), by tier"),
     "redactions": ("tritonguard_redactions_total", "PII spans redacted, by type, direction (input/output) and tenant"),
     "quota_rejects": ("tritonguard_quota_rejects_total", "Requests refused by a tenant quota (UNAVAILABLE), by tenant and reason"),
+    "quota_degraded": ("tritonguard_quota_degraded_total",
+                       "Requests judged by the host's own tenant quota because the fleet's quota store "
+                       "(Redis, TRITONGUARD_STATE_URL) was unreachable"),
     "audit_drops": ("tritonguard_audit_drops_total", "Audit records lost: the writer's queue was full or a write failed"),
     "trace_spans": ("tritonguard_trace_spans_total",
                     "Guard trace spans, by outcome: exported, failed (the collector did not take them), "

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tritonguard.core.errors import ConfigError
+from tritonguard.core.store import store_url
 from tritonguard.core.tensors import ModelSignature
 from tritonguard.guard.config import SERVED_BY, GuardConfig
 from tritonguard.guard.pipeline import Batch, GuardContext, Pipeline, Stage
@@ -43,6 +44,7 @@ from tritonguard.privacy.cache.config import PrivacyMode, load_key
 from tritonguard.privacy.cache.tiered import TieredCache
 from tritonguard.privacy.redaction import Redactor
 from tritonguard.privacy.tenancy.auth import authenticator
+from tritonguard.privacy.tenancy.fleet import FleetQuotaManager, fleet_url
 from tritonguard.privacy.tenancy.labels import MAX_TENANT_LABELS, OTHER_TENANTS, TenantLabels
 from tritonguard.privacy.tenancy.quotas import QUOTA_FILE, QuotaManager, SharedQuotaManager
 
@@ -284,14 +286,20 @@ class PrivacyStage:
 
     def _quotas(self, tcfg: Any) -> QuotaManager:
         """Buckets shared by every instance of this guard on the host (a file beside its rollout
-        state); per process if that file cannot be used."""
+        state); per process if that file cannot be used. With a Redis state URL
+        (``$TRITONGUARD_STATE_URL``), one quota for the whole fleet, the host's buckets judging
+        while Redis is unreachable."""
         path = self.ctx.repo / self.guard / QUOTA_FILE
         try:
-            return SharedQuotaManager(tcfg, path)
+            local: QuotaManager = SharedQuotaManager(tcfg, path)
         except OSError as exc:
             log.warning("guard %s: tenant quotas are per instance: cannot share them through %s: %s",
                         self.guard, path, exc)
-            return QuotaManager(tcfg)
+            local = QuotaManager(tcfg)
+        url = store_url(environ=self.ctx.environ)
+        if fleet_url(url):
+            return FleetQuotaManager(tcfg, url, guard=self.guard, local=local)
+        return local
 
     def close(self) -> None:
         """The services' files and threads (the stages hold none of their own)."""
@@ -299,7 +307,7 @@ class PrivacyStage:
         self.audit.close()
         if self.cache is not None:
             self.cache.close()
-        if isinstance(self.quotas, SharedQuotaManager):
+        if isinstance(self.quotas, (SharedQuotaManager, FleetQuotaManager)):
             self.quotas.close()
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -183,6 +184,37 @@ def test_quota_refuses_with_unavailable_and_retry_advice(repo):
     assert stage.quotas.in_flight("cap") == 0  # released after the batch
     assert stage.metrics.total("quota_rejects", tenant="lim", reason="rate") == 1
     assert stage.metrics.total("quota_rejects", tenant="cap", reason="in_flight") == 1
+
+
+def test_a_redis_state_url_makes_quotas_the_fleets_and_an_outage_is_counted(repo, tmp_path):
+    from tests.conftest import REDIS_SERVER, RedisServer
+    from tritonguard.privacy.tenancy.fleet import FleetQuotaManager
+    from tritonguard.privacy.tenancy.quotas import SharedQuotaManager
+
+    if not REDIS_SERVER:
+        pytest.skip("redis-server is not installed")
+    (repo / "g").mkdir(exist_ok=True)  # the host's buckets live beside the guard's state
+    srv = RedisServer(tmp_path)
+    srv.start()
+    cfg = GuardConfig.from_parameters({**BASE, "tenancy.quotas": json.dumps({"lim": {"rps": 1, "burst": 2}})}, "g")
+    stage = PrivacyStage(guard="g", target="t", signature=TEXT, output_names=["EMB"], config=cfg, repo=repo,
+                         metrics=Metrics(), environ={**ENV, "TRITONGUARD_STATE_URL": srv.url})
+    stage.attach(Router())
+    try:
+        assert isinstance(stage.quotas, FleetQuotaManager)
+        assert isinstance(stage.quotas.local, SharedQuotaManager)  # what judges while Redis is away
+        lim = [{"tenant": "lim"}] * 3
+        batch, _ = serve(stage, cfg, [[b"a"], [b"b"], [b"c"]], params=lim)
+        assert set(batch.errors) == {2} and isinstance(batch.errors[2], QuotaExceeded)
+        assert stage.metrics.total("quota_degraded") == 0
+        srv.stop()
+        time.sleep(1.1)  # past the fleet's retry advice (its bucket was dry): Redis would be asked now
+        batch, _ = serve(stage, cfg, [[b"a"], [b"b"], [b"c"]], params=lim)  # the host's own bucket: burst 2
+        assert set(batch.errors) == {2} and isinstance(batch.errors[2], QuotaExceeded)
+        assert stage.metrics.total("quota_degraded") == 3
+    finally:
+        stage.close()
+        srv.stop()
 
 
 # -- cache --------------------------------------------------------------------------------------------

@@ -31,6 +31,15 @@ class TenancyStage(Stage):
         self.default = config.default
         self.resolver = TenantResolver(config, environ)
         self.metrics, self.label, self.quotas, self.budget = metrics, label, quotas, budget
+        self._degraded = 0  # requests the fleet quota judged locally, already counted
+
+    def _count_degraded(self) -> None:
+        """Fleet quotas (:mod:`tritonguard.privacy.tenancy.fleet`) judged by the host's quota while
+        Redis was unreachable: into ``tritonguard_quota_degraded_total``."""
+        n = getattr(self.quotas, "degraded", 0)
+        if n > self._degraded:
+            self.metrics.inc("quota_degraded", n - self._degraded)
+            self._degraded = n
 
     def run(self, b: Batch) -> None:
         n = len(b.verdict.errors)
@@ -49,6 +58,7 @@ class TenancyStage(Stage):
             self.metrics.inc("rejects", 1, reason=err.rule)
         if self.quotas is not None and keep:
             refusals = self.quotas.admit([tenants[b.route[p]] for p in keep])
+            self._count_degraded()
             admitted = []
             for p, why in zip(list(keep), refusals, strict=True):
                 i, t = b.route[p], tenants[b.route[p]]
@@ -78,6 +88,7 @@ class TenancyStage(Stage):
         gen.tenant = tenant
         if self.quotas is not None:
             why = self.quotas.admit([tenant])[0]
+            self._count_degraded()
             if why is not None:
                 raise QuotaExceeded(why)
             gen.quota_admitted = True

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tritonguard.core.errors import ConfigError
+from tritonguard.core.store import store_url
 from tritonguard.generation.contract import OUTPUT
 from tritonguard.guard.pipeline import StreamPipeline
 from tritonguard.guard.services import AuditedMetrics, audit_file
@@ -32,6 +33,7 @@ from tritonguard.privacy.cache.semantic import SemanticCache
 from tritonguard.privacy.cache.tiered import TieredCache
 from tritonguard.privacy.redaction import Redactor
 from tritonguard.privacy.tenancy.budget import TokenBudget
+from tritonguard.privacy.tenancy.fleet import FleetQuotaManager, fleet_url
 from tritonguard.privacy.tenancy.labels import TenantLabels
 from tritonguard.privacy.tenancy.quotas import QuotaManager
 
@@ -43,7 +45,12 @@ class StreamServices:
         s = self.settings = settings
         self.name, self.target, self.repo, self.metrics = name, target, repo, metrics
         self.redactor = Redactor(s.redaction)
-        self.quotas = QuotaManager(s.tenancy) if s.tenancy.quotas else None
+        self.quotas: QuotaManager | None = None
+        if s.tenancy.quotas:  # per instance; with a Redis state URL one quota for the fleet
+            self.quotas = QuotaManager(s.tenancy)
+            url = store_url()
+            if fleet_url(url):
+                self.quotas = FleetQuotaManager(s.tenancy, url, guard=name, local=self.quotas)
         self.budget = TokenBudget(s.tokens)
         self.label = TenantLabels()
         self.cache: TieredCache | None = None
@@ -88,3 +95,5 @@ class StreamServices:
     def close(self) -> None:
         if self.audit is not None:
             self.audit.close()
+        if isinstance(self.quotas, FleetQuotaManager):
+            self.quotas.close()

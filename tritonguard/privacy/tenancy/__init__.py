@@ -5,10 +5,12 @@
   headers, and their credentials (``ApiKeys``, ``JwtTokens``, ``TenantResolver``);
 - :mod:`~tritonguard.privacy.tenancy.quotas`: admission by token bucket and in-flight cap, per
   process (``QuotaManager``) or shared by a guard's processes on one host (``SharedQuotaManager``);
+- :mod:`~tritonguard.privacy.tenancy.fleet`: one quota for every replica through Redis leases
+  (``FleetQuotaManager``), the host's quota judging while Redis is unreachable;
 - :mod:`~tritonguard.privacy.tenancy.labels`: ``TenantLabels``, tenants as bounded metric labels;
 - :mod:`~tritonguard.privacy.tenancy.budget`: a decoupled guard's token budget (``tokens.*``).
 
-Arrows: ``config`` <- {``auth``, ``quotas``}; ``labels`` and ``budget`` stand alone. May import
+Arrows: ``config`` <- {``auth``, ``quotas``} <- ``fleet``; ``labels`` and ``budget`` stand alone. May import
 :mod:`tritonguard.core` only. Nothing is re-exported here: import a name from the module that
 defines it.
 """

@@ -4,7 +4,9 @@
 keeps them in a memory-mapped file beside the guard's rollout state (:data:`QUOTA_FILE`), so every
 instance (process) of a guard on one host draws from the same bucket, and falls back to the
 per-process buckets for a tenant that finds no slot. Replicas on other hosts each enforce the
-quota on their own traffic. The quotas themselves are ``tenancy.quotas``
+quota on their own traffic, unless the state URL names Redis: then
+:class:`~tritonguard.privacy.tenancy.fleet.FleetQuotaManager` holds one quota for the fleet and
+these judge only while Redis is unreachable. The quotas themselves are ``tenancy.quotas``
 (:mod:`tritonguard.privacy.tenancy.config`).
 """
 
