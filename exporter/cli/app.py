@@ -18,11 +18,11 @@ from exporter.build.errors import ExportError, GoldenCheckFailed
 from exporter.build.export import export_source
 from exporter.build.upgrade import upgrade_layout
 from exporter.cli.consoles import console, log_handler, where
+from exporter.cli.rollout_common import StateUrl, servers_or_fleet
 from exporter.cli.status import collect, live, print_live, table, unreachable
 from exporter.cli.watch import watch as watch_view
 from exporter.errors import EXIT_BAD_INPUT, ExporterError
 from exporter.rollout.route import RouteChange, RouteError, apply, parse_arms, show, state_summary
-from exporter.cli.rollout_common import StateUrl, servers_or_fleet
 from tritonguard.privacy.tenancy.auth import new_api_key
 from tritonguard.privacy.tenancy.config import TenancyConfig
 

@@ -32,10 +32,10 @@ from exporter.errors import EXIT_BAD_INPUT, ExporterError
 from exporter.records.progress import ControllerError
 from exporter.records.registry import RegistryError
 from exporter.rollout.controller import RolloutController
+from exporter.rollout.fleet import FleetReader
 from exporter.rollout.guards import guard_target
 from exporter.rollout.progress import ACTIVE, evidence
 from exporter.rollout.route import RouteChange, apply
-from exporter.rollout.fleet import FleetReader
 from exporter.rollout.serving import ensure_loaded
 from exporter.rollout.window import metrics_reader, store_latency_reader
 

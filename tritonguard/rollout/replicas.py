@@ -155,7 +155,7 @@ class ReplicaRegistry:
         for k in keys:
             pipe.hgetall(k)
         out = []
-        for k, raw in zip(keys, pipe.execute()):
+        for k, raw in zip(keys, pipe.execute(), strict=True):
             doc = {(a.decode() if isinstance(a, bytes) else a): (b.decode() if isinstance(b, bytes) else b)
                    for a, b in (raw or {}).items()}
             try:
