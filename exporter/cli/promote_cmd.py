@@ -17,6 +17,7 @@ from exporter.cli.consoles import where
 from exporter.cli.rollout_common import (
     EXIT_ROLLED_BACK,
     Model,
+    PrometheusUrl,
     Repository,
     Servers,
     StateUrl,
@@ -96,6 +97,7 @@ def promote(
     approve_cmd: Annotated[list[str] | None, typer.Option(help="Shell command that must exit 0 before PRODUCTION (repeat).")] = None,
     detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
     state_url: StateUrl = None,
+    prometheus: PrometheusUrl = None,
 ) -> None:
     """Register VERSION (or each --arms version), load it on the servers, and stage it or roll it out."""
 
@@ -137,13 +139,13 @@ def promote(
                                             "max_slice_regression": limits.max_slice_regression,
                                             "min_labels": min_labels})
             urls = found_urls
-            if not urls and fleet is None:
+            if not urls and fleet is None and not prometheus:
                 raise BadInput("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL), "
                                "or --state-url redis://… whose registry lists the replicas")
         else:
             urls = []
         ctl, reg, target = controller_for(model, repository, urls, approver=approver,
-                                       approve_cmd=approve_cmd, config=config, fleet=fleet)
+                                       approve_cmd=approve_cmd, config=config, fleet=fleet, prometheus=prometheus)
 
         def register(v: int):
             vdir = repository / target / str(v)

@@ -17,6 +17,7 @@ from exporter.records.registry import open_registry
 from exporter.rollout.controller import RolloutController
 from exporter.rollout.fleet import Fleet, FleetReader, discover
 from exporter.rollout.guards import guard_target
+from exporter.rollout.prometheus import PrometheusReader
 from exporter.rollout.reconcile import reconcile_registry
 from exporter.rollout.serving import metrics_urls, purge_cache
 from exporter.rollout.window import metrics_reader, store_labels_reader, store_latency_reader
@@ -46,9 +47,10 @@ def purge(repository: Path, model: str, why: str) -> None:
 
 
 def controller_for(model: str, repository: Path, urls: list[str], *, approver: str | None = None,
-                approve_cmd: list[str] | None = None, config=None, fleet: Fleet | None = None):
+                approve_cmd: list[str] | None = None, config=None, fleet: Fleet | None = None,
+                prometheus: str | None = None):
     """The controller reading ``urls``, or with ``fleet`` the registry's live replicas, re-resolved
-    at every look."""
+    at every look, or with ``prometheus`` PromQL over every replica that Prometheus scrapes."""
     target = guard_target(repository, model)
     reg = registry_for(repository, approve_cmd)
 
@@ -79,8 +81,13 @@ def controller_for(model: str, repository: Path, urls: list[str], *, approver: s
         err.print(f"[yellow]![/] labels from the store unavailable ({type(exc).__name__}: {exc}); "
                   "judging request labels from the metrics")
         labels = None
-    reader = (FleetReader(fleet, model, target=target, count=len(urls), say=lambda m: err.print(f"[yellow]![/] {m}"))
-              if fleet is not None else metrics_reader(urls, model, target=target))
+    say = lambda m: err.print(f"[yellow]![/] {m}")  # noqa: E731
+    if prometheus:
+        reader = PrometheusReader(prometheus, model, target=target, say=say)
+    elif fleet is not None:
+        reader = FleetReader(fleet, model, target=target, count=len(urls), say=say)
+    else:
+        reader = metrics_reader(urls, model, target=target)
     return RolloutController(model, repository, reader, config=config,
                              on_promote=on_promote, on_rollback=on_rollback, on_step=on_step,
                              latency_reader=latency, labels_reader=labels), reg, target
@@ -141,3 +148,8 @@ def servers_or_fleet(servers: list[str], metrics: list[str], state_url: str | No
     live = fleet.replicas()
     (say or (lambda line: err.print(line)))(fleet.line(live))
     return fleet, [r.http for r in live], [r.metrics for r in live]
+
+PrometheusUrl = Annotated[str | None, typer.Option("--prometheus", help="Prometheus base URL (e.g. "
+                          "http://prometheus:9090): the gates read every replica's guards with PromQL (the "
+                          "recording rules' expressions, as counts since the first look) instead of scraping "
+                          "each replica's metrics port.")]
