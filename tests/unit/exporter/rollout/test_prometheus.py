@@ -124,11 +124,12 @@ def test_counts_since_the_first_look_across_replicas_dead_or_alive(fleet):
         p.body = exposition(300, 210, 20)  # type: ignore[attr-defined]  # +200, +200, +20 each
     time.sleep(3.5)
     r1 = read(1, 2)
-    # increase() extrapolates to the window's edges: about the true counts, never fewer
     served, errors = r1.served[2] - r0.served.get(2, 0.0), r1.errors[2] - r0.errors.get(2, 0.0)
-    assert 400 * 0.9 <= served <= 400 * 1.3, (r0, r1)
-    assert 40 * 0.9 <= errors <= 40 * 1.3, (r0, r1)
-    assert errors / served == pytest.approx(0.1, abs=0.02)
+    # increase() extrapolates to the window's edges (one scrape interval in a few): about the
+    # true counts; a loaded machine's late scrapes move them further
+    assert 400 * 0.75 <= served <= 400 * 1.5, (r0, r1)
+    assert 40 * 0.75 <= errors <= 40 * 1.5, (r0, r1)
+    assert errors / served == pytest.approx(0.1, abs=0.03)
     # one replica dies: its counts stay in the window (a plain sum would drop them)
     pages[1].shutdown()
     pages[1].server_close()
