@@ -167,4 +167,5 @@ class PrometheusReader:
         if not r.replicas:
             r.problems.append(f"Prometheus {self.url} has no tritonguard series of model '{self.model}'")
         r.taken_at = now
+        r.source = f"prometheus:{self.url}@{self.anchor:.0f}"
         return r

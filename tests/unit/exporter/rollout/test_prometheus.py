@@ -179,3 +179,16 @@ def test_rules_path_is_checked(tmp_path):
     bad.write_text("groups: []\n")
     with pytest.raises(Exception, match="no recording rule"):
         PrometheusReader("http://127.0.0.1:1", MODEL, rules_path=Path(bad))
+
+
+def test_readings_of_another_source_restart_the_window():
+    from exporter.rollout.gates.evaluate import evaluate
+    from exporter.rollout.gates.readings import GuardReadings
+
+    scraped = GuardReadings(model=MODEL, primary=1, candidate=2, served={1: 10_000.0, 2: 5000.0}, errors={2: 0.0})
+    prom = GuardReadings(model=MODEL, primary=1, candidate=2, served={1: 10.0, 2: 5.0}, errors={2: 0.0},
+                         source="prometheus:http://p@1")
+    report = evaluate(prom, scraped, look=1)
+    assert report.reset and "source changed" in report.gates[0].reason
+    assert GuardReadings.from_dict(prom.to_dict()).source == prom.source
+    assert GuardReadings.from_dict({k: v for k, v in scraped.to_dict().items() if k != "source"}).source == ""
