@@ -221,3 +221,22 @@ def test_rollout_status_finds_the_replicas(fleet_repo, redis_server, monkeypatch
     assert res.exit_code == 0, res.output
     assert f"1 replica live (from {redis_server.url})" in res.stderr
     assert "live v2: FAIL now" in res.stdout, res.stdout
+
+
+def test_promote_without_server_uses_the_registry(fleet_repo, redis_server):
+    repo, reg, port = fleet_repo
+    for v in (1, 2):
+        (repo / "fleetm_raw" / str(v) / "manifest.json").write_text(json.dumps(
+            {"sha256": f"{v:02d}" * 32, "task": "classifier", "created": "2026-01-01T00:00:00+00:00",
+             "golden": {"verdict": "PASS", "metrics": {"top1_agreement": 1.0}, "n": 8}}))
+    live = {"http": f"http://127.0.0.1:{port - 2}", "grpc": "", "metrics": f"http://127.0.0.1:{port}/metrics",
+            "host": "127.0.0.1", "started": 5.0}
+    reg.beat(live, MODEL, [1])
+    _Metrics.body = _exposition(100, 10, 0)
+    # no traffic moves: the step stays inconclusive and times out, read from the replica found
+    res = CliRunner().invoke(app, ["promote", MODEL, "--version", "2", "--primary", "1", "--steps", "100",
+                                   "--dwell-s", "0", "--interval-s", "0.2", "--max-step-s", "1",
+                                   "-r", str(repo), "--state-url", redis_server.url])
+    assert f"1 replica live (from {redis_server.url})" in res.stderr, res.output
+    assert res.exit_code == 1, res.output
+    assert "rolled_back" in res.stdout and "inconclusive" in res.stdout.lower(), res.stdout
