@@ -18,11 +18,11 @@ from exporter.build.errors import ExportError, GoldenCheckFailed
 from exporter.build.export import export_source
 from exporter.build.upgrade import upgrade_layout
 from exporter.cli.consoles import console, log_handler, where
+from exporter.cli.rollout_common import StateUrl, servers_or_fleet
 from exporter.cli.status import collect, live, print_live, table, unreachable
 from exporter.cli.watch import watch as watch_view
 from exporter.errors import EXIT_BAD_INPUT, ExporterError
 from exporter.rollout.route import RouteChange, RouteError, apply, parse_arms, show, state_summary
-from exporter.rollout.serving import ServingError, metrics_urls
 from tritonguard.privacy.tenancy.auth import new_api_key
 from tritonguard.privacy.tenancy.config import TenancyConfig
 
@@ -178,32 +178,40 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="A live view of every guard (routing, rollout gates, "
                      "breakers, traffic rates), redrawn every 2 s from the --server metrics; Ctrl-C stops.")] = False,
+    state_url: StateUrl = None,
 ) -> None:
     """Models with versions, hashes and goldens; per guard: routing, rollout step and gates,
     registry stages, and (with --server) live breaker states and drift. A --server or
     --metrics-url that cannot be reached is an error (exit 2), named on stderr; under --watch
-    only at the start (a replica lost later is shown in the view)."""
+    only at the start (a replica lost later is shown in the view). Without --server, a Redis store
+    (--state-url or $TRITONGUARD_STATE_URL) gives every live replica of its registry, re-read at each
+    --watch reading."""
 
     if watch and as_json:
         err.print("[bold red]✗ status failed:[/] --watch draws a live view; use --json without it")
         raise typer.Exit(EXIT_BAD_INPUT)
     try:
-        urls = metrics_urls(list(server or []), metrics_url or [])
-    except ServingError as exc:
+        fleet, servers, urls = servers_or_fleet(list(server or []), metrics_url or [], state_url,
+                                                say=lambda line: err.print(escape(line), soft_wrap=True))
+    except ExporterError as exc:
         err.print(f"[bold red]✗ status failed:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    if problems := unreachable(list(server or []), urls, explicit_metrics=bool(metrics_url)):
+    # a listed replica that cannot be reached is an error; a found one is only shown as unreachable
+    if fleet is None and (problems := unreachable(servers, urls, explicit_metrics=bool(metrics_url))):
         for problem in problems:
             err.print(f"[bold red]✗ status failed:[/] {escape(problem)}", soft_wrap=True)
         raise typer.Exit(EXIT_UNREACHABLE)
     if watch:
 
-        watch_view(out, repository, list(server or []), urls)
+        watch_view(out, repository, servers, urls, fleet=fleet)
         return
     models = collect(repository)
-    guards = live(repository, urls, servers=list(server or []))
+    guards = live(repository, urls, servers=servers)
     if as_json:
-        typer.echo(json.dumps({"repository": str(repository), "models": models, "guards": guards}, indent=2))
+        doc = {"repository": str(repository), "models": models, "guards": guards}
+        if fleet is not None:  # URLs, host, start, last heartbeat and versions served, per replica
+            doc["replicas"] = [r.to_dict() for r in fleet.last]
+        typer.echo(json.dumps(doc, indent=2))
         return
     if not models:
         out.print(f"no models in {repository}")

@@ -17,14 +17,17 @@ from exporter.cli.consoles import where
 from exporter.cli.rollout_common import (
     EXIT_ROLLED_BACK,
     Model,
+    PrometheusUrl,
     Repository,
     Servers,
+    StateUrl,
     controller_for,
     err,
     exit_for,
     out,
     purge,
     reconcile,
+    servers_or_fleet,
 )
 from exporter.errors import EXIT_BAD_INPUT, BadInput, ExporterError
 from exporter.records.registry import RegistryError
@@ -34,7 +37,7 @@ from exporter.rollout.guards import guard_target, judge_limits
 from exporter.rollout.judge import JudgeError, judge_offline, manifest_judge, parse_margin
 from exporter.rollout.progress import RolloutConfig
 from exporter.rollout.route import RouteChange, apply, parse_arms
-from exporter.rollout.serving import ensure_loaded, metrics_urls
+from exporter.rollout.serving import ensure_loaded
 from tritonguard.core.repository import read_manifest, versions
 from tritonguard.rollout.state import JUDGES
 from tritonguard.rollout.stores import open_store
@@ -93,13 +96,16 @@ def promote(
     approver: Annotated[str | None, typer.Option(help="Who approves (recorded in the history).")] = None,
     approve_cmd: Annotated[list[str] | None, typer.Option(help="Shell command that must exit 0 before PRODUCTION (repeat).")] = None,
     detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
+    state_url: StateUrl = None,
+    prometheus: PrometheusUrl = None,
 ) -> None:
     """Register VERSION (or each --arms version), load it on the servers, and stage it or roll it out."""
 
     to = to.lower()
-    servers = list(server or [])
     where(err, repository, registry=True)
     try:
+        # the --server list, else every replica live in the store's registry (re-read at each look)
+        fleet, servers, found_urls = servers_or_fleet(list(server or []), metrics_url or [], state_url)
         if to not in ("staging", "production"):
             raise BadInput(f"--to must be staging or production, got {to!r}")
         if (version is None) == (arms is None):
@@ -142,13 +148,14 @@ def promote(
                                             "limit_source": limits.sources["max_disagreement"],
                                             "max_slice_regression": limits.max_slice_regression,
                                             "min_labels": min_labels})
-            urls = metrics_urls(servers, metrics_url or [])
-            if not urls:
-                raise BadInput("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL)")
+            urls = found_urls
+            if not urls and fleet is None and not prometheus:
+                raise BadInput("a rollout reads the guards' metrics: pass --server URL (or --metrics-url URL), "
+                               "or --state-url redis://… whose registry lists the replicas")
         else:
             urls = []
         ctl, reg, target = controller_for(model, repository, urls, approver=approver,
-                                       approve_cmd=approve_cmd, config=config)
+                                       approve_cmd=approve_cmd, config=config, fleet=fleet, prometheus=prometheus)
 
         def register(v: int):
             vdir = repository / target / str(v)

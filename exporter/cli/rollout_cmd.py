@@ -16,24 +16,28 @@ import typer
 from exporter.cli.consoles import where
 from exporter.cli.rollout_common import (
     Model,
+    PrometheusUrl,
     Repository,
     Servers,
+    StateUrl,
     controller_for,
     err,
     exit_for,
     out,
     purge,
     reconcile,
+    servers_or_fleet,
     who_text,
 )
 from exporter.errors import EXIT_BAD_INPUT, ExporterError
 from exporter.records.progress import ControllerError
 from exporter.records.registry import RegistryError
 from exporter.rollout.controller import RolloutController
+from exporter.rollout.fleet import FleetReader
 from exporter.rollout.guards import guard_target
 from exporter.rollout.progress import ACTIVE, evidence
 from exporter.rollout.route import RouteChange, apply
-from exporter.rollout.serving import ensure_loaded, metrics_urls
+from exporter.rollout.serving import ensure_loaded
 from exporter.rollout.window import metrics_reader, store_latency_reader
 
 rollout_app = typer.Typer(help="Inspect or steer a progressive rollout.", no_args_is_help=True, add_completion=False)
@@ -81,12 +85,14 @@ def rollout_status(
                            "(repeat; default: each --server's port + 2).")] = None,
     repository: Repository = Path("model_repository"),
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable progress on stdout.")] = False,
+    state_url: StateUrl = None,
 ) -> None:
     """Show the rollout's step, dwell, status and last gate report; with --server (as for
-    `rollout resume`), also the gates as the next look would judge them now (nothing is changed)."""
+    `rollout resume`), or the replicas live in a Redis store's registry, also the gates as the
+    next look would judge them now (nothing is changed)."""
 
     try:
-        urls = metrics_urls(list(server or []), metrics_url or [])
+        fleet, _, urls = servers_or_fleet(list(server or []), metrics_url or [], state_url)
         progress = RolloutController(model, repository, reader=None).status()
     except ExporterError as exc:  # unreadable progress, or its Redis unreachable
         err.print(f"[bold red]✗ status failed:[/] {exc}")
@@ -94,7 +100,7 @@ def rollout_status(
     reconcile(repository, model)
     live = None
     if urls and progress is not None and progress.status in ("running", "paused"):
-        live = _peek(model, repository, urls)
+        live = _peek(model, repository, urls, fleet)
     if as_json:
         doc = progress.to_dict() if progress else None
         if doc is not None and urls:
@@ -127,7 +133,7 @@ def rollout_status(
                 out.print(f"    {g['name']:<11} {g['verdict']:<12} n={g['samples']:<7} {g['reason']}")
 
 
-def _peek(model: str, repository: Path, urls: list[str]) -> dict | None:
+def _peek(model: str, repository: Path, urls: list[str], fleet=None) -> dict | None:
     """The gates over the running window as of now, from the replicas' metrics (read only)."""
 
     try:
@@ -136,8 +142,9 @@ def _peek(model: str, repository: Path, urls: list[str]) -> dict | None:
             latency = store_latency_reader(model, repository)
         except Exception:  # noqa: BLE001 - the buckets still judge
             latency = None
-        ctl = RolloutController(model, repository, metrics_reader(urls, model, target=target),
-                                latency_reader=latency)
+        reader = (FleetReader(fleet, model, target=target, count=len(urls), say=lambda m: err.print(f"[yellow]![/] {m}"))
+                  if fleet is not None else metrics_reader(urls, model, target=target))
+        ctl = RolloutController(model, repository, reader, latency_reader=latency)
         return ctl.peek()
     except ExporterError as exc:
         return {"error": str(exc)}
@@ -174,14 +181,16 @@ def rollout_resume(model: Model, server: Servers = None,
                    metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of "
                                           "each replica (repeat; default: each --server's port + 2).")] = None,
                    repository: Repository = Path("model_repository"),
-                   approver: Annotated[str | None, typer.Option(help="Who approves PRODUCTION.")] = None) -> None:
+                   approver: Annotated[str | None, typer.Option(help="Who approves PRODUCTION.")] = None,
+                   state_url: StateUrl = None, prometheus: PrometheusUrl = None) -> None:
     """Continue a paused or interrupted rollout where it stopped (step, dwell and baseline)."""
 
     try:
-        urls = metrics_urls(list(server or []), metrics_url or [])
-        if not urls:
-            raise ControllerError("resume reads the guards' metrics: pass --server URL (or --metrics-url URL)")
-        ctl, _, _ = controller_for(model, repository, urls, approver=approver)
+        fleet, _, urls = servers_or_fleet(list(server or []), metrics_url or [], state_url)
+        if not urls and fleet is None and not prometheus:
+            raise ControllerError("resume reads the guards' metrics: pass --server URL (or --metrics-url URL), "
+                                  "or --state-url redis://… whose registry lists the replicas")
+        ctl, _, _ = controller_for(model, repository, urls, approver=approver, fleet=fleet, prometheus=prometheus)
         progress = ctl.resume()
         if progress.status == "done":
             purge(repository, model, "promote")

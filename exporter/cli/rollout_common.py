@@ -6,6 +6,7 @@ one-line report a command exits with.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -14,10 +15,13 @@ import typer
 from exporter.cli.consoles import WideConsole
 from exporter.records.registry import open_registry
 from exporter.rollout.controller import RolloutController
+from exporter.rollout.fleet import Fleet, FleetReader, discover
 from exporter.rollout.guards import guard_target
+from exporter.rollout.prometheus import PrometheusReader
 from exporter.rollout.reconcile import reconcile_registry
-from exporter.rollout.serving import purge_cache
+from exporter.rollout.serving import metrics_urls, purge_cache
 from exporter.rollout.window import metrics_reader, store_labels_reader, store_latency_reader
+from tritonguard.core.store import ENV_URL
 
 # no wraps at 80 columns when piped (tables included): a CI log keeps whole lines
 out = WideConsole(soft_wrap=True)
@@ -43,7 +47,10 @@ def purge(repository: Path, model: str, why: str) -> None:
 
 
 def controller_for(model: str, repository: Path, urls: list[str], *, approver: str | None = None,
-                approve_cmd: list[str] | None = None, config=None):
+                approve_cmd: list[str] | None = None, config=None, fleet: Fleet | None = None,
+                prometheus: str | None = None):
+    """The controller reading ``urls``, or with ``fleet`` the registry's live replicas, re-resolved
+    at every look, or with ``prometheus`` PromQL over every replica that Prometheus scrapes."""
     target = guard_target(repository, model)
     reg = registry_for(repository, approve_cmd)
 
@@ -74,7 +81,14 @@ def controller_for(model: str, repository: Path, urls: list[str], *, approver: s
         err.print(f"[yellow]![/] labels from the store unavailable ({type(exc).__name__}: {exc}); "
                   "judging request labels from the metrics")
         labels = None
-    return RolloutController(model, repository, metrics_reader(urls, model, target=target), config=config,
+    say = lambda m: err.print(f"[yellow]![/] {m}")  # noqa: E731
+    if prometheus:
+        reader = PrometheusReader(prometheus, model, target=target, say=say)
+    elif fleet is not None:
+        reader = FleetReader(fleet, model, target=target, count=len(urls), say=say)
+    else:
+        reader = metrics_reader(urls, model, target=target)
+    return RolloutController(model, repository, reader, config=config,
                              on_promote=on_promote, on_rollback=on_rollback, on_step=on_step,
                              latency_reader=latency, labels_reader=labels), reg, target
 
@@ -108,3 +122,34 @@ def exit_for(progress) -> None:
 
 Servers = Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of each replica "
                                                    "(repeat): the version is loaded there if needed.")]
+
+StateUrl = Annotated[str | None, typer.Option("--state-url", help="The shared store (redis://…; default "
+                     "$TRITONGUARD_STATE_URL). Without --server/--metrics-url, every replica live in its "
+                     "registry is used (the guards register their server there).")]
+
+
+def use_state_url(state_url: str | None) -> None:
+    """``--state-url`` is this process's store for everything (state, progress, registry)."""
+    if state_url:
+        os.environ[ENV_URL] = state_url
+
+
+def servers_or_fleet(servers: list[str], metrics: list[str], state_url: str | None = None,
+                     say=None) -> tuple[Fleet | None, list[str], list[str]]:
+    """(fleet, HTTP URLs, metrics URLs): the given ``--server``/``--metrics-url``, else the replicas
+    live in the registry of a Redis store (``fleet`` then set; its line said through ``say``, on
+    stderr by default), else nothing. Raises ExporterError when the registry cannot be read."""
+    use_state_url(state_url)
+    if servers or metrics:
+        return None, servers, metrics_urls(servers, metrics)
+    fleet = discover()
+    if fleet is None:
+        return None, [], []
+    live = fleet.replicas()
+    (say or (lambda line: err.print(line)))(fleet.line(live))
+    return fleet, [r.http for r in live], [r.metrics for r in live]
+
+PrometheusUrl = Annotated[str | None, typer.Option("--prometheus", help="Prometheus base URL (e.g. "
+                          "http://prometheus:9090): the gates read every replica's guards with PromQL (the "
+                          "recording rules' expressions, as counts since the first look) instead of scraping "
+                          "each replica's metrics port.")]

@@ -127,7 +127,7 @@ def _table(*columns: str) -> Table:
 
 
 def view(guards: list[dict[str, Any]], guard_rates: dict[str, dict[str, Any]], *, servers: list[str],
-         interval: float, taken: str) -> Group:
+         interval: float, taken: str, found: str = "") -> Group:
     """The whole screen for one reading: two tables, each readable in 80 columns."""
     state = _table("model", "routing", "rollout, gates (n)", "breakers")
     traffic = _table("model", "req/s", "rejects/s", "fallbacks/s", "served by /s", "drift", "cost/1k")
@@ -143,7 +143,8 @@ def view(guards: list[dict[str, Any]], guard_rates: dict[str, dict[str, Any]], *
                             "\n".join(f"v{v} {f:.0%}" for v, f in sorted(met.get("drift", {}).items())),
                             _costs(r.get("cost", {})))
     head = (f"[bold]tritonguard[/] {taken} UTC, every {interval:g} s, "
-            f"{len(servers)} server{'s' if len(servers) != 1 else ''}: {escape(', '.join(servers)) or 'none'}")
+            + (f"{escape(found)}: " if found else f"{len(servers)} server{'s' if len(servers) != 1 else ''}: ")
+            + f"{escape(', '.join(servers)) or 'none'}")
     parts: list[Any] = [head]
     if not guards:
         parts.append("[yellow]no guard models in this repository[/]")
@@ -159,9 +160,11 @@ def view(guards: list[dict[str, Any]], guard_rates: dict[str, dict[str, Any]], *
 
 
 def watch(console: Console, repository: Path, servers: list[str], metrics_urls: list[str], *,
-          interval: float = INTERVAL_S, readings: int | None = None) -> None:
+          interval: float = INTERVAL_S, readings: int | None = None, fleet: Any = None) -> None:
     """Redraw the view every ``interval`` seconds until Ctrl-C (or ``readings`` readings). Piped
-    (a log, ``| tee``), each reading is printed below the last instead of redrawn."""
+    (a log, ``| tee``), each reading is printed below the last instead of redrawn. With ``fleet``
+    (:class:`exporter.rollout.fleet.Fleet`), the replicas are re-read from its registry at each
+    reading: one that stopped heartbeating drops out, one that joined is shown."""
     from rich.live import Live  # noqa: PLC0415
 
     before: dict[str, tuple[float, dict[str, Any]]] = {}
@@ -169,6 +172,14 @@ def watch(console: Console, repository: Path, servers: list[str], metrics_urls: 
     with suppress(KeyboardInterrupt), ExitStack() as stack:
         screen = stack.enter_context(Live(console=console, auto_refresh=False)) if console.is_terminal else None
         while readings is None or n < readings:
+            found = ""
+            if fleet is not None:
+                try:
+                    reps = fleet.replicas()
+                    servers, metrics_urls = [r.http for r in reps], [r.metrics for r in reps]
+                    found = fleet.line(reps)
+                except Exception as exc:  # noqa: BLE001 - the registry is down: keep the last list
+                    found = f"replica registry unreadable ({exc}); last known"
             guards = live(repository, metrics_urls)
             now = time.monotonic()
             guard_rates = {}
@@ -178,7 +189,7 @@ def watch(console: Console, repository: Path, servers: list[str], metrics_urls: 
                     guard_rates[g["model"]] = rates(old, met, now - then)
                     before[g["model"]] = (now, met)
             frame = view(guards, guard_rates, servers=servers, interval=interval,
-                         taken=time.strftime("%H:%M:%S", time.gmtime()))
+                         taken=time.strftime("%H:%M:%S", time.gmtime()), found=found)
             if screen is None:
                 console.print(frame)
             else:

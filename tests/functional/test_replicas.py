@@ -46,7 +46,8 @@ def replicas(redis_server, tmp_path_factory):
     cfg["instance_group"] = [{"kind": "KIND_CPU", "count": 1}]
     write_config(repo / "digits", cfg)
 
-    env = {**os.environ, "TRITONGUARD_STATE_URL": redis_server.url}
+    # heartbeats every second: the replica registry (found, not listed) sees them at once
+    env = {**os.environ, "TRITONGUARD_STATE_URL": redis_server.url, "TRITONGUARD_HEARTBEAT_S": "1"}
     r = redis.Redis.from_url(redis_server.url)  # nothing of digits left by an earlier test
     r.delete("tritonguard:state:digits", *r.keys("tritonguard:rollout:digits*"))
     servers = [Server(repository=repo, log_path=base / f"logs{i}" / "tritonserver.log", env=env) for i in range(2)]
@@ -216,3 +217,28 @@ def test_a_rollout_reads_both_replicas(replicas):
     for c in replicas["clients"]:
         who, _ = served_by(c, replicas["images"][:4])
         assert who == [f"digits_raw:{v2}"] * 4
+
+
+def test_the_replicas_are_found_in_the_registry(replicas):
+    """No --server: `status` finds both replicas in Redis, where their guards heartbeat the URLs
+    the launcher advertised (tritonguard.rollout.replicas)."""
+    import json
+
+    wanted = {f"http://{s.http_url}" for s in replicas["servers"]}
+    deadline = time.monotonic() + 15
+    while True:
+        r = exporter(replicas, "status", "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        doc = json.loads(r.stdout)
+        found = {x["http"]: x for x in doc["replicas"]}
+        if wanted <= set(found) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert wanted <= set(found), found
+    assert "replicas live (from redis://" in r.stderr, r.stderr
+    for s in replicas["servers"]:
+        mine = found[f"http://{s.http_url}"]
+        assert mine["metrics"] == s.metrics_url and mine["grpc"] == s.grpc_url
+        assert mine["models"].get("digits") and mine["heartbeat"] > time.time() - 10
+    guard = next(g for g in doc["guards"] if g["model"] == "digits")
+    assert guard["metrics"]["replicas"] == 2

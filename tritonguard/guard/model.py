@@ -38,6 +38,7 @@ from tritonguard.observe.cost import cost_meter
 from tritonguard.observe.tracing import Tracer
 from tritonguard.rollout.feedback import recorder_for as feedback_recorder
 from tritonguard.rollout.latency import recorder_for
+from tritonguard.rollout.replicas import served_versions, start_heartbeat
 from tritonguard.rollout.stores import open_store
 from tritonguard.rollout.validators import ValidatorRegistry
 from tritonguard.triton import backend as triton
@@ -169,6 +170,8 @@ class GuardModel:
             ready=ready, max_batch=self.signature.max_batch_size, latency=recorder_for(self.name, repo),
         )
         self.privacy.attach(self.router)
+        # this replica in the shared store's registry (Redis only): the exporter finds it there
+        self.heartbeat = start_heartbeat(self.name, lambda: served_versions(self.router.state))
         # compute and cost per answered request (tritonguard.observe.cost): fed once per batch, below
         self.cost = cost_meter(self.config.cost, placement=tcfg.placement, target_config=target_config, params=params,
                                instance_kind=a.instance_kind, metrics=self.metrics,
@@ -261,6 +264,8 @@ class GuardModel:
 
     def finalize(self) -> None:
         self.router.close()
+        if getattr(self, "heartbeat", None) is not None:
+            self.heartbeat.stop()
         self.pipeline.close()  # the cost meter; the privacy services close below
         if self.tracer is not None:
             self.tracer.close()

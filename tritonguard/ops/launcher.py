@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -133,10 +134,43 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--flag=V`` or ``--flag V``), the last one given; None if absent."""
+    value = None
+    for i, a in enumerate(args):
+        if a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+        elif a == flag and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def advertise_env(args: Sequence[str], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The ``TRITONGUARD_ADVERTISE_*`` variables the guards register their replica with
+    (``tritonguard.rollout.replicas``): Triton's HTTP, gRPC and metrics URLs from ``--http-port``,
+    ``--grpc-port`` and ``--metrics-port`` (Triton's defaults 8000/8001/8002) on
+    ``$TRITONGUARD_ADVERTISE_HOST`` (default 127.0.0.1), and the start time. Variables already
+    set in ``environ`` are kept (an operator's override, e.g. a load balancer's name)."""
+    from tritonguard.rollout import replicas  # noqa: PLC0415 - constants only; redis is not imported
+
+    env = os.environ if environ is None else environ
+    host = env.get(replicas.ENV_HOST) or "127.0.0.1"
+    ports = {"http": _flag_value(args, "--http-port") or "8000",
+             "grpc": _flag_value(args, "--grpc-port") or "8001",
+             "metrics": _flag_value(args, "--metrics-port") or "8002"}
+    wanted = {replicas.ENV_HOST: host,
+              replicas.ENV_HTTP: f"http://{host}:{ports['http']}",
+              replicas.ENV_GRPC: f"{host}:{ports['grpc']}",
+              replicas.ENV_METRICS: f"http://{host}:{ports['metrics']}/metrics",
+              replicas.ENV_STARTED: f"{time.time():.3f}"}
+    return {k: env[k] if env.get(k) else v for k, v in wanted.items()}
+
+
 def resolve_tritonserver(args: Sequence[str]) -> tuple[str, list[str], dict[str, str]]:
     """Return (binary, argv, env) for the real tritonserver with our backends wired in."""
     args = list(args)
     env = server_env()
+    env.update(advertise_env(args, env))  # the guards register this replica with these URLs
     explicit = os.environ.get("TRITONSERVER_BIN")
     if explicit:
         if not Path(explicit).exists():

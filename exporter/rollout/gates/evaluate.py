@@ -187,6 +187,10 @@ def evaluate(before: GuardReadings | None, after: GuardReadings, config: GateCon
     cfg = config or GateConfig()
     if mode not in ("split", "shadow"):
         raise ValueError(f"mode must be 'split' or 'shadow', got {mode!r}")
+    if before is not None and before.source != after.source:
+        return GateReport(verdict=INCONCLUSIVE, look=look, reset=True, gates=[GateResult(
+            name="data", verdict=INCONCLUSIVE, reason=f"the readings' source changed ({before.source or 'metrics pages'} "
+            f"-> {after.source or 'metrics pages'}): the window starts again")])
     w = window(before, after)
     values = [*w.served.values(), *w.errors.values(), *w.fused.values(), w.trips,
               *w.charged.values(), *(x for d in (*w.cost.values(), *w.compute.values()) for x in d.values()),

@@ -80,6 +80,10 @@ class GuardReadings:
     replicas: int = 0
     problems: list[str] = field(default_factory=list)  # data present but not attributable
     taken_at: float = 0.0  # wall-clock time of the scrape (latency samples are windowed by it)
+    # where the counters come from: "" the replicas' metrics pages (counts since each replica
+    # started); "prometheus:<url>@<anchor>" increase() since an anchor. Two readings of different
+    # sources are never subtracted (the window starts again)
+    source: str = ""
 
     @classmethod
     def from_scrapes(cls, scrapes: Iterable[Mapping[tuple[str, frozenset], float]], model: str,

@@ -70,3 +70,19 @@ def test_perf_analyzer_names_missing_libraries(monkeypatch):
     monkeypatch.setattr(launcher, "_missing_shared_libs", lambda b, e: ["libb64.so.0d"])
     with pytest.raises(launcher.LaunchError, match="libb64.so.0d: apt-get install libb64-0d"):
         launcher.resolve_perf_analyzer([])
+
+
+def test_advertise_env_from_the_port_flags():
+    from tritonguard.ops.launcher import advertise_env
+
+    env = advertise_env(["--model-repository=r", "--http-port=9000", "--grpc-port", "9001",
+                         "--metrics-port=9002"], {"TRITONGUARD_ADVERTISE_HOST": "10.1.2.3"})
+    assert env["TRITONGUARD_ADVERTISE_HTTP"] == "http://10.1.2.3:9000"
+    assert env["TRITONGUARD_ADVERTISE_GRPC"] == "10.1.2.3:9001"
+    assert env["TRITONGUARD_ADVERTISE_METRICS"] == "http://10.1.2.3:9002/metrics"
+    assert float(env["TRITONGUARD_ADVERTISE_STARTED"]) > 0
+    # Triton's defaults and loopback; an operator's own value is kept
+    env = advertise_env([], {"TRITONGUARD_ADVERTISE_HTTP": "http://lb:80"})
+    assert env["TRITONGUARD_ADVERTISE_HTTP"] == "http://lb:80"
+    assert env["TRITONGUARD_ADVERTISE_GRPC"] == "127.0.0.1:8001"
+    assert env["TRITONGUARD_ADVERTISE_METRICS"] == "http://127.0.0.1:8002/metrics"

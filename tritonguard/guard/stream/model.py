@@ -58,6 +58,7 @@ from tritonguard.guard.stream.services import StreamServices
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed
 from tritonguard.privacy.cache.semantic import SemanticCacheConfig
 from tritonguard.rollout.latency import recorder_for
+from tritonguard.rollout.replicas import served_versions, start_heartbeat
 from tritonguard.rollout.stores import open_store
 from tritonguard.triton import backend as triton
 from tritonguard.triton.metrics import Metrics
@@ -123,6 +124,8 @@ class StreamGuardModel:
                                    ready=lambda _v: self._served, latency=recorder_for(self.name, repo),
                                    similarity=similarity)
         self.pipeline = self.services.pipeline(self.router, self.inputs)
+        # this replica in the shared store's registry (Redis only): the exporter finds it there
+        self.heartbeat = start_heartbeat(self.name, lambda: served_versions(self.router.state))
         log.info("stream guard %s: stages %s", self.name, " -> ".join(self.pipeline.names()))
         log.info("stream guard %s -> %s: max_tokens %d, holdback %d chars, redaction %s, max_in_flight %d",
                  self.name, self.target, s.validation.max_tokens, s.holdback_chars,
@@ -265,6 +268,8 @@ class StreamGuardModel:
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if getattr(self, "heartbeat", None) is not None:
+            self.heartbeat.stop()
         self.router.close()
         if self.local is not None:
             self.local.close()
