@@ -112,8 +112,8 @@ def sync_down(spec: objectstore.StoreSpec, work: Path, s3=None) -> dict[str, str
 
 def _prune_empty(root: Path) -> None:
     for dirpath, dirnames, filenames in sorted(os.walk(root), key=lambda t: -len(t[0])):
-        if Path(dirpath) != root and not dirnames and not filenames and not Path(dirpath).name.isdigit():
-            Path(dirpath).rmdir()
+        if Path(dirpath) != root and not any(Path(dirpath).iterdir()):
+            Path(dirpath).rmdir()  # the store holds no empty folder: neither does its copy
 
 
 def publish(spec: objectstore.StoreSpec, root: Path, before: Mapping[str, str], s3=None,
@@ -163,7 +163,12 @@ def working_copy(spec: str, *, needs_state: bool = False, environ: Mapping[str, 
     except objectstore.ObjectStoreError as exc:
         raise RemoteRepositoryError(str(exc)) from None
     root = work / "repo"
-    yield root
+    try:
+        yield root
+    except BaseException:
+        # a failed command publishes nothing, and leaves nothing for the next one to publish
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     try:
         uploaded, deleted = publish(store, root, before, s3=s3)
     except objectstore.ObjectStoreError as exc:
