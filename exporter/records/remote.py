@@ -111,7 +111,7 @@ def sync_down(spec: objectstore.StoreSpec, work: Path, s3=None) -> dict[str, str
 
 
 def _prune_empty(root: Path) -> None:
-    for dirpath, dirnames, filenames in sorted(os.walk(root), key=lambda t: -len(t[0])):
+    for dirpath, _dirs, _files in sorted(os.walk(root), key=lambda t: -len(t[0])):
         if Path(dirpath) != root and not any(Path(dirpath).iterdir()):
             Path(dirpath).rmdir()  # the store holds no empty folder: neither does its copy
 

@@ -11,7 +11,13 @@ import logging
 import pytest
 
 from tritonguard.core import objectstore
-from tritonguard.core.objectstore import ObjectStoreError, RepositoryCache, StoreSpec, is_object_store, parse
+from tritonguard.core.objectstore import (
+    ObjectStoreError,
+    RepositoryCache,
+    StoreSpec,
+    is_object_store,
+    parse,
+)
 
 
 def test_specs_are_parsed_in_both_forms():
