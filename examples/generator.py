@@ -383,7 +383,7 @@ def build(repository: Path, name: str = "tinylm", *, seed: int = SEED, steps: in
     write_config(model_dir, triton_config(name, max_tokens_cap))
     if guard:
         write_config(repository / guard, stream_guard_config(guard, name, validation__max_tokens=max_tokens_cap))
-        (repository / guard / "1").mkdir(parents=True, exist_ok=True)
+        repo_mod.write_placeholder(repository / guard / "1", guard)
     if exact != 1.0:
         raise RuntimeError(f"{folder}: decoding the exported model twice gave different goldens "
                            f"(exact {exact:.2f}); the manifest says FAIL")

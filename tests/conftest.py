@@ -91,3 +91,76 @@ def redis_server(tmp_path_factory):
         yield srv
     finally:
         srv.stop()
+
+
+class MotoS3:
+    """moto's S3 server (``moto_server``), an S3 stand-in, as a subprocess on a free loopback
+    port: the object-store tests talk real HTTP to it through boto3, as Triton would."""
+
+    def __init__(self):
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def start(self, timeout: float = 30.0) -> None:
+        import sys  # noqa: PLC0415
+        import urllib.request  # noqa: PLC0415
+
+        binary = Path(sys.executable).parent / "moto_server"
+        self.proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(self.endpoint + "/", timeout=0.5):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"moto_server exited with {self.proc.returncode}") from None
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("moto_server did not answer") from None
+                time.sleep(0.1)
+
+    def client(self):
+        import boto3  # noqa: PLC0415
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                            aws_secret_access_key="testing", region_name="us-east-1")
+
+    def bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    if not (Path(__import__("sys").executable).parent / "moto_server").exists():
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    srv = MotoS3()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def aws_env(moto_s3, monkeypatch):
+    """The AWS_* variables boto3 (and Triton) read, pointing at the moto server."""
+    for k, v in moto_s3.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint)
+    return moto_s3

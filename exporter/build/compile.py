@@ -185,7 +185,7 @@ def _write_version(parent: Parent, variant: Variant, built: Path, result: Varian
                 for step in cfg["ensemble_scheduling"]["step"]:
                     step["model_version"] = version
                 layout.write(repo / pinned, {**cfg, "name": pinned})
-                (repo / pinned / "1").mkdir(parents=True, exist_ok=True)
+                repo_mod.write_placeholder(repo / pinned / "1", pinned)
             except BaseException:  # a version the guard cannot route to must not stay
                 for _, dest in moves:
                     shutil.rmtree(dest, ignore_errors=True)

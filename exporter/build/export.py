@@ -269,11 +269,12 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
                 pinned = layout.version_ensemble_name(names["raw"], version)
                 layout.write(repository / pinned, {**layout.ensemble_config(
                     names["raw"], spec, names["tokenizer"], names["encoder"], pin=version), "name": pinned})
-                (repository / pinned / "1").mkdir(parents=True, exist_ok=True)
+                repo_mod.write_placeholder(repository / pinned / "1", pinned)
             for model in fronts:
                 if not repo_mod.versions(repository / model):
-                    # Triton wants a version folder even for a model with no artifact
-                    (repository / model / "1").mkdir(parents=True, exist_ok=True)
+                    # Triton wants a version folder even for a model with no artifact, and an
+                    # object store has no empty folders: a placeholder manifest makes it exist
+                    repo_mod.write_placeholder(repository / model / "1", model)
     return ExportResult(name=name, version=version, models=[*targets, *fronts],
                         artifact=repository / art_model / str(version) / artifact.name,
                         sha256=sha, report=report, timings=timings, notices=notices, judge=judged,

@@ -59,4 +59,4 @@ def upgrade_layout(repository: Path) -> list[str]:
 def apply_plan(repository: Path, writes: list[tuple[str, dict]]) -> None:
     for model, config in writes:
         layout.write(repository / model, config)
-        (repository / model / "1").mkdir(parents=True, exist_ok=True)
+        repo_mod.write_placeholder(repository / model / "1", model)

@@ -18,6 +18,7 @@ from exporter.build.errors import ExportError, GoldenCheckFailed
 from exporter.build.export import export_source
 from exporter.build.upgrade import upgrade_layout
 from exporter.cli.consoles import console, log_handler, where
+from exporter.cli.repository_opt import Repository, repository_command
 from exporter.cli.rollout_common import StateUrl, servers_or_fleet
 from exporter.cli.status import collect, live, print_live, table, unreachable
 from exporter.cli.watch import watch as watch_view
@@ -39,8 +40,6 @@ err = console(stderr=True)
 
 EXIT_GOLDEN_FAILED = 1
 EXIT_UNREACHABLE = 2  # status --server/--metrics-url: a replica that cannot be reached
-
-Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
 
 
 class Format(str, Enum):
@@ -78,11 +77,12 @@ def _step(label: str):
 
 
 @app.command()
+@repository_command(needs_state=False)
 def export(
     source: Annotated[str, typer.Option(help="package.module:function, a .onnx/.pt file, a Hugging Face "
                                         "model folder, or models:/name@alias, models:/name/version, runs:/…")],
     name: Annotated[str, typer.Option(help="Public model name (the guard); targets get suffixes.")],
-    repository: Repository = Path("model_repository"),
+    repository: Repository = "model_repository",
     fmt: Annotated[Format | None, typer.Option("--format", help="Artifact format (default: onnx; a .pt source stays torchscript).")] = None,
     opset: Annotated[int, typer.Option(help="ONNX opset.")] = 17,
     inputs: Annotated[Path | None, typer.Option(help="Golden inputs .npz (file and MLflow sources); for a "
@@ -170,8 +170,9 @@ def _quiet_onnxruntime() -> None:
 
 
 @app.command()
+@repository_command()
 def status(
-    repository: Repository = Path("model_repository"),
+    repository: Repository = "model_repository",
     server: Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of a replica (repeat): "
                       "live breaker states, drift and answers per version from its metrics port (+2).")] = None,
     metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of a replica (repeat).")] = None,
@@ -221,9 +222,10 @@ def status(
 
 
 @app.command()
+@repository_command()
 def route(
     model: Annotated[str, typer.Argument(help="Guard model name, e.g. digits.")],
-    repository: Repository = Path("model_repository"),
+    repository: Repository = "model_repository",
     primary: Annotated[int | None, typer.Option(help="Primary version.")] = None,
     candidate: Annotated[int | None, typer.Option(help="Candidate version (0 removes it).")] = None,
     share: Annotated[float | None, typer.Option(help="Candidate's share of live traffic, 0..1.")] = None,
@@ -262,7 +264,8 @@ def route(
 
 
 @app.command()
-def upgrade(repository: Repository = Path("model_repository")) -> None:
+@repository_command(needs_state=False)
+def upgrade(repository: Repository = "model_repository") -> None:
     """Move the repository to the current layout, adding no version: a guard with a text (BYTES)
     input becomes the ensemble NAME = NAME_intake -> NAME_guard, so one malformed request cannot
     fail the batch it lands in. Settings and rollout state are kept. `export` does this too."""
@@ -310,8 +313,8 @@ app.add_typer(audit_app, name="audit")
 from exporter.cli.promote_cmd import promote  # noqa: E402
 from exporter.cli.rollout_cmd import rollback, rollout_app  # noqa: E402
 
-app.command()(promote)
-app.command()(rollback)
+app.command()(repository_command()(promote))
+app.command()(repository_command()(rollback))
 app.add_typer(rollout_app, name="rollout")
 
 # labels that arrive after the answer, joined to what each version answered
@@ -322,7 +325,7 @@ app.command("feedback")(feedback_command)
 # optimised variants of an exported version, admitted on goldens and measured speed
 from exporter.cli.compile_cmd import compile_command  # noqa: E402
 
-app.command("compile")(compile_command)
+app.command("compile")(repository_command(needs_state=False)(compile_command))
 
 # the profiling level for a guarded pipeline: sweep guard + target serving knobs together
 from exporter.cli.tune_cmd import tune_command  # noqa: E402

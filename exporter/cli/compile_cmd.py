@@ -20,6 +20,7 @@ from rich.table import Table
 from exporter.build.compile import compile_model, environment
 from exporter.build.variants import CompileError
 from exporter.cli.consoles import console
+from exporter.cli.repository_opt import Repository
 from exporter.errors import EXIT_BAD_INPUT
 from exporter.records.registry import default_uri
 
@@ -103,7 +104,7 @@ class _Bars:
 def compile_command(
     model: Annotated[str, typer.Argument(help="Guard model name, e.g. digits (or its target, digits_raw).")],
     version: Annotated[int, typer.Option("--version", help="Exported version to compile (the parent).")],
-    repository: Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")] = Path("model_repository"),
+    repository: Repository = "model_repository",
     variants: Annotated[str | None, typer.Option(help="Comma-separated: ort_opt,int8_dynamic,fp16,torch_compile,"
                                                  "tensorrt (default: all; inapplicable ones are reported as skipped).")] = None,
     min_speedup: Annotated[float | None, typer.Option(help="Speed-ratio floor for every variant (default per "

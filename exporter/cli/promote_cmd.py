@@ -52,7 +52,7 @@ def promote(
     server: Servers = None,
     metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Triton metrics URL of each "
                            "replica (repeat; default: each --server's port + 2).")] = None,
-    repository: Repository = Path("model_repository"),
+    repository: Repository = "model_repository",
     primary: Annotated[int | None, typer.Option(help="Primary version (default: the state's).")] = None,
     mode: Annotated[str, typer.Option(help="split (A/B share) or shadow (mirrored traffic).")] = "split",
     arms: Annotated[str | None, typer.Option("--arms", help="A/B/n instead of --version: VERSION=WEIGHT,... "

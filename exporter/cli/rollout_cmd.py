@@ -26,6 +26,7 @@ from exporter.cli.rollout_common import (
     out,
     purge,
     reconcile,
+    repository_command,
     servers_or_fleet,
     who_text,
 )
@@ -45,7 +46,7 @@ rollout_app = typer.Typer(help="Inspect or steer a progressive rollout.", no_arg
 
 def rollback(
     model: Model,
-    repository: Repository = Path("model_repository"),
+    repository: Repository = "model_repository",
     server: Servers = None,
     approver: Annotated[str | None, typer.Option(help="Who decided (recorded in the history).")] = None,
     reason: Annotated[str, typer.Option(help="Why (recorded in the history).")] = "manual rollback",
@@ -78,12 +79,13 @@ def rollback(
 
 
 @rollout_app.command("status")
+@repository_command()
 def rollout_status(
     model: Model,
     server: Servers = None,
     metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of each replica "
                            "(repeat; default: each --server's port + 2).")] = None,
-    repository: Repository = Path("model_repository"),
+    repository: Repository = "model_repository",
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable progress on stdout.")] = False,
     state_url: StateUrl = None,
 ) -> None:
@@ -151,7 +153,8 @@ def _peek(model: str, repository: Path, urls: list[str], fleet=None) -> dict | N
 
 
 @rollout_app.command("abort")
-def rollout_abort(model: Model, repository: Repository = Path("model_repository"),
+@repository_command()
+def rollout_abort(model: Model, repository: Repository = "model_repository",
                   reason: Annotated[str, typer.Option(help="Why.")] = "aborted by operator") -> None:
     """Stop MODEL's rollout and take the candidate out of the routing state."""
 
@@ -165,7 +168,8 @@ def rollout_abort(model: Model, repository: Repository = Path("model_repository"
 
 
 @rollout_app.command("pause")
-def rollout_pause(model: Model, repository: Repository = Path("model_repository")) -> None:
+@repository_command()
+def rollout_pause(model: Model, repository: Repository = "model_repository") -> None:
     """Hold the rollout at its current step (the candidate keeps its share)."""
 
     try:
@@ -177,10 +181,11 @@ def rollout_pause(model: Model, repository: Repository = Path("model_repository"
 
 
 @rollout_app.command("resume")
+@repository_command()
 def rollout_resume(model: Model, server: Servers = None,
                    metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of "
                                           "each replica (repeat; default: each --server's port + 2).")] = None,
-                   repository: Repository = Path("model_repository"),
+                   repository: Repository = "model_repository",
                    approver: Annotated[str | None, typer.Option(help="Who approves PRODUCTION.")] = None,
                    state_url: StateUrl = None, prometheus: PrometheusUrl = None) -> None:
     """Continue a paused or interrupted rollout where it stopped (step, dwell and baseline)."""

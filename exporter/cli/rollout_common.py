@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from exporter.cli.consoles import WideConsole
+from exporter.cli.repository_opt import Repository, repository_command  # noqa: F401 - the rollout commands' option
 from exporter.records.registry import open_registry
 from exporter.rollout.controller import RolloutController
 from exporter.rollout.fleet import Fleet, FleetReader, discover
@@ -28,7 +29,6 @@ out = WideConsole(soft_wrap=True)
 err = WideConsole(stderr=True, soft_wrap=True)
 EXIT_ROLLED_BACK, EXIT_HOLDING = 1, 3  # and EXIT_BAD_INPUT (2), exporter.errors
 
-Repository = Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")]
 Model = Annotated[str, typer.Argument(help="Guard model name, e.g. digits.")]
 
 

@@ -4,6 +4,7 @@ numeric version folders, and the per-version manifest and goldens the exporter w
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from tritonguard.core.files import atomic_write
 MANIFEST = "manifest.json"
 GOLDENS = "goldens.npz"
 CONFIG = "config.pbtxt"
+
+log = logging.getLogger(__name__)
 
 
 def _pb():
@@ -99,6 +102,38 @@ def versions(model_dir: Path) -> list[int]:
     if not model_dir.is_dir():
         return []
     return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def complete_versions(model_dir: Path) -> list[int]:
+    """The versions a reader may use: those with a manifest. A version folder without one is
+    still being written (an object store publishes the manifest after every other file of the
+    version) or was never finished: it is logged and ignored, never served by a guard."""
+    model_dir = Path(model_dir)
+    out = []
+    for v in versions(model_dir):
+        if (model_dir / str(v) / MANIFEST).is_file():
+            out.append(v)
+        elif (model_dir, v) not in _REPORTED:
+            _REPORTED.add((model_dir, v))
+            log.warning("%s version %d has no %s (incomplete or unverified): ignored", model_dir.name, v, MANIFEST)
+    return out
+
+
+_REPORTED: set[tuple[Path, int]] = set()  # each ignored version logged once per process
+
+
+def write_placeholder(version_dir: Path, model: str) -> Path:
+    """The file that makes a version folder of a model without an artifact (a guard, an ensemble)
+    exist: an object store has no empty folders, and Triton wants one version. A manifest saying
+    what the folder is, so it also counts as complete (:func:`complete_versions`)."""
+    version_dir = Path(version_dir)
+    version_dir.mkdir(parents=True, exist_ok=True)
+    path = version_dir / MANIFEST
+    if not path.exists():
+        doc = {"name": model, "version": int(version_dir.name) if version_dir.name.isdigit() else version_dir.name,
+               "placeholder": True, "about": "no artifact: this model is served by its backend's code"}
+        atomic_write(path, json.dumps(doc, indent=2) + "\n")
+    return path
 
 
 def latest_version(model_dir: Path) -> int | None:

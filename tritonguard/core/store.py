@@ -8,7 +8,9 @@ files beside the guard's model folder, serialised by :func:`file_lock`.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from filelock import FileLock
 
@@ -22,6 +24,13 @@ def store_url(url: str | None = None, environ: Mapping[str, str] | None = None) 
     return (os.environ if environ is None else environ).get(ENV_URL, "")
 
 
+def home(environ: Mapping[str, str] | None = None) -> Path:
+    """``$TRITONGUARD_HOME``, else ``<venv>/var/tritonguard``: this machine's own files (the
+    launcher's backend dir, runtime files of the file store, object-store caches)."""
+    base = (os.environ if environ is None else environ).get("TRITONGUARD_HOME")
+    return Path(base) if base else Path(sys.prefix) / "var" / "tritonguard"
+
+
 def file_lock(path: str | os.PathLike, mode: int = 0o644) -> FileLock:
     """An exclusive ``flock`` on ``path`` (created with ``mode``) for a ``with`` block; the kernel
     drops it when the holder dies. No soft-lock fallback where flock is missing (a marker file
@@ -30,4 +39,4 @@ def file_lock(path: str | os.PathLike, mode: int = 0o644) -> FileLock:
     return FileLock(path, mode=mode, fallback_to_soft=False, poll_interval=0.005, thread_local=False)
 
 
-__all__ = ["ENV_URL", "file_lock", "store_url"]
+__all__ = ["ENV_URL", "file_lock", "home", "store_url"]

@@ -192,7 +192,7 @@ class LocalGenerator:
         """``version``, or the latest on disk for -1 (Triton's default policy)."""
         if version > 0:
             return version
-        on_disk = repository.versions(self.repo / self.target)
+        on_disk = repository.complete_versions(self.repo / self.target)  # with a manifest only
         return on_disk[-1] if on_disk else -1
 
     def open(self, version: int, prompt: str, stream: bool, sampling: str, exclude: bool | None) -> LocalStream:

@@ -22,6 +22,7 @@ from tritonguard.core import repository
 from tritonguard.core.config import from_params, layered_parameters, model_parameters, with_source
 from tritonguard.core.errors import ConfigError, InvalidInput, TargetError
 from tritonguard.core.tensors import ModelSignature
+from tritonguard.guard import source
 from tritonguard.guard.config import SERVED_BY, GuardConfig, TargetConfig, check_signature
 from tritonguard.guard.pipeline import Batch, Pipeline
 from tritonguard.guard.routing.router import Router
@@ -72,7 +73,8 @@ class InProcessTarget:
                  outputs: list[str]):
         model_dir = repo / name
         if version <= 0:
-            latest = repository.latest_version(model_dir)
+            complete = repository.complete_versions(model_dir)
+            latest = complete[-1] if complete else None
             if latest is None:
                 raise ConfigError(f"target '{name}' has no version folder in {model_dir}")
             version = latest
@@ -93,7 +95,9 @@ class GuardModel:
         a = triton.prologue(args)
         cfg = a.config
         self.name, self.version = a.name, a.version
-        repo = self.repo = a.repository
+        # the repository itself, never the parent of Triton's temporary copy (tritonguard/guard/source.py)
+        self.source = source.resolve(a.name, a.model_dir, os.environ)
+        repo = self.repo = self.source.root
         # defaults < [tool.tritonguard] in pyproject.toml < TRITONGUARD_* < config.pbtxt
         params = layered_parameters(model_parameters(cfg), repo, os.environ)
         try:
@@ -110,6 +114,7 @@ class GuardModel:
         self._served = False  # set by the first execute()
 
         tcfg = self.config.target
+        self.source.fetch(tcfg.target)  # an object-store repository: the target's complete versions
         target_dir = repo / tcfg.target
         target_config = None
         if (target_dir / repository.CONFIG).exists():
@@ -131,11 +136,13 @@ class GuardModel:
             engine_cfg = from_params(EngineConfig, eng_params, model=tcfg.target)
 
             def make_target(version: int) -> InProcessTarget:
+                source.check_complete(repo, tcfg.target, version)
                 return InProcessTarget(repo, tcfg.target, version, engine_cfg, self.signature, self.output_names)
 
             ready = None  # the guard runs the artifact itself: always ready
         else:
             def make_target(version: int) -> BlsTarget:  # type: ignore[misc]
+                source.check_complete(repo, tcfg.target, version)
                 if tcfg.target_per_version and version > 0:
                     return BlsTarget(tcfg.target_per_version.format(version=version), -1, self.output_names,
                                      self.signature.max_batch_size, tcfg.timeout_ms, served_as=f"{tcfg.target}:{version}")
@@ -170,6 +177,8 @@ class GuardModel:
             ready=ready, max_batch=self.signature.max_batch_size, latency=recorder_for(self.name, repo),
         )
         self.privacy.attach(self.router)
+        if self.source.remote:
+            self._fetch_named_versions()
         # this replica in the shared store's registry (Redis only): the exporter finds it there
         self.heartbeat = start_heartbeat(self.name, lambda: served_versions(self.router.state))
         # compute and cost per answered request (tritonguard.observe.cost): fed once per batch, below
@@ -214,6 +223,25 @@ class GuardModel:
                                   f"on this server: {figures}")
         log.info("guard %s v%s -> %s primary v%d (%s)", self.name, self.version, tcfg.target,
                  self.router.primary(), tcfg.placement)
+
+    def _fetch_named_versions(self) -> None:
+        """An object-store repository: when the rollout state names a version the local view
+        lacks (exported after this guard loaded), fetch the target again (off the serving path:
+        the reconciler reads the state)."""
+        view, target = self.router.view, self.config.target.target
+        chained = view.on_new
+
+        def on_new(old: Any, new: Any) -> None:
+            if new.revision != old.revision and any(
+                    not (self.repo / target / str(v) / repository.MANIFEST).exists() for v in view.named_versions()):
+                try:
+                    self.source.fetch(target)
+                except ConfigError as exc:
+                    log.warning("guard %s: %s", self.name, exc)
+            if chained is not None:
+                chained(old, new)
+
+        view.on_new = on_new
 
     def _feedback(self) -> list[FeedbackStage]:
         """What each version answered, for late labels, and the labels sent with requests

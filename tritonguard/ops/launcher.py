@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tritonguard.core.files import atomic_path
+from tritonguard.core.objectstore import ENV_REPOSITORY, is_object_store
+from tritonguard.core.store import ENV_URL, home
 from tritonguard.ops.supervisor.control import supervise, with_default_control
 
 NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
@@ -104,10 +106,7 @@ def _symlink(target: Path, link: Path) -> None:
 
 
 def _state_dir() -> Path:
-    base = os.environ.get("TRITONGUARD_HOME")
-    if base:
-        return Path(base)
-    return Path(sys.prefix) / "var" / "tritonguard"
+    return home()
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -166,10 +165,43 @@ def advertise_env(args: Sequence[str], environ: dict[str, str] | None = None) ->
     return {k: env[k] if env.get(k) else v for k, v in wanted.items()}
 
 
+def model_repositories(args: Sequence[str]) -> list[str]:
+    """The ``--model-repository`` / ``--model-store`` values, as given (URLs kept whole)."""
+    out, it = [], iter(args)
+    for a in it:
+        for flag in ("--model-repository", "--model-store"):
+            if a == flag:
+                out.append(next(it, ""))
+            elif a.startswith(flag + "="):
+                out.append(a.split("=", 1)[1])
+    return out
+
+
+def object_store_env(args: Sequence[str], env: dict[str, str]) -> dict[str, str]:
+    """An object-store repository (``s3://…``): the guards are told where it is
+    (``$TRITONGUARD_REPOSITORY``, Triton gives them only a temporary copy of their own folder),
+    and the rollout state must be in Redis: nothing the guards write may go into the store, and
+    the file store would land in the shared ``/tmp``. Raises LaunchError without
+    ``$TRITONGUARD_STATE_URL``."""
+    remote = [r for r in model_repositories(args) if is_object_store(r)]
+    if is_object_store(env.get(ENV_REPOSITORY, "")):
+        remote = remote or [env[ENV_REPOSITORY]]
+    if not remote:
+        return env
+    if not env.get(ENV_URL):
+        raise LaunchError(f"the model repository {remote[0]} is in an object store: set {ENV_URL}=redis://… "
+                          "(rollout state, breakers and latency samples cannot live in the store)")
+    if len(remote) > 1 and not env.get(ENV_REPOSITORY):
+        raise LaunchError(f"several object-store repositories ({', '.join(remote)}): set {ENV_REPOSITORY} "
+                          "to the one the guards route in")
+    env.setdefault(ENV_REPOSITORY, remote[0])
+    return env
+
+
 def resolve_tritonserver(args: Sequence[str]) -> tuple[str, list[str], dict[str, str]]:
     """Return (binary, argv, env) for the real tritonserver with our backends wired in."""
     args = list(args)
-    env = server_env()
+    env = object_store_env(args, server_env())
     env.update(advertise_env(args, env))  # the guards register this replica with these URLs
     explicit = os.environ.get("TRITONSERVER_BIN")
     if explicit:

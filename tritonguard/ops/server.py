@@ -44,7 +44,7 @@ def tritonserver_command() -> list[str]:
 
 @dataclass
 class Server:
-    repository: Path
+    repository: str | Path  # a folder, or an object-store URL kept whole (Path() would fold s3:// into s3:/)
     log_path: Path
     extra_args: Sequence[str] = ()
     http_port: int = field(default_factory=free_port)

@@ -18,7 +18,8 @@ so each process keeps its own samples and publishes them; the controller gathers
 Store layout, chosen like :func:`tritonguard.rollout.state.open_store` (Redis when ``url`` or
 ``$TRITONGUARD_STATE_URL`` is set, else files beside the guard's model folder):
 
-- files: ``<repo>/<guard>/.latency/v<version>/<writer>.lat``, replaced atomically (temporary file
+- files: ``$TRITONGUARD_HOME/run/<repo>-<hash>/<guard>/latency/v<version>/<writer>.lat``
+  (:func:`runtime_dir`: outside the repository, which may be read-only or an object store), replaced atomically (temporary file
   + ``os.replace``); the reader removes blobs not rewritten for ``ttl_s``.
 - Redis: ``tritonguard:latency:<guard>:<version>:<writer>`` holds the blob (``SET ... EX ttl_s``),
   and the set ``tritonguard:latency:<guard>:<version>`` lists the writers' keys, so a read costs
@@ -51,7 +52,7 @@ import numpy as np
 
 from tritonguard.core.errors import TritonGuardError
 from tritonguard.core.files import atomic_write
-from tritonguard.core.store import ENV_URL
+from tritonguard.core.store import ENV_URL, home
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class LatencyLog(Protocol):
 
 
 class FileLatencyLog:
-    """Blobs as files under ``root`` (``<repo>/<guard>/.latency``); see the module docstring."""
+    """Blobs as files under ``root`` (``runtime_dir(repo)/<guard>/latency``); see the module docstring."""
 
     def __init__(self, root: str | os.PathLike, *, ttl_s: float = TTL_S,
                  clock: Callable[[], float] = time.time):
@@ -278,7 +279,19 @@ def open_latency_log(guard: str, repo_dir: str | os.PathLike, url: str | None = 
         url = os.environ.get(ENV_URL, "")
     if url:
         return RedisLatencyLog(url, guard, **kwargs)
-    return FileLatencyLog(Path(repo_dir) / guard / LATENCY_DIR, **kwargs)
+    return FileLatencyLog(runtime_dir(repo_dir) / guard / LATENCY_DIR.lstrip("."), **kwargs)
+
+
+def runtime_dir(repo_dir: str | os.PathLike, environ: Any = None) -> Path:
+    """Where the file store keeps what guards write at run time for the repository ``repo_dir``:
+    ``$TRITONGUARD_HOME/run/<hash of its real path>``, outside the repository (never published,
+    never part of a model's folder). The server and the exporter must share ``TRITONGUARD_HOME``
+    (or both use Redis, ``$TRITONGUARD_STATE_URL``)."""
+    import hashlib  # noqa: PLC0415
+
+    real = os.path.realpath(os.fspath(repo_dir))
+    key = hashlib.sha256(real.encode()).hexdigest()[:16]
+    return home(environ) / "run" / f"{Path(real).name}-{key}"
 
 
 # -- the recorder -------------------------------------------------------------------------------

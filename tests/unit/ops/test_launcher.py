@@ -86,3 +86,30 @@ def test_advertise_env_from_the_port_flags():
     assert env["TRITONGUARD_ADVERTISE_HTTP"] == "http://lb:80"
     assert env["TRITONGUARD_ADVERTISE_GRPC"] == "127.0.0.1:8001"
     assert env["TRITONGUARD_ADVERTISE_METRICS"] == "http://127.0.0.1:8002/metrics"
+
+
+def test_an_object_store_repository_needs_redis_state(monkeypatch, tmp_path):
+    """One line on stderr and exit 2: with the repository in S3, nothing the guards write may go
+    into the store (and the file store would land in the shared /tmp)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITONGUARD_STATE_URL", "TRITONGUARD_REPOSITORY")}
+    env["TRITONGUARD_HOME"] = str(tmp_path)
+    env["PYTHONPATH"] = str(Path(launcher.__file__).resolve().parents[2])
+    code = "import sys; from tritonguard.ops.launcher import tritonserver_main; sys.exit(tritonserver_main())"
+    res = subprocess.run([sys.executable, "-c", code, "--model-repository=s3://http://127.0.0.1:9/b/repo"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "error: the model repository s3://http://127.0.0.1:9/b/repo is in an object store: set "
+        "TRITONGUARD_STATE_URL=redis://… (rollout state, breakers and latency samples cannot live in the store)"]
+    # with Redis named, the guards are told where the repository is
+    monkeypatch.delenv("TRITONGUARD_REPOSITORY", raising=False)
+    monkeypatch.setenv("TRITONGUARD_STATE_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path))
+    monkeypatch.setattr(launcher, "NGC_TRITONSERVER", tmp_path / "absent")
+    _, _, env = launcher.resolve_tritonserver(["--model-repository", "s3://http://127.0.0.1:9/b/repo"])
+    assert env["TRITONGUARD_REPOSITORY"] == "s3://http://127.0.0.1:9/b/repo"
+    _, _, env = launcher.resolve_tritonserver(["--model-repository=/srv/models"])
+    assert "TRITONGUARD_REPOSITORY" not in env

@@ -39,6 +39,18 @@ def test_a_stub_is_read_from_its_argv():
     assert parse_stub(1, STUB_ARGV[:5]) is None  # a stub of another layout is not guessed at
 
 
+def test_a_stub_of_a_model_loaded_from_an_object_store_is_named_by_its_config(tmp_path):
+    """Under S3, Triton loads each model from a copy /tmp/folderXXXXXX: the name comes from the
+    copy's config.pbtxt, not from the folder (a dead stub was 'left alone' before)."""
+    copy = tmp_path / "folderYXHB4u"
+    (copy / "1").mkdir(parents=True)
+    (copy / "config.pbtxt").write_text('name: "digits_raw"\nbackend: "runtime"\n')
+    argv = [*STUB_ARGV[:1], str(copy / "1" / "model.py"), *STUB_ARGV[2:8], "digits_raw_0_0", STUB_ARGV[9]]
+    assert parse_stub(7, argv).model == "digits_raw"
+    (copy / "config.pbtxt").write_text('backend: "runtime"\n')  # no name: the folder's
+    assert parse_stub(7, argv).model == "folderYXHB4u"
+
+
 def test_explicit_control_is_the_default_and_the_users_choice_wins():
     assert with_default_control(["--model-repository=r"]) == [
         "--model-repository=r", "--model-control-mode=explicit", "--load-model=*"]

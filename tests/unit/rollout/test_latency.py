@@ -28,6 +28,7 @@ from tritonguard.rollout.latency import (
     decode,
     encode,
     open_latency_log,
+    runtime_dir,
 )
 
 T0 = 1_700_000_000.0
@@ -154,11 +155,12 @@ def test_file_layout_and_stale_writers_removed(tmp_path):
     rec = LatencyRecorder(open_latency_log("digits_guard", tmp_path, url=""), writer_id="node-1:42")
     rec.record(2, 1, 0.001, T0)
     assert rec.flush()
-    blob = tmp_path / "digits_guard" / ".latency" / "v2" / "node-1_42.lat"
+    root = runtime_dir(tmp_path) / "digits_guard" / "latency"
+    blob = root / "v2" / "node-1_42.lat"
     assert blob.is_file() and not list(blob.parent.glob("*.tmp"))
     leftover = blob.parent / ".node-9_1.abc.tmp"  # a writer that died mid-write
     leftover.write_bytes(b"partial")
-    fresh = FileLatencyLog(tmp_path / "digits_guard" / ".latency")
+    fresh = FileLatencyLog(root)
     assert len(fresh.read(2)) == 1 and leftover.exists() and fresh.corrupt == 0
     later = FileLatencyLog(fresh.root, ttl_s=60, clock=lambda: time.time() + 61)
     assert len(later.read(2)) == 0
@@ -271,7 +273,24 @@ def test_open_latency_log_chooses_like_the_state_store(monkeypatch, tmp_path):
     assert isinstance(log_, RedisLatencyLog) and log_.prefix == "tritonguard:latency:m:"
     monkeypatch.delenv("TRITONGUARD_STATE_URL")
     log_ = open_latency_log("m", tmp_path)
-    assert isinstance(log_, FileLatencyLog) and log_.root == tmp_path / "m" / ".latency"
+    assert isinstance(log_, FileLatencyLog) and log_.root == runtime_dir(tmp_path) / "m" / "latency"
+    assert not (tmp_path / "m").exists()  # nothing in the repository
+
+
+def test_latency_files_stay_out_of_the_repository(monkeypatch, tmp_path):
+    home = tmp_path / "home"
+    monkeypatch.setenv("TRITONGUARD_HOME", str(home))
+    repo = tmp_path / "repo"
+    (repo / "g").mkdir(parents=True)
+    rec = LatencyRecorder(open_latency_log("g", repo, url=""), writer_id="h:1")
+    rec.record(1, 1, 0.002, T0)
+    assert rec.flush()
+    assert [p.name for p in (repo / "g").iterdir()] == []
+    written = list(home.rglob("*.lat"))
+    assert len(written) == 1 and written[0].is_relative_to(home / "run")
+    # the controller, naming the same repository another way (a symlink), reads the same samples
+    (tmp_path / "link").symlink_to(repo)
+    assert len(open_latency_log("g", tmp_path / "link", url="").read(1)) == 1
 
 
 # -- the gate --------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ class RolloutView:
         self.state = self._initial()
 
     def versions_on_disk(self) -> list[int]:
-        return repository.versions(self.repo / self.target)
+        # only versions with a manifest: one without is being uploaded, or never finished
+        return repository.complete_versions(self.repo / self.target)
 
     def _initial(self) -> RolloutState:
         """The stored state, or a new one pinning today's latest version as primary, so a

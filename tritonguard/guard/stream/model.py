@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,7 @@ from tritonguard.core.config import model_parameters
 from tritonguard.core.errors import ConfigError, QuotaExceeded, TargetError, TritonGuardError
 from tritonguard.generation.contract import INPUTS, OUTPUT
 from tritonguard.generation.local import LocalGenerator
+from tritonguard.guard import source
 from tritonguard.guard.pipeline import Generation
 from tritonguard.guard.routing.stream import NON_FINITE, StreamRouter, embedding_similarity
 from tritonguard.guard.stages.validate import target_sampling
@@ -93,7 +95,10 @@ class StreamGuardModel:
         self.stats = {"requests": 0, "rejected": 0, "ok": 0, "cancelled": 0, "target_errors": 0,
                       "errors": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0,
                       "cache_hits": 0}
-        self.repo = repo = a.repository
+        # the repository itself, never the parent of Triton's temporary copy (tritonguard/guard/source.py)
+        self.source = source.resolve(a.name, a.model_dir, os.environ)
+        self.repo = repo = self.source.root
+        self.source.fetch(self.target)
         self.local = LocalGenerator(repo, self.target, guard=self.name) if s.guard.placement == "inprocess" else None
         self.calls = TargetCalls(name=self.name, target=self.target, local=self.local,
                                  idle_s=s.guard.target_idle_timeout_s)

@@ -1,14 +1,16 @@
 """Stub scan: the Python backend stubs of a server, read from ``/proc``.
 
 A stub is found by its argv (``triton_python_backend_stub <repo>/<model>/<version>/model.py
-<shm region> … <instance>``); its model is the name of the folder above its version folder
-(Triton requires a model's folder to bear its name). Also what the other parts ask of a
+<shm region> … <instance>``); its model is the ``name:`` of the config.pbtxt above its version
+folder, else that folder's name (Triton requires a model's folder to bear its name; a model from an
+object store is loaded from a temporary copy named ``folderXXXXXX``). Also what the other parts ask of a
 process: whether it is alive, the CPU it used, and removing a dead stub's shared memory.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 @dataclass(frozen=True)
 class Stub:
     pid: int
-    model: str  # the model's folder name, which Triton requires to be its name
+    model: str  # the model's name (its config's ``name:``, else its folder's name)
     instance: str  # e.g. digits_0_0
     shm_region: str
     version_dir: str = ""  # <repository>/<model>/<version>, where Triton found its model.py
@@ -59,8 +61,23 @@ def parse_stub(pid: int, argv: Sequence[str]) -> Stub | None:
     if not argv or Path(argv[0]).name != STUB_NAME or len(argv) < 9:
         return None
     model_py = Path(argv[1])
-    return Stub(pid=pid, model=model_py.parent.parent.name, instance=argv[8], shm_region=argv[2],
+    return Stub(pid=pid, model=model_name(model_py.parent.parent), instance=argv[8], shm_region=argv[2],
                 version_dir=str(model_py.parent))
+
+
+_NAME = re.compile(r'^name\s*:\s*"([^"]+)"', re.M)
+
+
+def model_name(model_dir: Path) -> str:
+    """The ``name:`` in the folder's config.pbtxt, else the folder's name. From an object store,
+    Triton loads each model from a temporary copy (``/tmp/folderXXXXXX``) whose name says nothing;
+    the copy's config.pbtxt still names the model (the exporter always writes ``name``)."""
+    try:
+        text = (model_dir / "config.pbtxt").read_text(errors="replace")
+    except OSError:
+        return model_dir.name
+    m = _NAME.search(text)
+    return m.group(1) if m else model_dir.name
 
 
 def read_stub(pid: int) -> Stub | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import typing
 from pathlib import Path
 
@@ -351,7 +352,7 @@ def _old_text_layout(repo: Path) -> None:
             if p.is_file() and p.name != "rollout_state.json":
                 p.unlink()
             elif p.is_dir():
-                p.rmdir()
+                shutil.rmtree(p)  # a version folder: now with its placeholder manifest
         if model != "txt":
             (repo / model).rmdir()
     repository.write_config(repo / "txt", {**guard, "name": "txt", "parameters": params})

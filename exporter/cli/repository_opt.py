@@ -1,0 +1,69 @@
+"""``--repository/-r``: a folder or an object-store spec (``s3://bucket/prefix``, or Triton's
+``s3://http://host:port/bucket/prefix``), ``$TRITONGUARD_REPOSITORY`` by default.
+
+:func:`repository_command` wraps a command so that its body always gets a local folder: for an
+``s3://`` spec, the working copy of :mod:`exporter.records.remote`, published when the command
+succeeds (exit 0), left unpublished when it fails.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import click
+import typer
+from rich.markup import escape
+
+from exporter.cli.consoles import WideConsole
+from exporter.errors import EXIT_BAD_INPUT
+from exporter.records.remote import RemoteRepositoryError, working_copy
+from tritonguard.core.objectstore import ENV_REPOSITORY, is_object_store
+
+DEFAULT = "model_repository"
+
+Repository = Annotated[str, typer.Option(
+    "--repository", "-r", envvar=ENV_REPOSITORY,
+    help="Model repository: a folder, or s3://bucket/prefix (endpoint from $AWS_ENDPOINT_URL) or "
+         "s3://http://host:port/bucket/prefix.")]
+
+_err = WideConsole(stderr=True, soft_wrap=True)
+
+
+def repository_command(*, needs_state: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``needs_state``: the command reads or writes the rollout state, which must then be in
+    Redis (``$TRITONGUARD_STATE_URL``) when the repository is in an object store."""
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            spec = str(kwargs.get("repository") or DEFAULT)
+            if not is_object_store(spec):
+                kwargs["repository"] = Path(spec)
+                return fn(*args, **kwargs)
+            done: BaseException | None = None
+            result = None
+            try:
+                with working_copy(spec, needs_state=needs_state,
+                                  report=lambda line: _err.print(f"[green]✓[/] {escape(line)}")) as local:
+                    kwargs["repository"] = local
+                    try:
+                        result = fn(*args, **kwargs)
+                    except (typer.Exit, click.exceptions.Exit) as exc:
+                        if getattr(exc, "exit_code", 1):
+                            raise  # a failed command publishes nothing
+                        done = exc
+            except RemoteRepositoryError as exc:
+                _err.print(f"[bold red]✗[/] {escape(str(exc))}")
+                raise typer.Exit(EXIT_BAD_INPUT) from None
+            if done is not None:
+                raise done
+            return result
+
+        return wrapper
+
+    return deco
+
+
+__all__ = ["DEFAULT", "Repository", "repository_command"]

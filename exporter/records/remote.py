@@ -1,0 +1,187 @@
+"""A repository in an object store, as the exporter's commands see it: a local working copy.
+
+:func:`working_copy` syncs the store's prefix into ``$TRITONGUARD_HOME/work/<hash>/repo`` (files
+whose ETag is unchanged are not fetched again, files gone from the store are removed), hands the
+command that folder, and when the command succeeded publishes what it changed, in a safe order
+(:func:`tritonguard.core.objectstore.publish_order`): every file of a new version, then its
+manifest, then the model's config.pbtxt, guards and ensembles last. A version folder without
+any file gets its placeholder manifest first (an empty "folder" does not exist in S3, and Triton
+then refuses the model: "at least one version must be available").
+
+What a guard or the exporter writes at run time (rollout state, locks, latency samples, hidden
+files and partial folders) is never published: with an object-store repository the rollout
+state lives in Redis (``$TRITONGUARD_STATE_URL``), which :func:`working_copy` requires when
+``needs_state``.
+
+The working copy is not locked against another exporter publishing to the same prefix at the
+same time: run one exporter per repository (as with a local folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from exporter.errors import ExporterError
+from tritonguard.core import objectstore, repository
+from tritonguard.core.store import ENV_URL
+
+log = logging.getLogger(__name__)
+
+RUNTIME_NAMES = ("rollout_state.json",)
+
+
+class RemoteRepositoryError(ExporterError):
+    pass
+
+
+def is_runtime(rel: str) -> bool:
+    """A file that a guard or a command writes at run time, never part of the repository."""
+    parts = rel.split("/")
+    if any(p.startswith(".") for p in parts):
+        return True
+    name = parts[-1]
+    return name.startswith(RUNTIME_NAMES) or name.endswith((".lock", ".tmp", ".part"))
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """``rel -> md5`` of every repository file under ``root`` (runtime files left out)."""
+    out = {}
+    root = Path(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            path = Path(dirpath) / name
+            rel = path.relative_to(root).as_posix()
+            if not is_runtime(rel) and path.is_file():
+                out[rel] = _digest(path)
+    return out
+
+
+def fill_empty_versions(root: Path) -> list[Path]:
+    """A placeholder manifest in every numeric version folder holding no file."""
+    filled = []
+    for model_dir in sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for v in repository.versions(model_dir):
+            vdir = model_dir / str(v)
+            if not any(f.is_file() for f in vdir.rglob("*")):
+                repository.write_placeholder(vdir, model_dir.name)
+                filled.append(vdir)
+    return filled
+
+
+def sync_down(spec: objectstore.StoreSpec, work: Path, s3=None) -> dict[str, str]:
+    """Make ``work/repo`` the store's prefix; returns its snapshot."""
+    s3 = s3 or objectstore.client(spec)
+    root = work / "repo"
+    index_path = work / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    listed = objectstore.list_tree(spec, s3=s3)
+    root.mkdir(parents=True, exist_ok=True)
+    # what the store no longer holds goes from the copy too (runtime files stay: they are local)
+    for rel in set(snapshot(root)) - set(listed):
+        (root / rel).unlink(missing_ok=True)
+    for rel, entry in listed.items():
+        if is_runtime(rel):
+            continue
+        if index.get(rel) == entry.etag and (root / rel).exists():
+            continue
+        objectstore.download(spec, rel, root / rel, s3=s3)
+        index[rel] = entry.etag
+    _prune_empty(root)
+    index_path.write_text(json.dumps({k: v for k, v in index.items() if k in listed}))
+    return snapshot(root)
+
+
+def _prune_empty(root: Path) -> None:
+    for dirpath, _dirs, _files in sorted(os.walk(root), key=lambda t: -len(t[0])):
+        if Path(dirpath) != root and not any(Path(dirpath).iterdir()):
+            Path(dirpath).rmdir()  # the store holds no empty folder: neither does its copy
+
+
+def publish(spec: objectstore.StoreSpec, root: Path, before: Mapping[str, str], s3=None,
+            on_put=None) -> tuple[list[str], list[str]]:
+    """Upload what changed since ``before`` in the safe order, then delete what went; returns
+    (uploaded, deleted) in the order done."""
+    s3 = s3 or objectstore.client(spec)
+    fill_empty_versions(root)
+    after = snapshot(root)
+    changed = [rel for rel, digest in after.items() if before.get(rel) != digest]
+    gone = [rel for rel in before if rel not in after]
+    uploaded = []
+    for rel in objectstore.publish_order(changed, root):
+        objectstore.upload(spec, root / rel, rel, s3=s3)
+        uploaded.append(rel)
+        if on_put is not None:
+            on_put(rel)
+    deleted = objectstore.delete_order(gone)
+    objectstore.delete(spec, deleted, s3=s3)
+    return uploaded, deleted
+
+
+def work_dir(spec: objectstore.StoreSpec, environ: Mapping[str, str] | None = None) -> Path:
+    return objectstore.home(environ) / "work" / spec.cache_key
+
+
+@contextmanager
+def working_copy(spec: str, *, needs_state: bool = False, environ: Mapping[str, str] | None = None,
+                 report=None) -> Iterator[Path]:
+    """The local folder a command works on; ``spec`` a local path (yielded as is) or ``s3://…``.
+    Publishes what changed only when the block ends without an exception."""
+    env = os.environ if environ is None else environ
+    if not objectstore.is_object_store(spec):
+        yield Path(spec)
+        return
+    try:
+        store = objectstore.parse(spec, env)
+    except objectstore.ObjectStoreError as exc:
+        raise RemoteRepositoryError(str(exc)) from None
+    if needs_state and not env.get(ENV_URL):
+        raise RemoteRepositoryError(f"repository {spec} is in an object store: set {ENV_URL}=redis://… "
+                                    "(the rollout state cannot live in the store)")
+    work = work_dir(store, env)
+    try:
+        s3 = objectstore.client(store)
+        before = sync_down(store, work, s3=s3)
+    except objectstore.ObjectStoreError as exc:
+        raise RemoteRepositoryError(str(exc)) from None
+    root = work / "repo"
+    try:
+        yield root
+    except BaseException:
+        # a failed command publishes nothing, and leaves nothing for the next one to publish
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    try:
+        uploaded, deleted = publish(store, root, before, s3=s3)
+    except objectstore.ObjectStoreError as exc:
+        raise RemoteRepositoryError(f"publishing to the store failed: {exc}") from None
+    if report is not None and (uploaded or deleted):
+        report(f"published to {store.url}: {len(uploaded)} file(s) up, {len(deleted)} removed")
+    if not uploaded and not deleted:
+        log.debug("nothing changed in %s", store.url)
+
+
+def remove_work(spec: str, environ: Mapping[str, str] | None = None) -> None:
+    shutil.rmtree(work_dir(objectstore.parse(spec, environ), environ), ignore_errors=True)
+
+
+__all__ = ["RemoteRepositoryError", "fill_empty_versions", "is_runtime", "publish", "snapshot", "sync_down",
+           "working_copy"]

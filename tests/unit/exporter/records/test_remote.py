@@ -1,0 +1,117 @@
+"""exporter.records.remote: the exporter's working copy of an object-store repository and the
+order it publishes in. The store is moto's S3 server (an S3 stand-in in a subprocess, real HTTP;
+tests/conftest.py ``moto_s3``); the order is what boto3 actually sent, PutObject by PutObject."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from exporter.cli.app import app
+from exporter.records.remote import RemoteRepositoryError, working_copy
+from tritonguard.core import repository
+
+
+def _record_puts(s3) -> list[str]:
+    """The keys of every PutObject / CreateMultipartUpload the client sends, in order."""
+    sent: list[str] = []
+    for op in ("PutObject", "CreateMultipartUpload"):
+        s3.meta.events.register(f"before-parameter-build.s3.{op}", lambda params, **_: sent.append(params["Key"]))
+    return sent
+
+
+def _seed(s3, bucket: str) -> None:
+    put = lambda key, body: s3.put_object(Bucket=bucket, Key=f"repo/{key}", Body=body)  # noqa: E731
+    put("digits_raw/config.pbtxt", b'name: "digits_raw"\nbackend: "runtime"\n')
+    put("digits_raw/1/model.onnx", b"v1")
+    put("digits_raw/1/manifest.json", b'{"name": "digits_raw", "version": 1}')
+    put("digits/config.pbtxt", b'name: "digits"\nbackend: "guard"\n'
+                               b'parameters { key: "target" value { string_value: "digits_raw" } }\n')
+
+
+def test_a_new_version_is_published_files_then_manifest_then_configs(aws_env, tmp_path, monkeypatch):
+    import boto3
+
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("publish-order")
+    _seed(s3, bucket)
+    spec = f"s3://{bucket}/repo"
+    client = boto3.client("s3")  # what working_copy builds: endpoint and keys from AWS_*
+    sent = _record_puts(client)
+    monkeypatch.setattr("tritonguard.core.objectstore.client", lambda _spec: client)
+    with working_copy(spec) as local:
+        assert (local / "digits_raw" / "1" / "model.onnx").read_bytes() == b"v1"
+        assert not (local / "digits").joinpath("1").exists()  # S3 has no empty folder
+        v2 = local / "digits_raw" / "2"
+        v2.mkdir()
+        (v2 / "model.onnx").write_bytes(b"v2")
+        (v2 / "goldens.npz").write_bytes(b"g")
+        (v2 / "manifest.json").write_text('{"name": "digits_raw", "version": 2}')
+        (local / "digits_raw" / "config.pbtxt").write_text('name: "digits_raw"\nbackend: "runtime"\n# v2\n')
+        (local / "digits" / "config.pbtxt").write_text('name: "digits"\nbackend: "guard"\n# v2\n')
+        (local / "digits" / "1").mkdir()  # the guard's version folder, as an old exporter left it
+        (local / "digits" / "rollout_state.json").write_text("{}")  # run-time files never go up
+        (local / "digits" / ".latency").mkdir()
+        (local / "digits" / ".latency" / "x.lat").write_bytes(b"x")
+        assert sent == []  # nothing goes up before the command is done
+    assert sent == [
+        "repo/digits_raw/2/goldens.npz", "repo/digits_raw/2/model.onnx",
+        "repo/digits/1/manifest.json", "repo/digits_raw/2/manifest.json",  # the guard's placeholder, v2's manifest
+        "repo/digits_raw/config.pbtxt", "repo/digits/config.pbtxt",  # the target before its guard
+    ]
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="repo/")["Contents"]}
+    assert "repo/digits/rollout_state.json" not in keys and not any(".latency" in k for k in keys)
+    placeholder = json.loads(s3.get_object(Bucket=bucket, Key="repo/digits/1/manifest.json")["Body"].read())
+    assert placeholder["placeholder"] is True and placeholder["name"] == "digits"
+
+    # unchanged: nothing is sent; a failed command publishes nothing
+    sent.clear()
+    with working_copy(spec) as local:
+        pass
+    assert sent == []
+    with pytest.raises(RuntimeError), working_copy(spec) as local:
+        (local / "digits_raw" / "3").mkdir()
+        (local / "digits_raw" / "3" / "model.onnx").write_bytes(b"v3")
+        raise RuntimeError("the export failed")
+    assert sent == []
+    # the next command's working copy is the store again (v3's leftovers are not published later)
+    with working_copy(spec) as local:
+        assert repository.versions(local / "digits_raw") == [1, 2]
+    assert sent == []
+
+
+def test_commands_on_the_rollout_state_need_redis_with_an_object_store(aws_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TRITONGUARD_STATE_URL", raising=False)
+    bucket = aws_env.bucket("needs-state")
+    with pytest.raises(RemoteRepositoryError, match="TRITONGUARD_STATE_URL"), \
+            working_copy(f"s3://{bucket}/repo", needs_state=True):
+        pass
+    # the CLI: one line, exit 2, repository from $TRITONGUARD_REPOSITORY
+    monkeypatch.setenv("TRITONGUARD_REPOSITORY", f"s3://{bucket}/repo")
+    res = CliRunner().invoke(app, ["route", "digits"])
+    assert res.exit_code == 2, res.output
+    assert "set TRITONGUARD_STATE_URL=redis://" in res.output
+    # a missing bucket: one line naming it, exit 2
+    res = CliRunner().invoke(app, ["upgrade", "-r", "s3://no-such-bucket/repo"])
+    assert res.exit_code == 2 and "NoSuchBucket" in res.output and "Traceback" not in res.output
+
+
+def test_route_on_an_object_store_repository_with_redis_state(aws_env, tmp_path, monkeypatch, redis_server):
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("route-redis")
+    _seed(s3, bucket)
+    res = CliRunner().invoke(app, ["route", "digits", "-r", f"s3://http://127.0.0.1:{aws_env.port}/{bucket}/repo",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["route", "digits", "-r", f"s3://{bucket}/repo", "--primary", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["primary"]["version"] == 1
+    # the state went to Redis, not into the store
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="repo/")["Contents"]}
+    assert not any("rollout_state" in k for k in keys)

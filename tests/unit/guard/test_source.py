@@ -1,0 +1,62 @@
+"""tritonguard.guard.source: where a guard finds its repository, and versions without a manifest."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tritonguard.core import repository
+from tritonguard.core.errors import ConfigError, TargetError
+from tritonguard.guard import source
+
+
+def test_a_temporary_copy_is_never_taken_for_the_repository(tmp_path):
+    # Triton's copy of a model from S3: /tmp/folderXXXXXX, whose parent is the shared /tmp
+    with pytest.raises(ConfigError, match="temporary copy.*TRITONGUARD_REPOSITORY"):
+        source.resolve("digits", tmp_path / "folderYXHB4u", {})
+    # a repository folder (named after the model): its parent
+    assert source.resolve("digits", tmp_path / "repo" / "digits", {}).root == tmp_path / "repo"
+    # named explicitly
+    assert source.resolve("digits", tmp_path / "folderYXHB4u", {"TRITONGUARD_REPOSITORY": "/srv/models"}).root \
+        == __import__("pathlib").Path("/srv/models")
+
+
+def test_an_object_store_repository_needs_redis_and_is_cached_under_home(tmp_path):
+    env = {"TRITONGUARD_REPOSITORY": "s3://http://127.0.0.1:9/b/repo", "TRITONGUARD_HOME": str(tmp_path)}
+    with pytest.raises(ConfigError, match="set TRITONGUARD_STATE_URL"):
+        source.resolve("digits", tmp_path / "folderX", env)
+    src = source.resolve("digits", tmp_path / "folderX", {**env, "TRITONGUARD_STATE_URL": "redis://x:1/0"})
+    assert src.remote and src.root.is_relative_to(tmp_path / "cache" / "objstore")
+
+
+def test_a_version_without_manifest_is_ignored_and_refused(tmp_path, caplog):
+    t = tmp_path / "t"
+    for v in (1, 2, 3):
+        (t / str(v)).mkdir(parents=True)
+        (t / str(v) / "model.onnx").write_bytes(b"x")
+    (t / "config.pbtxt").write_text('name: "t"\n')
+    repository.write_placeholder(t / "1", "t")
+    (t / "2" / "manifest.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="tritonguard.core.repository"):
+        assert repository.complete_versions(t) == [1, 2]
+        assert repository.complete_versions(t) == [1, 2]
+    assert caplog.text.count("t version 3 has no manifest.json") == 1  # logged once
+    assert repository.versions(t) == [1, 2, 3]  # the exporter still counts it (never reuses 3)
+    source.check_complete(tmp_path, "t", 2)
+    with pytest.raises(TargetError, match="version 3 of 't' has no manifest"):
+        source.check_complete(tmp_path, "t", 3)
+    source.check_complete(tmp_path, "elsewhere", 3)  # a target outside this repository: Triton's business
+
+
+def test_the_router_view_counts_only_complete_versions(tmp_path):
+    from tritonguard.guard.routing.view import RolloutView
+    from tritonguard.rollout.stores import open_store
+
+    t = tmp_path / "t"
+    for v in (1, 2):
+        (t / str(v)).mkdir(parents=True)
+    (t / "1" / "manifest.json").write_text("{}")
+    view = RolloutView(guard="g", repo=tmp_path, target="t", store=open_store("g", tmp_path, url=""),
+                       poll_interval_s=0, metrics=None)
+    assert view.versions_on_disk() == [1] and view.primary() == 1  # v2, half uploaded, is not the latest

@@ -1,0 +1,306 @@
+"""A model repository in an S3-compatible object store (boto3).
+
+Specs accepted wherever a repository is named:
+
+- ``s3://bucket/prefix``: the endpoint comes from ``$AWS_ENDPOINT_URL`` (or AWS itself);
+- ``s3://http://host:port/bucket/prefix`` (or ``https://``): Triton's own form, endpoint inside.
+
+Credentials and region are boto3's usual ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
+``AWS_DEFAULT_REGION``; Triton and its stubs read the same variables.
+
+Why boto3 (not s3fs/fsspec): moto, the S3 stand-in the tests use, already depends on it, so the
+project has one AWS stack; it is synchronous, does multipart uploads of large artifacts, and the
+caller decides the order of uploads, which :func:`publish_order` needs (a version's files, then
+its manifest, then the model's config.pbtxt: Triton and the guards only ever see whole versions).
+fsspec's listing cache could also hide a version that was just uploaded.
+
+Nothing here is imported unless a repository spec is an ``s3://`` one; boto3 itself is imported
+on first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from tritonguard.core.errors import ConfigError
+from tritonguard.core.store import home
+
+log = logging.getLogger(__name__)
+
+SCHEME = "s3://"
+ENV_REPOSITORY = "TRITONGUARD_REPOSITORY"
+ENV_ENDPOINT = "AWS_ENDPOINT_URL"
+MANIFEST = "manifest.json"
+CONFIG = "config.pbtxt"
+
+
+class ObjectStoreError(ConfigError):
+    """The store cannot be reached, the bucket is missing, a file fails its checksum: one line."""
+
+
+def is_object_store(spec: object) -> bool:
+    return isinstance(spec, str) and spec.startswith(SCHEME)
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    bucket: str
+    prefix: str  # no leading or trailing "/"; "" for the bucket's root
+    endpoint: str | None = None  # http(s)://host:port, None for boto3's default
+
+    def key(self, rel: str) -> str:
+        rel = rel.strip("/")
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def rel(self, key: str) -> str:
+        return key[len(self.prefix) + 1:] if self.prefix else key
+
+    @property
+    def url(self) -> str:
+        """The spec in Triton's form when an endpoint is known, else ``s3://bucket/prefix``."""
+        where = f"{self.bucket}/{self.prefix}".rstrip("/")
+        return f"{SCHEME}{self.endpoint}/{where}" if self.endpoint else f"{SCHEME}{where}"
+
+    @property
+    def cache_key(self) -> str:
+        return hashlib.sha256(self.url.encode()).hexdigest()[:16]
+
+
+def parse(spec: str, environ: Mapping[str, str] | None = None) -> StoreSpec:
+    """``s3://bucket/prefix`` or ``s3://http://host:port/bucket/prefix`` -> :class:`StoreSpec`."""
+    env = os.environ if environ is None else environ
+    if not is_object_store(spec):
+        raise ObjectStoreError(f"not an object-store repository: {spec!r} (want s3://bucket/prefix)")
+    rest = spec[len(SCHEME):]
+    endpoint = None
+    if rest.startswith(("http://", "https://")):
+        parts = urlsplit(rest)
+        if not parts.netloc:
+            raise ObjectStoreError(f"repository {spec!r}: no host in the endpoint")
+        endpoint = f"{parts.scheme}://{parts.netloc}"
+        rest = parts.path
+    elif re.match(r"^[^/]+:\d+/", rest):  # Triton's s3://host:port/bucket/path
+        host, rest = rest.split("/", 1)
+        endpoint = f"http://{host}"
+    rest = rest.strip("/")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ObjectStoreError(f"repository {spec!r}: no bucket")
+    if endpoint is None:
+        endpoint = env.get(ENV_ENDPOINT) or None
+    return StoreSpec(bucket=bucket, prefix=prefix.strip("/"), endpoint=endpoint and endpoint.rstrip("/"))
+
+
+def client(spec: StoreSpec) -> Any:
+    import boto3  # noqa: PLC0415 - only when a repository is in an object store
+
+    return boto3.client("s3", endpoint_url=spec.endpoint)
+
+
+def _one_line(exc: BaseException, spec: StoreSpec) -> ObjectStoreError:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ObjectStoreError(f"object store {spec.url}: {type(exc).__name__}: {text}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    size: int
+    etag: str
+
+
+def list_tree(spec: StoreSpec, sub: str = "", s3: Any = None) -> dict[str, Entry]:
+    """Every object under the prefix (and ``sub``), as ``rel -> Entry``."""
+    s3 = s3 or client(spec)
+    base = spec.key(sub) if sub else spec.prefix
+    prefix = f"{base}/" if base else ""
+    out: dict[str, Entry] = {}
+    try:
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=spec.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []) or []:
+                if obj["Key"].endswith("/"):
+                    continue  # a "folder" marker some tools write
+                out[spec.rel(obj["Key"])] = Entry(int(obj["Size"]), str(obj.get("ETag", "")).strip('"'))
+    except Exception as exc:  # noqa: BLE001 - botocore's errors: one line for the user
+        raise _one_line(exc, spec) from None
+    return out
+
+
+def download(spec: StoreSpec, rel: str, dest: Path, s3: Any = None) -> Path:
+    s3 = s3 or client(spec)
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.part")
+    try:
+        s3.download_file(spec.bucket, spec.key(rel), str(tmp))
+        os.replace(tmp, dest)
+    except Exception as exc:  # noqa: BLE001
+        tmp.unlink(missing_ok=True)
+        raise _one_line(exc, spec) from None
+    return dest
+
+
+def upload(spec: StoreSpec, src: Path, rel: str, s3: Any = None) -> None:
+    s3 = s3 or client(spec)
+    try:
+        s3.upload_file(str(src), spec.bucket, spec.key(rel))
+    except Exception as exc:  # noqa: BLE001
+        raise _one_line(exc, spec) from None
+
+
+def delete(spec: StoreSpec, rels: Iterable[str], s3: Any = None) -> None:
+    s3 = s3 or client(spec)
+    for rel in rels:
+        try:
+            s3.delete_object(Bucket=spec.bucket, Key=spec.key(rel))
+        except Exception as exc:  # noqa: BLE001
+            raise _one_line(exc, spec) from None
+
+
+def download_tree(spec: StoreSpec, dest: Path, s3: Any = None) -> dict[str, Entry]:
+    """The whole prefix into ``dest`` (a fresh working copy); returns what was listed."""
+    s3 = s3 or client(spec)
+    listed = list_tree(spec, s3=s3)
+    for rel in listed:
+        download(spec, rel, Path(dest) / rel, s3=s3)
+    return listed
+
+
+# -- publish order ------------------------------------------------------------------------------
+def _version_of(rel: str) -> tuple[str, str] | None:
+    parts = rel.split("/")
+    if len(parts) >= 3 and parts[1].isdigit():
+        return parts[0], parts[1]
+    return None
+
+
+def _is_front_config(path: Path) -> bool:
+    """A guard's or an ensemble's config: published after the models it calls."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return False
+    return bool(re.search(r'^\s*backend:\s*"guard"', text, re.M) or re.search(r'^\s*platform:\s*"ensemble"', text, re.M))
+
+
+def publish_order(rels: Iterable[str], root: Path) -> list[str]:
+    """The order in which changed files go up: every other file of a version first, then the
+    versions' manifests, then model configs (targets before guards and ensembles), then anything
+    else at the top. Triton reads a model from its config.pbtxt, and readers count a version only
+    once its manifest is there, so nobody sees half a version."""
+    def rank(rel: str) -> tuple[int, str]:
+        name = rel.rsplit("/", 1)[-1]
+        if _version_of(rel) is not None:
+            return (1 if name == MANIFEST and rel.count("/") == 2 else 0, rel)
+        if name == CONFIG and rel.count("/") == 1:
+            return (3 if _is_front_config(Path(root) / rel) else 2, rel)
+        return (4, rel)
+
+    return sorted(rels, key=rank)
+
+
+def delete_order(rels: Iterable[str]) -> list[str]:
+    """Removals in the reverse sense: configs and manifests first, so a version stops counting
+    before its files go."""
+    def rank(rel: str) -> tuple[int, str]:
+        name = rel.rsplit("/", 1)[-1]
+        return (0 if name == CONFIG else 1 if name == MANIFEST else 2, rel)
+
+    return sorted(rels, key=rank)
+
+
+# -- the guard's local view of an object-store repository ---------------------------------------
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class RepositoryCache:
+    """Models of an object-store repository mirrored under ``cache_dir`` (by default
+    ``$TRITONGUARD_HOME/cache/objstore/<hash of the spec>``), one model at a time, only the
+    versions that have a manifest (a version without one is being uploaded, or was never
+    finished: logged and skipped). An artifact named in the manifest is checked against its
+    sha256; a file whose ETag has not changed is not fetched again."""
+
+    def __init__(self, spec: StoreSpec | str, cache_dir: Path | None = None, environ: Mapping[str, str] | None = None):
+        self.spec = parse(spec, environ) if isinstance(spec, str) else spec
+        self.root = Path(cache_dir) if cache_dir else home(environ) / "cache" / "objstore" / self.spec.cache_key
+        self._s3: Any = None
+
+    @property
+    def s3(self) -> Any:
+        if self._s3 is None:
+            self._s3 = client(self.spec)
+        return self._s3
+
+    def _index_path(self, model: str) -> Path:
+        return self.root / f".{model}.index.json"
+
+    def sync(self, model: str) -> Path:
+        """Bring ``model``'s config and complete versions into the cache; returns its folder."""
+        listed = list_tree(self.spec, model, s3=self.s3)
+        index_path = self._index_path(model)
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError):
+            index = {}
+        by_version: dict[str, list[str]] = {}
+        top: list[str] = []
+        for rel in listed:
+            v = _version_of(rel)
+            if v is None:
+                top.append(rel)
+            else:
+                by_version.setdefault(v[1], []).append(rel)
+        wanted = list(top)
+        for version, rels in sorted(by_version.items(), key=lambda kv: int(kv[0])):
+            if f"{model}/{version}/{MANIFEST}" not in rels:
+                log.warning("object store %s: %s version %s has no %s (incomplete upload?): ignored",
+                            self.spec.url, model, version, MANIFEST)
+                continue
+            wanted += rels
+        for rel in wanted:
+            dest = self.root / rel
+            entry = listed[rel]
+            if index.get(rel) == entry.etag and dest.exists():
+                continue
+            download(self.spec, rel, dest, s3=self.s3)
+            index[rel] = entry.etag
+        for version in by_version:
+            self._verify(self.root / model / version)
+        self.root.mkdir(parents=True, exist_ok=True)
+        index_path.write_text(json.dumps({k: v for k, v in index.items() if k in listed}))
+        return self.root / model
+
+    def _verify(self, version_dir: Path) -> None:
+        manifest = version_dir / MANIFEST
+        if not manifest.exists():
+            return
+        try:
+            doc = json.loads(manifest.read_text())
+        except ValueError as exc:
+            raise ObjectStoreError(f"{version_dir.parent.name} v{version_dir.name}: unreadable manifest: {exc}") from None
+        artifact, sha = doc.get("artifact"), doc.get("sha256")
+        if not artifact or not sha or "/" in str(artifact):
+            return  # a folder (tokenizer) or another model's file: nothing to check here
+        path = version_dir / artifact
+        if path.is_file() and sha256_file(path) != sha:
+            path.unlink()
+            raise ObjectStoreError(f"{version_dir.parent.name} v{version_dir.name}: {artifact} does not match "
+                                   "the sha256 in its manifest (removed from the cache)")
+
+
+__all__ = ["ENV_REPOSITORY", "ObjectStoreError", "RepositoryCache", "StoreSpec", "delete", "delete_order",
+           "download", "download_tree", "home", "is_object_store", "list_tree", "parse", "publish_order",
+           "upload"]
