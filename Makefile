@@ -75,7 +75,7 @@ run: setup ## serve the example models on 127.0.0.1:8000 (HTTP), 8001 (gRPC), 80
 	exec $(VENV)/bin/tritonserver --model-repository=$(REPO) $(SERVER_FLAGS)
 
 test: setup deploy-venv ## the whole test suite (unit + functional against a real tritonserver)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=40
 
 unit: $(STAMP) ## unit tests only (no server)
 	$(PY) -m pytest tests/unit
