@@ -23,6 +23,7 @@ from exporter.cli.rollout_common import StateUrl, servers_or_fleet
 from exporter.cli.status import collect, live, print_live, table, unreachable
 from exporter.cli.watch import watch as watch_view
 from exporter.errors import EXIT_BAD_INPUT, ExporterError
+from exporter.rollout.reconcile import reconcile_registry
 from exporter.rollout.route import RouteChange, RouteError, apply, parse_arms, show, state_summary
 from tritonguard.privacy.tenancy.auth import new_api_key
 from tritonguard.privacy.tenancy.config import TenancyConfig
@@ -244,10 +245,11 @@ def route(
         change = RouteChange(primary=primary, candidate=candidate, share=share, shadow=shadow,
                              fallback=fallback.split(",") if fallback else None, default=default,
                              reset_breaker=reset_breaker, arms=None if arms is None else parse_arms(arms))
-        if any(v is not None for v in vars(change).values()):
+        changing = any(v is not None for v in vars(change).values())
+        if changing:
             _where(repository)
             apply(repository, model, change)
-        state = show(repository, model)
+        state = show(repository, model, reconcile=changing)  # showing alone writes nothing
     except RouteError as exc:
         err.print(f"[bold red]✗ route failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
@@ -261,6 +263,33 @@ def route(
     out.print(f"[bold]{model}[/] {head}")
     for line in rest:
         out.print(f"  {line}")
+
+
+@app.command("reconcile")
+@repository_command()
+def reconcile_command(
+    model: Annotated[str | None, typer.Argument(help="Guard model name (default: every guard).")] = None,
+    repository: Repository = "model_repository",
+) -> None:
+    """Make the registry say what serves: each guard's primary (its rollout state) becomes
+    PRODUCTION, registered from its manifest if it was not, any other PRODUCTION ARCHIVED.
+    `export`, `route` with a change, `promote` and `rollback` do this themselves; `status` only
+    says when the two disagree."""
+
+    names = [model] if model else [m.get("serves_as") or m["name"] for m in collect(repository)
+                                   if m.get("kind") == "guard"]
+    if not names:
+        out.print(f"no guarded models in {escape(str(repository))}")
+        return
+    for name in names:
+        try:
+            changed = reconcile_registry(repository, name, create=True,
+                                         warn=lambda msg: err.print(f"[yellow]![/] {escape(msg)}", soft_wrap=True))
+        except ExporterError as exc:
+            err.print(f"[bold red]✗ reconcile failed:[/] {escape(str(exc))}", soft_wrap=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+        out.print(f"[green]✓[/] {escape(changed)}" if changed else f"{escape(name)}: registry already agrees",
+                  soft_wrap=True)
 
 
 @app.command()

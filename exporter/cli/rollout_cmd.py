@@ -99,8 +99,7 @@ def rollout_status(
     except ExporterError as exc:  # unreadable progress, or its Redis unreachable
         err.print(f"[bold red]✗ status failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    reconcile(repository, model)
-    live = None
+    live = None  # a read: the registry is reconciled where state changes, or by `exporter reconcile`
     if urls and progress is not None and progress.status in ("running", "paused"):
         live = _peek(model, repository, urls, fleet)
     if as_json:

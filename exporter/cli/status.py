@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from exporter.records.progress import ControllerError
 from exporter.records.registry import default_uri, open_registry, sqlite_path
 from exporter.rollout.controller import RolloutController
 from exporter.rollout.gates.readings import scrape
-from exporter.rollout.reconcile import reconcile_registry
 from exporter.rollout.route import state_summary
 from exporter.rollout.serving import server_url
 from tritonguard.core import catalogue
@@ -169,6 +169,23 @@ def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
         return {"error": f"{type(exc).__name__}: {exc}"}  # type: ignore[dict-item]
 
 
+def registry_disagreement(model: str, state: Any, stages: dict[int, str] | None,
+                          rollout: dict[str, Any] | None) -> str | None:
+    """A line when the registry's PRODUCTION is not the version the routing serves (the state's
+    primary), or None: no registry, no primary pinned yet, or a rollout moving the stages."""
+
+    if not stages or "error" in stages or state is None or (state.primary or 0) < 1:
+        return None
+    if rollout and rollout.get("status") in ("running", "paused", "pending"):
+        return None
+    production = sorted(v for v, s in stages.items() if s == "PRODUCTION")
+    if production == [state.primary]:
+        return None
+    said = ", ".join(f"v{v}" for v in production) or "no version"
+    return (f"the registry says PRODUCTION {said}, the routing serves v{state.primary}: "
+            f"`exporter reconcile {model}` records what serves")
+
+
 def _scrape_guard(urls: list[str], model: str) -> dict[str, Any]:
     """Breaker states, input drift and answers per version, summed/maxed over replicas; requests,
     rejects and fallbacks (by reason) for the rates of ``status --watch``."""
@@ -274,8 +291,6 @@ def live(repository: Path, metrics_urls: list[str], servers: list[str] | None = 
             entry["state"] = st.to_dict() if st else None
         except (StateError, OSError) as exc:
             entry["state"] = {"error": str(exc)}
-        if st is not None:  # the registry says PRODUCTION for what serves (never raises; warns)
-            reconcile_registry(repository, name, state=st)
         try:
             p = RolloutController(name, repository, reader=None).status()  # type: ignore[arg-type]
             entry["rollout"] = None if p is None else {
@@ -287,6 +302,8 @@ def live(repository: Path, metrics_urls: list[str], servers: list[str] | None = 
         except ControllerError as exc:
             entry["rollout"] = {"error": str(exc)}
         entry["stages"] = _registry_stages(repository, name)
+        # a read changes nothing: where the registry and the routing disagree, say so
+        entry["registry_disagrees"] = registry_disagreement(name, st, entry["stages"], entry.get("rollout"))
         if metrics_urls:
             entry["metrics"] = _scrape_guard(metrics_urls, name)
             if servers and m.get("placement") == "bls" and m.get("target"):
@@ -319,6 +336,8 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
             console.print(f"  registry: [red]{stages['error']}[/]")
         elif stages:
             console.print("  registry: " + ", ".join(f"v{v} {s}" for v, s in sorted(stages.items())))
+        if g.get("registry_disagrees"):
+            console.print(f"  [yellow]! {escape(g['registry_disagrees'])}[/]", soft_wrap=True)
         r = g.get("rollout")
         if r and "error" not in r:
             who = (", ".join(f"v{v}={a['weight']:g} {a['status']}" for v, a in r["arms"].items())

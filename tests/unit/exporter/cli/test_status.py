@@ -160,20 +160,33 @@ def test_rollback_after_a_promotion_says_so_in_status_and_registry(repo):
 
 
 # -- 2. the registry follows the routing ------------------------------------------------------
-def test_pinned_primary_becomes_production_on_the_next_read(repo):
+def test_reads_change_nothing_and_say_when_the_registry_disagrees(repo):
     reg = registry(repo)
     reg.register(MODEL, 1, _manifest(1), {}, source=str(repo / "m_raw" / "1"))  # what export does: DRAFT
     open_store(MODEL, repo).update(lambda s: setattr(s, "primary", 1) or s)  # what a guard's first load does
     assert reg.stage(MODEL, 1) == "DRAFT"
-    res = cli("route", MODEL, "-r", str(repo))
-    assert res.exit_code == 0, res.output
-    assert reg.stage(MODEL, 1) == "PRODUCTION" and reg.production(MODEL) == 1
     n = len(history(repo))
+    # every read leaves the registry as it was
+    for args in (("route", MODEL), ("status",), ("status", "--json"), ("rollout", "status", MODEL)):
+        res = cli(*args, "-r", str(repo))
+        assert res.exit_code == 0, (args, res.output)
+        assert "reconciled" not in res.output and reg.stage(MODEL, 1) == "DRAFT", (args, res.output)
+    assert len(history(repo)) == n
+    # status says they disagree, and how to record what serves
+    res = cli("status", "-r", str(repo))
+    assert "the registry says PRODUCTION no version, the routing serves v1" in " ".join(res.output.split()), res.output
+    doc = json.loads(cli("status", "--json", "-r", str(repo)).stdout)
+    assert "`exporter reconcile m`" in doc["guards"][0]["registry_disagrees"]
+    # the explicit command records it; a second run changes nothing
+    res = cli("reconcile", MODEL, "-r", str(repo))
+    assert res.exit_code == 0 and "now PRODUCTION" in res.output, res.output
+    assert reg.stage(MODEL, 1) == "PRODUCTION" and reg.production(MODEL) == 1
     rec = history(repo)[-1]
     assert rec["reconcile"] is True and rec["from"] == "DRAFT" and rec["to"] == "PRODUCTION"
-    # idempotent: reading again changes nothing and records nothing
-    assert cli("route", MODEL, "-r", str(repo)).exit_code == 0
-    assert cli("rollout", "status", MODEL, "-r", str(repo)).exit_code == 0
+    n = len(history(repo))
+    res = cli("reconcile", "-r", str(repo))  # every guard
+    assert res.exit_code == 0 and "registry already agrees" in res.output, res.output
+    assert json.loads(cli("status", "--json", "-r", str(repo)).stdout)["guards"][0]["registry_disagrees"] is None
     assert len(history(repo)) == n
     # a primary changed by hand: registered from its manifest if needed, PRODUCTION; v1 ARCHIVED
     res = cli("route", MODEL, "-r", str(repo), "--primary", "3")
