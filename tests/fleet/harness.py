@@ -156,6 +156,21 @@ def find_promtool() -> str:
     return _find("FLEET_PROMTOOL", ["/usr/bin/promtool", "promtool"])
 
 
+def _group_alive(pgid: int) -> bool:
+    """Any live (not zombie) process left in the process group ``pgid``."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 class Child:
     """A child process in its own process group, with its output in a log file."""
 
@@ -325,6 +340,8 @@ class Replica:
     # Triton's /tmp/folderXXXXXX copies of this replica's models, as seen in its stubs' argv
     # (remembered: a dead stub no longer shows its copy, and Triton leaves that copy behind)
     copies: set[Path] = field(default_factory=set)
+    killed_at: float | None = None  # time.monotonic() of the last kill()'s SIGKILL
+    dead_at: float | None = None  # ... and when its process group was gone (or 5 s later)
 
     def _new_server(self) -> Server:
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
@@ -420,6 +437,12 @@ class Replica:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
             self.server.proc.wait(timeout=10)
+            # the group's other members (tritonserver, stubs) are reaped by init: until they are
+            # gone their sockets may still take a request (which then fails: in flight at the kill)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and _group_alive(pid):
+                time.sleep(0.02)
+        self.killed_at, self.dead_at = when, time.monotonic()
         self._clean(regions, copies)
         return when
 
