@@ -36,19 +36,20 @@ SERVER_FLAGS += "--http-restricted-api=model-repository,model-config:$(ADMIN_HEA
           "--grpc-restricted-protocol=model-repository,model-config:$(ADMIN_HEADER)=$$TRITONGUARD_ADMIN_KEY"
 endif
 
-.PHONY: help setup system-deps venv models run test unit functional bench soak lint clean
+.PHONY: help setup system-deps venv models run fleet fleet-test test unit functional bench soak lint clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 setup: system-deps venv models ## install everything and export the example models
 
-system-deps: ## Debian packages: libb64-0d (perf_analyzer), redis-server, g++ (torch_compile variant), prometheus (promtool)
+system-deps: ## Debian packages: libb64-0d (perf_analyzer), redis-server, g++ (torch_compile variant), prometheus (promtool), nginx (make fleet)
 	@missing=""; \
 	dpkg -s libb64-0d >/dev/null 2>&1 || missing="$$missing libb64-0d"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
 	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	[ -x /usr/sbin/nginx ] || command -v nginx >/dev/null 2>&1 || missing="$$missing nginx"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
@@ -73,6 +74,12 @@ models: $(STAMP) ## export digits and minilm into $(REPO) when absent
 run: setup ## serve the example models on 127.0.0.1:8000 (HTTP), 8001 (gRPC), 8002 (metrics)
 	@echo "serving $(REPO): try  curl -s localhost:$(HTTP_PORT)/v2/models/digits  (README has more)"
 	exec $(VENV)/bin/tritonserver --model-repository=$(REPO) $(SERVER_FLAGS)
+
+fleet: setup ## a fleet on loopback: moto S3, Redis, 3 replicas, nginx, Prometheus; prints its URLs as JSON, Ctrl-C stops it
+	$(PY) -m tests.fleet.harness --repository $(REPO) --replicas 3
+
+fleet-test: setup ## the fleet scenario (tests/functional/test_fleet.py): a rollout through nginx, a replica killed mid-way
+	$(PY) -m pytest tests/functional/test_fleet.py -m fleet -s --durations=5
 
 test: setup deploy-venv ## the whole test suite (unit + functional against a real tritonserver)
 	$(PY) -m pytest tests --durations=40

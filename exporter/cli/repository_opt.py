@@ -9,6 +9,7 @@ succeeds (exit 0), left unpublished when it fails.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,6 +22,7 @@ from exporter.cli.consoles import WideConsole
 from exporter.errors import EXIT_BAD_INPUT
 from exporter.records.remote import RemoteRepositoryError, working_copy
 from tritonguard.core.objectstore import ENV_REPOSITORY, is_object_store
+from tritonguard.core.store import ENV_URL
 
 DEFAULT = "model_repository"
 
@@ -39,6 +41,10 @@ def repository_command(*, needs_state: bool = True) -> Callable[[Callable[..., A
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             spec = str(kwargs.get("repository") or DEFAULT)
+            if kwargs.get("state_url"):
+                # `--state-url` is this process's store (rollout_common.use_state_url); set it
+                # before the object-store check below, which looks for $TRITONGUARD_STATE_URL
+                os.environ[ENV_URL] = kwargs["state_url"]
             if not is_object_store(spec):
                 kwargs["repository"] = Path(spec)
                 return fn(*args, **kwargs)
