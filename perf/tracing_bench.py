@@ -62,7 +62,7 @@ def run(src_repo: Path, workdir: Path, measure: Callable[..., Any], digits_data:
     med = {n: float(np.median([m.throughput for m in ms])) for n, ms in runs.items()}
     p99 = {n: float(np.median([m.p99_ms for m in ms])) for n, ms in runs.items()}
     off = med["digits_trace_off"]
-    guards = [s for s in spans if s["name"] == "tritonguard.guard.model"]
+    guards = [s for s in spans if s["name"] == "tritonguard.guard"]
     return {
         "model": "digits", "concurrency": 16, "rounds": rounds,
         "off_ips": round(off, 1), "ratio_1pct_ips": round(med["digits_trace_1pct"], 1),

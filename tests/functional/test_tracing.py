@@ -126,7 +126,7 @@ def test_guard_spans_join_tritons_trace_with_a_child_per_stage(traced):
     assert model["start"] <= guard["start"] and guard["end"] <= model["end"]
     a = guard["attributes"]
     assert a["tritonguard.model"] == "digits" and a["tritonguard.served_by"] == "digits_raw:1"
-    assert a["tritonguard.target_version"] == "1" and a["tritonguard.privacy.cache"] == "miss"
+    assert a["tritonguard.target_version"] == "1" and a["tritonguard.cache"] == "miss"
     assert a["tritonguard.tenant"] == "default" and "tritonguard.reject_rule" not in a
     kids = _children(tree, guard)
     assert [s["name"].removeprefix("tritonguard.") for s in kids] == STAGES
@@ -136,9 +136,9 @@ def test_guard_spans_join_tritons_trace_with_a_child_per_stage(traced):
     assert target["name"] == "tritonguard.target" and target["attributes"]["tritonguard.ok"]
     assert target["attributes"]["tritonguard.target_version"] == "1"
     assert route["start"] <= target["start"] <= target["end"] <= route["end"]
-    lookup = next(s for s in kids if s["name"] == "tritonguard.privacy.cache.lookup")
+    lookup = next(s for s in kids if s["name"] == "tritonguard.cache.lookup")
     [l1] = _children(tree, lookup)
-    assert l1["name"] == "tritonguard.privacy.cache.l1" and l1["attributes"]["tritonguard.privacy.cache.misses"] >= 3
+    assert l1["name"] == "tritonguard.cache.l1" and l1["attributes"]["tritonguard.cache.misses"] >= 3
     # no tensor values anywhere in the guard's attributes
     text = json.dumps([s["attributes"] for s in tree if s["service"] == "tritonguard"])
     assert "IMAGE" not in text and not any(f"{v:.1f}," in text for v in x.ravel()[:20] if v)
@@ -149,9 +149,9 @@ def test_guard_spans_join_tritons_trace_with_a_child_per_stage(traced):
     hit = _tree(receiver.wait_for(lambda s: any(x["trace_id"] == hit_trace and x["name"] == GUARD_SPAN
                                                 for x in s)), hit_trace)
     g = next(s for s in hit if s["name"] == GUARD_SPAN)
-    assert g["attributes"]["tritonguard.privacy.cache"] == "hit" and g["attributes"]["tritonguard.privacy.cache.tier"] == "l1"
+    assert g["attributes"]["tritonguard.cache"] == "hit" and g["attributes"]["tritonguard.cache.tier"] == "l1"
     assert g["attributes"]["tritonguard.served_by"] == "cache:digits_raw:1"
-    assert [s["name"] for s in _children(hit, g)][-1] == "tritonguard.privacy.cache.lookup"
+    assert [s["name"] for s in _children(hit, g)][-1] == "tritonguard.cache.lookup"
 
 
 def test_a_bls_guard_times_its_call_to_the_target_model(traced):

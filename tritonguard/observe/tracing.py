@@ -42,7 +42,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-GUARD_SPAN = "tritonguard.guard.model"
+GUARD_SPAN = "tritonguard.guard"
 _HEX = set("0123456789abcdef")
 
 
@@ -351,9 +351,9 @@ class BatchTrace:
                                            error=None if ok else "target call failed")[1])
             elif stage == "cache.lookup":  # one span per tier asked, under the lookup span
                 for tier, s, e, hits, misses in self.cache_tiers:
-                    out.append(t.child(span, f"tritonguard.privacy.cache.{tier}", self.epoch(s), self.epoch(e),
-                                       {"tritonguard.privacy.cache.tier": tier, "tritonguard.privacy.cache.hits": hits,
-                                        "tritonguard.privacy.cache.misses": misses})[1])
+                    out.append(t.child(span, f"tritonguard.cache.{tier}", self.epoch(s), self.epoch(e),
+                                       {"tritonguard.cache.tier": tier, "tritonguard.cache.hits": hits,
+                                        "tritonguard.cache.misses": misses})[1])
             start = end
             if stage == stop:
                 break

@@ -17,11 +17,12 @@ GUARD = {"name": "t_guard", "backend": "guard", "max_batch_size": 8,
          "parameters": {"target": {"string_value": "t_raw"}, "serves_as": {"string_value": "t"}}}
 
 
-def test_intake_refuses_a_batcher():
+def test_intake_refuses_a_batcher(tmp_path):
     cfg = {**layout.intake_config("t_intake", GUARD), "dynamic_batching": {}}
+    args = {"model_name": "t_intake", "model_repository": str(tmp_path / "t_intake")}  # as Triton passes them
     with pytest.raises(ValueError, match="must not batch"):
-        IntakeModel().initialize({"model_name": "t_intake", "model_config": json.dumps(cfg)})
-    IntakeModel().initialize({"model_name": "t_intake", "model_config": json.dumps(layout.intake_config("t_intake", GUARD))})
+        IntakeModel().initialize({**args, "model_config": json.dumps(cfg)})
+    IntakeModel().initialize({**args, "model_config": json.dumps(layout.intake_config("t_intake", GUARD))})
 
 
 def test_intake_outputs_are_its_inputs_and_the_front_keeps_the_guards_interface():

@@ -151,16 +151,16 @@ def test_a_batch_becomes_a_span_tree_under_tritons_span(receiver):
     assert ok["attributes"]["tritonguard.served_by"] == "digits_raw:1"
     assert ok["attributes"]["tritonguard.batch_requests"] == 3
     kids = sorted(s["name"] for s in spans if s["parent_id"] == ok["span_id"])
-    assert kids == sorted(["tritonguard.validate", "tritonguard.privacy.tenancy", "tritonguard.privacy.cache.lookup",
+    assert kids == sorted(["tritonguard.validate", "tritonguard.tenancy", "tritonguard.cache.lookup",
                            "tritonguard.route", "tritonguard.respond"])
     route = next(s for s in spans if s["parent_id"] == ok["span_id"] and s["name"] == "tritonguard.route")
-    lookup = next(s for s in spans if s["parent_id"] == ok["span_id"] and s["name"] == "tritonguard.privacy.cache.lookup")
+    lookup = next(s for s in spans if s["parent_id"] == ok["span_id"] and s["name"] == "tritonguard.cache.lookup")
     [target] = [s for s in spans if s["parent_id"] == route["span_id"]]
-    assert [s["name"] for s in spans if s["parent_id"] == lookup["span_id"]] == ["tritonguard.privacy.cache.l1"]
+    assert [s["name"] for s in spans if s["parent_id"] == lookup["span_id"]] == ["tritonguard.cache.l1"]
     assert target["attributes"]["tritonguard.target_version"] == "1" and target["end"] - target["start"] == 50_000
     # stages tile the guard span in order
     stages = sorted((s for s in spans if s["parent_id"] == ok["span_id"] and s["name"] in
-                     ("tritonguard.validate", "tritonguard.privacy.tenancy", "tritonguard.privacy.cache.lookup",
+                     ("tritonguard.validate", "tritonguard.tenancy", "tritonguard.cache.lookup",
                       "tritonguard.route", "tritonguard.respond")), key=lambda s: s["start"])
     assert [s["name"].split(".", 1)[1] for s in stages] == ["validate", "tenancy", "cache.lookup", "route", "respond"]
     assert stages[0]["start"] == ok["start"] and all(a["end"] == b["start"] for a, b in zip(stages, stages[1:], strict=False))

@@ -48,8 +48,8 @@ class TraceTagStage(Stage):
         for i in tb.sampled:
             tenant = b.tenants[i] if i < len(b.tenants) else ""
             tb.set(i, **{"tritonguard.tenant": self.label(tenant) if tenant else "",
-                         "tritonguard.privacy.cache": b.cache_state.get(i, "off")})
+                         "tritonguard.cache": b.cache_state.get(i, "off")})
             if i in b.hits:
                 tb.set(i, **{"tritonguard.served_by": b.cache_label})
                 if i in b.hit_tiers:
-                    tb.set(i, **{"tritonguard.privacy.cache.tier": b.hit_tiers[i]})
+                    tb.set(i, **{"tritonguard.cache.tier": b.hit_tiers[i]})

@@ -53,7 +53,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* Where the model repository is inside the server's container. */}}
 {{- define "tritonguard.dataDir" -}}/var/lib/tritonguard{{- end -}}
 
-{{- define "tritonguard.core.repository" -}}
+{{- define "tritonguard.repository" -}}
 {{- if eq .Values.modelRepository.source "s3" -}}
 {{- .Values.modelRepository.s3.url -}}
 {{- else if eq .Values.modelRepository.source "pvc" -}}
