@@ -129,10 +129,10 @@ def promote(
         target = guard_target(repository, model)
         exported = [v for v in versions(repository / target) if read_manifest(repository / target / str(v))]
         for v in (version, *(arm_weights or ())):
-            if v not in exported:
+            if v is not None and v not in exported:
                 there = "has a folder but no manifest (not an exported version)" \
                     if (repository / target / str(v)).is_dir() else "does not exist"
-                raise BadInput(f"'{model}' has no version {v}: {repository / target / str(v)} {there}; "
+                raise BadInput(f"'{model}' has no version v{v}: {repository / target / str(v)} {there}; "
                                f"exported versions of '{model}' (its model '{target}'): "
                                f"{', '.join(f'v{x}' for x in exported) or 'none'}")
 

@@ -250,7 +250,7 @@ def test_promote_of_a_version_that_does_not_exist_names_the_model_and_lists_its_
     res = cli("promote", MODEL, "--version", "9", "--to", "staging", "-r", str(repo))
     assert res.exit_code == 2, res.output
     flat = " ".join(res.output.split())
-    assert f"'{MODEL}' has no version 9" in flat and "does not exist" in flat, res.output
+    assert f"'{MODEL}' has no version v9" in flat and "does not exist" in flat, res.output
     assert f"exported versions of '{MODEL}' (its model 'm_raw'): v1, v2, v3" in flat, res.output
     res = cli("promote", MODEL, "--version", "4", "--to", "staging", "-r", str(repo))
     assert res.exit_code == 2 and "has a folder but no manifest" in " ".join(res.output.split()), res.output
