@@ -107,13 +107,21 @@ def versions(model_dir: Path) -> list[int]:
 def complete_versions(model_dir: Path) -> list[int]:
     """The versions a reader may use: those with a manifest. A version folder without one is
     still being written (an object store publishes the manifest after every other file of the
-    version) or was never finished: it is logged and ignored, never served by a guard."""
+    version) or was never finished: it is logged and ignored, never served by a guard. A model
+    none of whose versions has a manifest was placed by hand, not exported: all its versions."""
     model_dir = Path(model_dir)
-    out = []
-    for v in versions(model_dir):
-        if (model_dir / str(v) / MANIFEST).is_file():
-            out.append(v)
-        elif (model_dir, v) not in _REPORTED:
+    every = versions(model_dir)
+    out = [v for v in every if (model_dir / str(v) / MANIFEST).is_file()]
+    if not out:
+        # a model placed by hand (never exported: no version has a manifest) is served as Triton
+        # serves it; the rule guards exported models against a version caught mid-publish
+        if every and (model_dir, 0) not in _REPORTED:
+            _REPORTED.add((model_dir, 0))
+            log.info("%s has no exported version (no %s in any): all its versions are used", model_dir.name,
+                     MANIFEST)
+        return every
+    for v in every:
+        if v not in out and (model_dir, v) not in _REPORTED:
             _REPORTED.add((model_dir, v))
             log.warning("%s version %d has no %s (incomplete or unverified): ignored", model_dir.name, v, MANIFEST)
     return out

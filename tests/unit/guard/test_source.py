@@ -49,6 +49,22 @@ def test_a_version_without_manifest_is_ignored_and_refused(tmp_path, caplog):
     source.check_complete(tmp_path, "elsewhere", 3)  # a target outside this repository: Triton's business
 
 
+def test_a_model_placed_by_hand_serves_all_its_versions(tmp_path):
+    """No version has a manifest: the model was never exported (an echo model, a user's own);
+    the guard serves it as Triton does, and still refuses nothing of it."""
+    h = tmp_path / "h"
+    for v in (1, 2):
+        (h / str(v)).mkdir(parents=True)
+    (h / "config.pbtxt").write_text('name: "h"\n')
+    assert repository.complete_versions(h) == [1, 2]
+    source.check_complete(tmp_path, "h", 2)
+    (h / "3").mkdir()
+    repository.write_placeholder(h / "3", "h")  # once one version is exported, the rule holds
+    assert repository.complete_versions(h) == [3]
+    with pytest.raises(TargetError):
+        source.check_complete(tmp_path, "h", 2)
+
+
 def test_the_router_view_counts_only_complete_versions(tmp_path):
     from tritonguard.guard.routing.view import RolloutView
     from tritonguard.rollout.stores import open_store
