@@ -103,6 +103,9 @@ def parse(spec: str, environ: Mapping[str, str] | None = None) -> StoreSpec:
 def client(spec: StoreSpec) -> Any:
     import boto3  # noqa: PLC0415 - only when a repository is in an object store
 
+    for name in ("boto3", "botocore"):  # "Found credentials in environment variables." on every command
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
+
     return boto3.client("s3", endpoint_url=spec.endpoint)
 
 
