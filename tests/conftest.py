@@ -43,6 +43,18 @@ def _ping(port: int) -> bool:
         return False
 
 
+
+def stop_process(proc: subprocess.Popen | None) -> None:
+    """SIGTERM to our own PID, SIGKILL if it lingers."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
 class RedisServer:
     """One redis-server process; ``stop()``/``start()`` keep the port for outage tests."""
 
@@ -70,15 +82,7 @@ class RedisServer:
             time.sleep(0.02)
 
     def stop(self) -> None:
-        """SIGTERM to our own PID, SIGKILL if it lingers."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        stop_process(self.proc)
 
 
 @pytest.fixture(scope="session")
@@ -135,14 +139,7 @@ class MotoS3:
         return name
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        stop_process(self.proc)
 
 
 @pytest.fixture(scope="session")

@@ -154,7 +154,7 @@ def run_job(job: Job, blocks: list[Block], *, workers: int, ray_address: str | N
     ctx.print_on_execution_start = False
     ds = ray.data.from_items([{"block": json.dumps(asdict(b))} for b in blocks], override_num_blocks=len(blocks))
     pool = ray.data.ActorPoolStrategy(size=workers, max_concurrent_calls_per_actor=2, enable_true_multi_threading=True)
-    counter = _Counter.remote() if on_rows is not None else None
+    counter = ray.remote(num_cpus=0)(_RowCounter).remote() if on_rows is not None else None
     stop = threading.Event()
 
     def poll() -> None:  # the driver's side: read the counter, never fail the job
@@ -199,18 +199,6 @@ class _RowCounter:
 
     def total(self) -> int:
         return self.n
-
-
-class _LazyRemote:
-    """``ray.remote(_RowCounter)`` made on first use, so that importing this module needs no Ray."""
-
-    def remote(self) -> Any:
-        import ray  # noqa: PLC0415 - defers a heavy import
-
-        return ray.remote(num_cpus=0)(_RowCounter).remote()
-
-
-_Counter = _LazyRemote()
 
 
 def summary(out: Path, dead: Path, total_rows: int) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import numpy as np
 
 from exporter.build.goldens import tokenize
 from exporter.build.sources.spec import ExportSpec, SourceError, eval_mode
+from tritonguard.core.files import file_digest
 from tritonguard.models.engines import EngineConfig, OnnxEngine
 
 FORMATS = {"onnx": "model.onnx", "torchscript": "model.pt"}
@@ -24,11 +25,7 @@ def default_format(spec: ExportSpec) -> str:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_digest(path)
 
 
 def sha256_dir(path: Path) -> str:

@@ -19,7 +19,6 @@ same time: run one exporter per repository (as with a local folder).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from exporter.errors import ExporterError
 from tritonguard.core import objectstore, repository
+from tritonguard.core.files import file_digest
 from tritonguard.core.store import ENV_URL
 
 log = logging.getLogger(__name__)
@@ -51,11 +51,7 @@ def is_runtime(rel: str) -> bool:
 
 
 def _digest(path: Path) -> str:
-    h = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_digest(path, "md5")  # an S3 ETag of a single-part upload
 
 
 def snapshot(root: Path) -> dict[str, str]:

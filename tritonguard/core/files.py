@@ -9,6 +9,7 @@ durable (the folder's entry), for documents whose loss in a crash would matter (
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import threading
 import uuid
@@ -58,3 +59,13 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = Tr
 
 
 __all__ = ["atomic_path", "atomic_write"]
+
+
+def file_digest(path: str | os.PathLike, algorithm: str = "sha256") -> str:
+    """Hex digest of a file's bytes, read in 1 MiB chunks (an artifact may be gigabytes).
+    ``md5`` is for comparing with an object store's ETag, never for security."""
+    h = hashlib.new(algorithm, usedforsecurity=algorithm != "md5")
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

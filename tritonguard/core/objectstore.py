@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tritonguard.core.errors import ConfigError
+from tritonguard.core.files import file_digest
 from tritonguard.core.store import home
 
 log = logging.getLogger(__name__)
@@ -221,14 +222,6 @@ def delete_order(rels: Iterable[str]) -> list[str]:
 
 
 # -- the guard's local view of an object-store repository ---------------------------------------
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class RepositoryCache:
     """Models of an object-store repository mirrored under ``cache_dir`` (by default
     ``$TRITONGUARD_HOME/cache/objstore/<hash of the spec>``), one model at a time, only the
@@ -298,7 +291,7 @@ class RepositoryCache:
         if not artifact or not sha or "/" in str(artifact):
             return  # a folder (tokenizer) or another model's file: nothing to check here
         path = version_dir / artifact
-        if path.is_file() and sha256_file(path) != sha:
+        if path.is_file() and file_digest(path) != sha:
             path.unlink()
             raise ObjectStoreError(f"{version_dir.parent.name} v{version_dir.name}: {artifact} does not match "
                                    "the sha256 in its manifest (removed from the cache)")

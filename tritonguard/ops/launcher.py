@@ -26,7 +26,7 @@ from pathlib import Path
 from tritonguard.core.files import atomic_path
 from tritonguard.core.objectstore import ENV_REPOSITORY, is_object_store
 from tritonguard.core.store import ENV_URL, home
-from tritonguard.ops.supervisor.control import supervise, with_default_control
+from tritonguard.ops.supervisor.control import flag_value, supervise, with_default_control
 
 NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 NGC_BACKENDS = Path("/opt/tritonserver/backends")
@@ -133,17 +133,6 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The value of ``flag`` (``--flag=V`` or ``--flag V``), the last one given; None if absent."""
-    value = None
-    for i, a in enumerate(args):
-        if a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-        elif a == flag and i + 1 < len(args):
-            value = args[i + 1]
-    return value
-
-
 def advertise_env(args: Sequence[str], environ: dict[str, str] | None = None) -> dict[str, str]:
     """The ``TRITONGUARD_ADVERTISE_*`` variables the guards register their replica with
     (``tritonguard.rollout.replicas``): Triton's HTTP, gRPC and metrics URLs from ``--http-port``,
@@ -154,9 +143,9 @@ def advertise_env(args: Sequence[str], environ: dict[str, str] | None = None) ->
 
     env = os.environ if environ is None else environ
     host = env.get(replicas.ENV_HOST) or "127.0.0.1"
-    ports = {"http": _flag_value(args, "--http-port") or "8000",
-             "grpc": _flag_value(args, "--grpc-port") or "8001",
-             "metrics": _flag_value(args, "--metrics-port") or "8002"}
+    ports = {"http": flag_value(args, "--http-port") or "8000",
+             "grpc": flag_value(args, "--grpc-port") or "8001",
+             "metrics": flag_value(args, "--metrics-port") or "8002"}
     wanted = {replicas.ENV_HOST: host,
               replicas.ENV_HTTP: f"http://{host}:{ports['http']}",
               replicas.ENV_GRPC: f"{host}:{ports['grpc']}",

@@ -51,7 +51,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
-def _flag(args: Sequence[str], name: str) -> str | None:
+def flag_value(args: Sequence[str], name: str) -> str | None:
     """The value of ``--name=value`` or ``--name value`` (the last one wins, as in Triton)."""
     value = None
     for i, a in enumerate(args):
@@ -63,21 +63,21 @@ def _flag(args: Sequence[str], name: str) -> str | None:
 
 
 def control_mode(args: Sequence[str]) -> str:
-    return (_flag(args, "--model-control-mode") or "none").lower()
+    return (flag_value(args, "--model-control-mode") or "none").lower()
 
 
 def with_default_control(args: Sequence[str]) -> list[str]:
     """Explicit model control with every model loaded at start (what ``none`` serves), so that
     a dead stub can be brought back through the repository API; the user's choice wins."""
     args = list(args)
-    if _flag(args, "--model-control-mode") is None and _flag(args, "--load-model") is None:
+    if flag_value(args, "--model-control-mode") is None and flag_value(args, "--load-model") is None:
         args += ["--model-control-mode=explicit", "--load-model=*"]
     return args
 
 
 def repository_headers(args: Sequence[str]) -> dict[str, str]:
     """The header a ``--http-restricted-api=…model-repository…:<header>=<key>`` flag asks for."""
-    spec = _flag(args, "--http-restricted-api")
+    spec = flag_value(args, "--http-restricted-api")
     if not spec or ":" not in spec:
         return {}
     apis, _, kv = spec.rpartition(":")
@@ -90,12 +90,12 @@ def repository_headers(args: Sequence[str]) -> dict[str, str]:
 def _endpoint(args: Sequence[str], service: str, port: str) -> str | None:
     """``http://host:port`` of Triton's ``service`` (http, metrics) from its flags; None when off.
     A wildcard address is reached on loopback."""
-    if (_flag(args, f"--allow-{service}") or "true").lower() in ("false", "0", "no"):
+    if (flag_value(args, f"--allow-{service}") or "true").lower() in ("false", "0", "no"):
         return None
-    host = _flag(args, f"--{service}-address") or "127.0.0.1"
+    host = flag_value(args, f"--{service}-address") or "127.0.0.1"
     if host in ("0.0.0.0", "::", "[::]", ""):
         host = "127.0.0.1"
-    return f"http://{host}:{_flag(args, f'--{service}-port') or port}"
+    return f"http://{host}:{flag_value(args, f'--{service}-port') or port}"
 
 
 def http_base(args: Sequence[str]) -> str | None:
