@@ -48,23 +48,34 @@ def input_data(pipe: Pipeline, configs: dict[str, dict[str, Any]], path: Path) -
 
 def perf_analyzer(url: str, model: str, concurrency: int, data: Path, *, window_ms: int, trials: int,
                   stability_pct: float) -> Stat:
-    """One perf_analyzer run; a window that never settles within ``stability_pct`` is measured
-    again with no stability bound (the machine is noisy, not the point broken)."""
+    """One perf_analyzer run. A window that never settles within ``stability_pct`` is measured
+    again with no stability bound (the machine is noisy, not the point broken); a window in
+    which no request completed (a freshly loaded model's first requests on a busy machine) is
+    measured again with a window four times as long, up to 8 s."""
 
     out = ""
-    for stability in (stability_pct, 1000):
+    stability, window, tries = stability_pct, window_ms, 0
+    while tries < 4:
+        tries += 1
         try:
-            row, out = perf_analyzer_run(url, model, concurrency, data, window_ms=window_ms, trials=trials,
-                                         stability_pct=stability, timeout=60 + window_ms * trials * 3 / 1000)
+            row, out = perf_analyzer_run(url, model, concurrency, data, window_ms=window, trials=trials,
+                                         stability_pct=stability, timeout=60 + window * trials * 3 / 1000)
         except subprocess.TimeoutExpired:
             raise TuneError(f"perf_analyzer timed out on {model} c={concurrency}") from None
         if row is not None:
             return Stat(float(row["Inferences/Second"]), float(row["p50 latency"]) / 1000,
                         float(row["p99 latency"]) / 1000)
-        if "stable" not in out.lower():
+        text = out.lower()
+        if "larger time window" in text:
+            if window >= 8000:
+                break
+            window = min(window * 4, 8000)
+        elif "stable" in text and stability < 1000:
+            stability = 1000
+        else:
             break
     lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower() or "failed" in ln.lower()]
+    errors = [ln for ln in lines if any(w in ln.lower() for w in ("error", "failed", "no valid"))]
     raise TuneError(f"perf_analyzer failed on {model} c={concurrency}: {(errors or lines or ['no output'])[-1][:300]}")
 
 
