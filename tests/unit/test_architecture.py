@@ -174,7 +174,7 @@ def test_unit_tests_mirror_the_packages():
     package <module>/; ``test_<module>_<aspect>`` for a second file on one module): the tests of
     a module are found by its name. Project-wide checks live at tests/unit's top."""
     unit = ROOT / "tests" / "unit"
-    homes = {"exporter": ROOT / "exporter", "examples": ROOT / "examples"}
+    homes = {"exporter": ROOT / "exporter", "examples": ROOT / "examples", "perf": ROOT / "perf"}
     lost = []
     for test in unit.rglob("test_*.py"):
         rel = test.relative_to(unit)
