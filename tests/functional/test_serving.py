@@ -292,3 +292,27 @@ def test_server_and_stubs_still_serve_after_bad_input(http, server, digits_data)
     assert (probs.argmax(1) == digits_data[1][:32]).mean() >= 0.9
     emb = http.infer("minilm", [http_input("TEXT", np.array([[b"still alive"]], dtype=object))]).as_numpy("EMBEDDING")
     assert abs(np.linalg.norm(emb) - 1) < 1e-4
+
+
+@pytest.mark.parametrize("model", ["digits", "digits_bls"])
+def test_a_client_gets_only_the_outputs_it_names(http, grpc, digits_data, model):
+    """Triton's convention: named outputs are all a client gets; SERVED_BY when asked for."""
+    images = digits_data[0][:3]
+    only = http.infer(model, [http_input("IMAGE", images)], outputs=[httpclient.InferRequestedOutput("PROBS")])
+    assert [o["name"] for o in only.get_response()["outputs"]] == ["PROBS"]
+    assert only.as_numpy("PROBS").shape == (3, 10)
+    both = http.infer(model, [http_input("IMAGE", images)], outputs=[
+        httpclient.InferRequestedOutput("PROBS"), httpclient.InferRequestedOutput("SERVED_BY")])
+    assert sorted(o["name"] for o in both.get_response()["outputs"]) == ["PROBS", "SERVED_BY"]
+    assert all(v.startswith(b"digits_raw:") for v in both.as_numpy("SERVED_BY").ravel()), both.as_numpy("SERVED_BY")
+    g = grpc.infer(model, [grpc_input("IMAGE", images)], outputs=[grpcclient.InferRequestedOutput("SERVED_BY")])
+    assert [o.name for o in g.get_response().outputs] == ["SERVED_BY"]
+    unasked = http.infer(model, [http_input("IMAGE", images)])  # none named: every output, as Triton does
+    assert sorted(o["name"] for o in unasked.get_response()["outputs"]) == ["PROBS", "SERVED_BY"]
+
+
+def test_the_text_ensemble_returns_only_the_named_output(http):
+    text = np.array([[b"The quick brown fox jumps over the lazy dog."]], dtype=object)
+    r = http.infer("minilm", [http_input("TEXT", text)], outputs=[httpclient.InferRequestedOutput("EMBEDDING")])
+    assert [o["name"] for o in r.get_response()["outputs"]] == ["EMBEDDING"]
+    assert r.as_numpy("EMBEDDING").shape == (1, 384)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tritonguard.core.repository import mirror
+from tritonguard.core.repository import mirror, read_config, write_config
 from tritonguard.ops.server import Server
 from tritonguard.ops.supervisor.stubs import scan_stubs
 
@@ -33,6 +33,10 @@ RECOVERY_S = 60.0  # a dead stub must be serving again within this (measured: 3-
 def supervised(exported_repo, tmp_path_factory):
     base = tmp_path_factory.mktemp("supervised")
     repo = mirror(exported_repo, base / "repo")  # guards write state beside their config
+    # the text guard ships with one instance; two here, to test losing one of several
+    guard = read_config(repo / "minilm_guard")
+    guard["instance_group"] = [{"kind": "KIND_CPU", "count": 2}]
+    write_config(repo / "minilm_guard", guard)
     srv = Server(repository=repo, log_path=base / "tritonserver.log",
                  extra_args=("--strict-readiness=true",))
     srv.start(wait_models=["digits", "minilm"])
