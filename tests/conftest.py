@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import stop_process
 from tritonguard.ops.server import free_port
 
 
@@ -42,18 +43,6 @@ def _ping(port: int) -> bool:
     except OSError:
         return False
 
-
-
-def stop_process(proc: subprocess.Popen | None) -> None:
-    """SIGTERM to our own PID, SIGKILL if it lingers."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 class RedisServer:
     """One redis-server process; ``stop()``/``start()`` keep the port for outage tests."""

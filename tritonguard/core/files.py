@@ -58,9 +58,6 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = Tr
             fh.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
-__all__ = ["atomic_path", "atomic_write"]
-
-
 def file_digest(path: str | os.PathLike, algorithm: str = "sha256") -> str:
     """Hex digest of a file's bytes, read in 1 MiB chunks (an artifact may be gigabytes).
     ``md5`` is for comparing with an object store's ETag, never for security."""
@@ -69,3 +66,6 @@ def file_digest(path: str | os.PathLike, algorithm: str = "sha256") -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+__all__ = ["atomic_path", "atomic_write", "file_digest"]

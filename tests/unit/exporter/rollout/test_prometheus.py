@@ -19,6 +19,7 @@ from exporter.rollout.progress import RolloutConfig
 from exporter.rollout.prometheus import PrometheusReader, queries, rule_exprs, windowed, with_model
 from exporter.rollout.route import RouteChange, apply
 from exporter.rollout.window import metrics_reader
+from tests.processes import stop_process
 from tritonguard.core.repository import write_config
 from tritonguard.ops.server import free_port
 from tritonguard.triton import http as triton_http
@@ -101,12 +102,7 @@ def fleet(tmp_path):
             time.sleep(0.2)
         yield url, pages
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc, grace=10)
         log.close()
         for p in pages:
             p.shutdown()
