@@ -54,9 +54,8 @@ def perf_analyzer(url: str, model: str, concurrency: int, data: Path, *, window_
     measured again with a window four times as long, up to 8 s."""
 
     out = ""
-    stability, window, tries = stability_pct, window_ms, 0
-    while tries < 4:
-        tries += 1
+    stability, window = stability_pct, window_ms
+    for _ in range(4):  # at most: the window x4, x4 again, then no stability bound
         try:
             row, out = perf_analyzer_run(url, model, concurrency, data, window_ms=window, trials=trials,
                                          stability_pct=stability, timeout=60 + window * trials * 3 / 1000)
