@@ -189,7 +189,13 @@ def test_the_fleet_rolls_out_through_a_replica_crash(fleet):
                     seen_v2 = time.monotonic()
                     break
                 time.sleep(0.1)
-            assert seen_v2 is not None, "the restarted replica never served v2"
+            if seen_v2 is None:
+                import redis
+
+                state = redis.Redis.from_url(fleet.redis.url).get("tritonguard:rollout:digits")
+                log_tail = victim.server.log_path.read_text(errors="replace")[-3000:]
+                pytest.fail(f"the restarted replica never served v2 (last: {who}); promote so far:\n{''.join(out)}\n"
+                            f"rollout state: {state!r}\nits server log ends:\n{log_tail}")
             numbers["restart_to_routed_s"] = round(seen_v2 - (t_ready - victim.started_s), 1)
             numbers["ready_to_routed_s"] = round(seen_v2 - t_ready, 2)
             numbers["kill_to_group_gone_s"] = round(victim.dead_at - t_kill, 2)
