@@ -85,6 +85,15 @@ def trained(seed: int, epochs: int = digits.EPOCHS) -> tuple[digits.DigitsCNN, d
     return model, metrics
 
 
+def write_onnx(module: nn.Module, path: Path) -> Path:
+    """``module`` as an ONNX file with the digits contract (IMAGE [N,8,8] -> PROBS [N,10]), as a
+    user's own training script would leave it for ``exporter export --source model.onnx``."""
+    torch.onnx.export(module.eval(), (torch.zeros(1, 8, 8),), str(path), input_names=["IMAGE"],
+                      output_names=["PROBS"], dynamic_axes={"IMAGE": {0: "n"}, "PROBS": {0: "n"}},
+                      opset_version=17, dynamo=False)
+    return path
+
+
 def _trained_spec(seed: int, epochs: int = digits.EPOCHS) -> ExportSpec:
     model, metrics = trained(seed, epochs)
     return digits.export_spec(model, faults.golden_images(model=model), data_version=digits.data_version(),

@@ -36,15 +36,6 @@ GATES = ["--steps", "25,100", "--dwell-s", "2", "--interval-s", "1", "--min-requ
          "--max-error-rate", "0.05", "--min-compared", "60", "--min-latency-samples", "50", "--max-step-s", "150"]
 
 
-def _onnx(module, path: Path) -> Path:
-    import torch  # noqa: PLC0415
-
-    torch.onnx.export(module.eval(), (torch.zeros(1, 8, 8),), str(path), input_names=["IMAGE"],
-                      output_names=["PROBS"], dynamic_axes={"IMAGE": {0: "n"}, "PROBS": {0: "n"}},
-                      opset_version=17, dynamo=False)
-    return path
-
-
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
     from examples import candidates
@@ -58,7 +49,7 @@ def ctx(tmp_path_factory):
     v = {}
     for name, (seed, epochs) in {"v1": (0, 30), "retrain": (1, 30), "retrain2": (2, 30),
                                  "worse5pp": (0, candidates.WORSE5_EPOCHS)}.items():
-        path = _onnx(candidates.trained(seed, epochs)[0], base / f"{name}.onnx")
+        path = candidates.write_onnx(candidates.trained(seed, epochs)[0], base / f"{name}.onnx")
         v[name] = export_source(str(path), name="digits", repository=repo, inputs=base / "samples.npz",
                                 task="classifier", register=False).version
     cfg = read_config(repo / "digits")
