@@ -80,6 +80,49 @@ def fill_empty_versions(root: Path) -> list[Path]:
     return filled
 
 
+POLICY_FILE = "version_policy.json"  # beside config.pbtxt: the policy a pinned config was written with
+
+
+def pin_complete_versions(root: Path) -> list[str]:
+    """Name each exported model's versions in its config (``version_policy { specific … }``):
+    those its own policy chooses among the complete ones, with a manifest. The own policy is
+    kept in ``<model>/version_policy.json`` (Triton and the guards ignore the file; the guards
+    refuse unknown config parameters). In an object store Triton sees a version as soon as one
+    of its files is there, and "latest" would load one caught mid-upload; the config goes up
+    after the manifests (:func:`tritonguard.core.objectstore.publish_order`), so a replica that
+    starts while a version is being uploaded loads the versions of the last config, never the
+    new one. A model without any manifest (placed by hand) keeps its policy. Returns the models
+    whose config changed."""
+    pinned = []
+    for model_dir in sorted(p for p in Path(root).iterdir() if (p / repository.CONFIG).is_file()):
+        every = repository.versions(model_dir)
+        complete = [v for v in every if (model_dir / str(v) / repository.MANIFEST).is_file()]
+        if not complete:
+            continue
+        cfg = repository.read_config(model_dir)
+        kept = model_dir / POLICY_FILE
+        policy = (json.loads(kept.read_text()) if kept.is_file()
+                  else cfg.get("version_policy") or {"latest": {"num_versions": 1}})
+        if "latest" in policy:
+            chosen = complete[-int(policy["latest"].get("num_versions", 1)):]
+        elif "specific" in policy:
+            named = {str(x) for x in policy["specific"].get("versions", [])}
+            chosen = [v for v in complete if str(v) in named]
+        else:  # all
+            chosen = complete
+        if not chosen:
+            continue  # none of the versions it names is complete: as it is
+        if not kept.is_file():
+            kept.write_text(json.dumps(policy, sort_keys=True) + "\n")
+        want = {"specific": {"versions": [str(v) for v in chosen]}}
+        if cfg.get("version_policy") == want:
+            continue
+        cfg["version_policy"] = want
+        repository.write_config(model_dir, cfg)
+        pinned.append(model_dir.name)
+    return pinned
+
+
 def sync_down(spec: objectstore.StoreSpec, work: Path, s3=None) -> dict[str, str]:
     """Make ``work/repo`` the store's prefix; returns its snapshot."""
     s3 = s3 or objectstore.client(spec)
@@ -118,6 +161,7 @@ def publish(spec: objectstore.StoreSpec, root: Path, before: Mapping[str, str], 
     (uploaded, deleted) in the order done."""
     s3 = s3 or objectstore.client(spec)
     fill_empty_versions(root)
+    pin_complete_versions(root)
     after = snapshot(root)
     changed = [rel for rel, digest in after.items() if before.get(rel) != digest]
     gone = [rel for rel in before if rel not in after]

@@ -197,7 +197,7 @@ def _is_front_config(path: Path) -> bool:
 
 def publish_order(rels: Iterable[str], root: Path) -> list[str]:
     """The order in which changed files go up: every other file of a version first, then the
-    versions' manifests, then model configs (targets before guards and ensembles), then anything
+    versions' manifests (and the models' own files beside their configs), then model configs (targets before guards and ensembles), then anything
     else at the top. Triton reads a model from its config.pbtxt, and readers count a version only
     once its manifest is there, so nobody sees half a version."""
     def rank(rel: str) -> tuple[int, str]:
@@ -206,6 +206,8 @@ def publish_order(rels: Iterable[str], root: Path) -> list[str]:
             return (1 if name == MANIFEST and rel.count("/") == 2 else 0, rel)
         if name == CONFIG and rel.count("/") == 1:
             return (3 if _is_front_config(Path(root) / rel) else 2, rel)
+        if rel.count("/") == 1:  # a model's own file (version_policy.json): read when its config is
+            return (1, rel)
         return (4, rel)
 
     return sorted(rels, key=rank)

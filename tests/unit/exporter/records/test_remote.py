@@ -5,12 +5,18 @@ tests/conftest.py ``moto_s3``); the order is what boto3 actually sent, PutObject
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from exporter.cli.app import app
-from exporter.records.remote import RemoteRepositoryError, working_copy
+from exporter.records.remote import (
+    POLICY_FILE,
+    RemoteRepositoryError,
+    pin_complete_versions,
+    working_copy,
+)
 from tritonguard.core import repository
 
 
@@ -59,7 +65,8 @@ def test_a_new_version_is_published_files_then_manifest_then_configs(aws_env, tm
         assert sent == []  # nothing goes up before the command is done
     assert sent == [
         "repo/digits_raw/2/goldens.npz", "repo/digits_raw/2/model.onnx",
-        "repo/digits/1/manifest.json", "repo/digits_raw/2/manifest.json",  # the guard's placeholder, v2's manifest
+        "repo/digits/1/manifest.json", "repo/digits/version_policy.json",  # the guard's placeholder, its policy
+        "repo/digits_raw/2/manifest.json", "repo/digits_raw/version_policy.json",  # v2's manifest, the policy
         "repo/digits_raw/config.pbtxt", "repo/digits/config.pbtxt",  # the target before its guard
     ]
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="repo/")["Contents"]}
@@ -81,6 +88,45 @@ def test_a_new_version_is_published_files_then_manifest_then_configs(aws_env, tm
     with working_copy(spec) as local:
         assert repository.versions(local / "digits_raw") == [1, 2]
     assert sent == []
+
+
+def test_published_configs_name_complete_versions_only(tmp_path):
+    """A version caught mid-upload (its artifact there, no manifest yet) is in no published
+    config: "latest" and "all" become the complete versions they choose, the original policy is
+    kept in a file beside the config for the next publish, and a model placed by hand keeps its
+    policy."""
+    def model(name: str, policy: dict | None, versions: dict[int, bool]) -> Path:
+        cfg = {"name": name, "backend": "runtime", **({"version_policy": policy} if policy else {})}
+        repository.write_config(tmp_path / name, cfg)
+        for v, complete in versions.items():
+            (tmp_path / name / str(v)).mkdir()
+            (tmp_path / name / str(v) / "model.onnx").write_bytes(b"x")
+            if complete:
+                (tmp_path / name / str(v) / "manifest.json").write_text("{}")
+        return tmp_path / name
+
+    latest = model("raw", None, {1: True, 2: True, 3: False})
+    every = model("bls_target", {"all": {}}, {1: True, 2: True, 3: False})
+    two = model("two", {"latest": {"num_versions": 2}}, {1: True, 2: True, 3: True, 4: False})
+    by_hand = model("by_hand", {"latest": {"num_versions": 1}}, {1: False, 2: False})
+    assert pin_complete_versions(tmp_path) == ["bls_target", "raw", "two"]
+
+    def policy(d: Path) -> dict:
+        return repository.read_config(d)["version_policy"]
+
+    assert policy(latest) == {"specific": {"versions": ["2"]}}
+    assert policy(every) == {"specific": {"versions": ["1", "2"]}}
+    assert policy(two) == {"specific": {"versions": ["2", "3"]}}
+    assert policy(by_hand) == {"latest": {"num_versions": 1}}
+    assert json.loads((latest / POLICY_FILE).read_text()) == {"latest": {"num_versions": 1}}
+    assert "parameters" not in repository.read_config(latest)  # the guards refuse unknown parameters
+    assert pin_complete_versions(tmp_path) == []  # nothing changed: nothing rewritten
+    # v3's manifest lands (the upload finished): the next publish names it, by the kept policy
+    (latest / "3" / "manifest.json").write_text("{}")
+    (every / "3" / "manifest.json").write_text("{}")
+    assert pin_complete_versions(tmp_path) == ["bls_target", "raw"]
+    assert policy(latest) == {"specific": {"versions": ["3"]}}
+    assert policy(every) == {"specific": {"versions": ["1", "2", "3"]}}
 
 
 def test_commands_on_the_rollout_state_need_redis_with_an_object_store(aws_env, tmp_path, monkeypatch):
