@@ -13,16 +13,21 @@ files and partial folders) is never published: with an object-store repository t
 state lives in Redis (``$TRITONGUARD_STATE_URL``), which :func:`working_copy` requires when
 ``needs_state``.
 
-The working copy is not locked against another exporter publishing to the same prefix at the
-same time: run one exporter per repository (as with a local folder).
+Two writers: a publish lists the store again and refuses (nothing published) when one of the
+objects it is about to write or delete changed since the copy was made (:func:`conflicts`); with a
+Redis state store the check and the uploads hold a lock per store (:func:`publish_lock`). Two
+commands on one machine share the working copy: run one writing command per store per machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import time
+import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +36,7 @@ from exporter.errors import ExporterError
 from tritonguard.core import objectstore, repository
 from tritonguard.core.files import file_digest
 from tritonguard.core.store import ENV_URL
+from tritonguard.rollout.replicas import is_redis, redacted
 
 log = logging.getLogger(__name__)
 
@@ -155,16 +161,33 @@ def _prune_empty(root: Path) -> None:
             Path(dirpath).rmdir()  # the store holds no empty folder: neither does its copy
 
 
+def conflicts(seen: Mapping[str, objectstore.Entry], now: Mapping[str, objectstore.Entry],
+              touched: list[str]) -> list[str]:
+    """The objects this command is about to write or delete that someone else wrote or deleted
+    in the store since it was read (``seen``): another exporter's export of the same version
+    number, or an edit of the same config."""
+    return sorted(rel for rel in touched if seen.get(rel) != now.get(rel))
+
+
 def publish(spec: objectstore.StoreSpec, root: Path, before: Mapping[str, str], s3=None,
-            on_put=None) -> tuple[list[str], list[str]]:
+            on_put=None, seen: Mapping[str, objectstore.Entry] | None = None) -> tuple[list[str], list[str]]:
     """Upload what changed since ``before`` in the safe order, then delete what went; returns
-    (uploaded, deleted) in the order done."""
+    (uploaded, deleted) in the order done. With ``seen`` (the store's listing when the working
+    copy was made), nothing is published when another writer changed one of those objects
+    meanwhile (:class:`RemoteRepositoryError` naming them)."""
     s3 = s3 or objectstore.client(spec)
     fill_empty_versions(root)
     pin_complete_versions(root)
     after = snapshot(root)
     changed = [rel for rel, digest in after.items() if before.get(rel) != digest]
     gone = [rel for rel in before if rel not in after]
+    if seen is not None and (changed or gone):
+        clash = conflicts(seen, objectstore.list_tree(spec, s3=s3), changed + gone)
+        if clash:
+            more = f" and {len(clash) - 3} more" if len(clash) > 3 else ""
+            raise RemoteRepositoryError(
+                f"{spec.url} changed while this command ran: {', '.join(clash[:3])}{more} written or removed by "
+                "another writer; nothing published. Run the command again (it starts from the store as it is now)")
     uploaded = []
     for rel in objectstore.publish_order(changed, root):
         objectstore.upload(spec, root / rel, rel, s3=s3)
@@ -199,6 +222,7 @@ def working_copy(spec: str, *, needs_state: bool = False, environ: Mapping[str, 
     work = work_dir(store, env)
     try:
         s3 = objectstore.client(store)
+        seen = objectstore.list_tree(store, s3=s3)  # before the copy: a change after it is a conflict
         before = sync_down(store, work, s3=s3)
     except objectstore.ObjectStoreError as exc:
         raise RemoteRepositoryError(str(exc)) from None
@@ -210,13 +234,54 @@ def working_copy(spec: str, *, needs_state: bool = False, environ: Mapping[str, 
         shutil.rmtree(work, ignore_errors=True)
         raise
     try:
-        uploaded, deleted = publish(store, root, before, s3=s3)
+        with publish_lock(store, env):
+            uploaded, deleted = publish(store, root, before, s3=s3, seen=seen)
     except objectstore.ObjectStoreError as exc:
+        shutil.rmtree(work, ignore_errors=True)
         raise RemoteRepositoryError(f"publishing to the store failed: {exc}") from None
+    except RemoteRepositoryError:
+        shutil.rmtree(work, ignore_errors=True)  # the next command copies the store afresh
+        raise
     if report is not None and (uploaded or deleted):
         report(f"published to {store.url}: {len(uploaded)} file(s) up, {len(deleted)} removed")
     if not uploaded and not deleted:
         log.debug("nothing changed in %s", store.url)
+
+
+PUBLISH_LOCK_S = 120.0  # a publish holding the lock longer is taken to have died
+PUBLISH_WAIT_S = 30.0  # how long a publish waits for another one to finish
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+@contextmanager
+def publish_lock(store: objectstore.StoreSpec, environ: Mapping[str, str]) -> Iterator[None]:
+    """With ``$TRITONGUARD_STATE_URL=redis://…``, one publisher per store prefix at a time (the
+    check for conflicts and the uploads are then one step); without Redis, nothing (the check
+    alone leaves a window of one listing)."""
+    url = environ.get(ENV_URL, "")
+    if not is_redis(url):
+        yield
+        return
+    import redis  # noqa: PLC0415 - only with a Redis store
+
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    key, token = f"tritonguard:publish:{store.cache_key}", uuid.uuid4().hex
+    wait_s = PUBLISH_WAIT_S
+    deadline = time.monotonic() + wait_s
+    try:
+        while not client.set(key, token, nx=True, px=int(PUBLISH_LOCK_S * 1000)):
+            if time.monotonic() > deadline:
+                raise RemoteRepositoryError(f"another exporter has been publishing to {store.url} for over "
+                                            f"{wait_s:g} s (lock {key} in {redacted(url)}); nothing published")
+            time.sleep(0.2)
+    except redis.RedisError as exc:
+        raise RemoteRepositoryError(f"cannot take the publish lock in {redacted(url)}: {exc}") from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(redis.RedisError):
+            client.eval(_RELEASE, 1, key, token)
+        client.close()
 
 
 def remove_work(spec: str, environ: Mapping[str, str] | None = None) -> None:

@@ -5,6 +5,7 @@ tests/conftest.py ``moto_s3``); the order is what boto3 actually sent, PutObject
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,62 @@ def test_published_configs_name_complete_versions_only(tmp_path):
     assert pin_complete_versions(tmp_path) == ["bls_target", "raw"]
     assert policy(latest) == {"specific": {"versions": ["3"]}}
     assert policy(every) == {"specific": {"versions": ["1", "2", "3"]}}
+
+
+def test_a_publish_over_another_writers_objects_is_refused_and_nothing_goes_up(aws_env, tmp_path, monkeypatch):
+    """Two exporters export "v2" of the same model from copies of the same store: the second to
+    publish finds the other's v2 there and publishes nothing (it would have overwritten it). A
+    change to objects it does not touch is no conflict."""
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("conflicts")
+    _seed(s3, bucket)
+    spec = f"s3://{bucket}/repo"
+    with pytest.raises(RemoteRepositoryError, match="changed while this command ran: digits_raw/2/model.onnx"), \
+            working_copy(spec) as local:
+        v2 = local / "digits_raw" / "2"
+        v2.mkdir()
+        (v2 / "model.onnx").write_bytes(b"mine")
+        (v2 / "manifest.json").write_text('{"name": "digits_raw", "version": 2}')
+        s3.put_object(Bucket=bucket, Key="repo/digits_raw/2/model.onnx", Body=b"theirs")  # the other exporter
+    assert s3.get_object(Bucket=bucket, Key="repo/digits_raw/2/model.onnx")["Body"].read() == b"theirs"
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="repo/")["Contents"]}
+    assert "repo/digits_raw/2/manifest.json" not in keys  # nothing of this command went up
+
+    with working_copy(spec) as local:  # a fresh copy: the other's v2 is in it
+        assert (local / "digits_raw" / "2" / "model.onnx").read_bytes() == b"theirs"
+        (local / "digits" / "config.pbtxt").write_text('name: "digits"\nbackend: "guard"\n# edited\n')
+        s3.put_object(Bucket=bucket, Key="repo/other/config.pbtxt", Body=b'name: "other"\n')
+    body = s3.get_object(Bucket=bucket, Key="repo/digits/config.pbtxt")["Body"].read()
+    assert b"# edited" in body
+
+
+def test_publishers_take_turns_through_redis(aws_env, tmp_path, monkeypatch, redis_server):
+    """With a Redis state store a publish holds ``tritonguard:publish:<store>`` while it checks and
+    uploads; one that cannot get it in time publishes nothing and says who holds it."""
+    import redis
+
+    from exporter.records import remote
+
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)
+    monkeypatch.setattr(remote, "PUBLISH_WAIT_S", 0.5)
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("turns")
+    _seed(s3, bucket)
+    spec = f"s3://{bucket}/repo"
+    client = redis.Redis.from_url(redis_server.url)
+    key = f"tritonguard:publish:{remote.objectstore.parse(spec, dict(os.environ)).cache_key}"
+    client.set(key, "someone else", px=60_000)
+    with pytest.raises(RemoteRepositoryError, match="another exporter has been publishing"), \
+            working_copy(spec) as local:
+        (local / "digits" / "config.pbtxt").write_text('name: "digits"\nbackend: "guard"\n# mine\n')
+    assert b"# mine" not in s3.get_object(Bucket=bucket, Key="repo/digits/config.pbtxt")["Body"].read()
+    client.delete(key)
+    with working_copy(spec) as local:
+        (local / "digits" / "config.pbtxt").write_text('name: "digits"\nbackend: "guard"\n# mine\n')
+    assert b"# mine" in s3.get_object(Bucket=bucket, Key="repo/digits/config.pbtxt")["Body"].read()
+    assert client.get(key) is None  # released
 
 
 def test_commands_on_the_rollout_state_need_redis_with_an_object_store(aws_env, tmp_path, monkeypatch):
