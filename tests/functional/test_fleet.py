@@ -1,16 +1,18 @@
 """The whole fleet on one machine (issue 30): three replicas serving the digits guard from an
 object store (moto), one Redis, nginx in front, Prometheus scraping every second
-(tests/fleet/harness.py, also ``make fleet``).
+(tests/fleet/harness.py, also ``make fleet``). Four tests on one fleet, in this order:
 
-Under steady client traffic through nginx (HTTP threads and one gRPC thread, real load_digits
-images): the replicas are found in the registry; a digits v2 is published to the store and
-promoted with gates read from Prometheus; one replica is SIGKILLed (its whole process group:
-launcher, tritonserver, stubs) at the first step and started again on its ports; the only
-client failures allowed are requests in flight at the kill.
-
-``FLEET_V2_SOURCE=examples.candidates:retrain`` exports a genuine retrain as v2 (trains a CNN,
-minutes); by default v2 is v1's artifact exported again (``--force``: judged by equivalence), so
-the scenario takes about two minutes.
+1. under steady client traffic through nginx (HTTP threads and one gRPC thread, real
+   load_digits images): the replicas are found in the registry; a genuine retrain is exported
+   to the store as a user with a model file and unlabelled samples does (``--source
+   retrain.onnx --inputs samples.npz --task classifier``) and promoted with gates read from
+   Prometheus; one replica is SIGKILLed (its whole process group: launcher, tritonserver,
+   stubs) at the first step and started again on its ports; the only client failures allowed
+   are requests in flight at the kill;
+2. a seeded bad version exported the same way (v1's answers, ~2x slower) is rolled back by the
+   latency gate read from Prometheus, with no failed client request;
+3. one tenant's quota (40 requests/s, burst 10) holds within 10 % across the three replicas;
+4. with the object store gone, every replica serves on.
 """
 
 from __future__ import annotations
@@ -33,6 +35,28 @@ pytestmark = [pytest.mark.functional, pytest.mark.fleet]
 ROOT = Path(__file__).resolve().parents[2]
 HTTP_THREADS = 3
 GRPC_THREADS = 1
+PROMOTE_GATES = ["--dwell-s", "10", "--interval-s", "1", "--min-requests", "60", "--max-error-rate", "0.05",
+                 "--min-compared", "40", "--min-latency-samples", "30", "--max-step-s", "120"]
+
+
+MODELS = ("digits_raw", "digits", "digits_quota")
+# digits_quota: the digits guard with one tenant's quota, shared by the three replicas through Redis
+QUOTA = {"rps": 40, "burst": 10}
+QUOTA_S = 6.0
+
+
+def with_quota_guard(exported_repo: Path, repo: Path) -> Path:
+    """A repository to publish: the exported digits_raw and digits, and digits_quota."""
+    from tritonguard.core.repository import read_config, write_config
+
+    repo.mkdir()
+    for m in ("digits_raw", "digits"):
+        (repo / m).symlink_to((exported_repo / m).resolve())
+    cfg = read_config(exported_repo / "digits")
+    params = {**cfg["parameters"], "tenancy.quotas": {"string_value": json.dumps({"fleet": QUOTA})}}
+    write_config(repo / "digits_quota", {**cfg, "name": "digits_quota", "parameters": params})
+    (repo / "digits_quota" / "1").mkdir()  # the publisher gives it a placeholder manifest
+    return repo
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +66,32 @@ def fleet(exported_repo, tmp_path_factory):
             pytest.skip(f"{exe} is not installed (make system-deps)")
     if not (Path(sys.executable).parent / "moto_server").exists():
         pytest.skip("moto_server is not installed (pip install 'moto[server]')")
-    f = Fleet(exported_repo, tmp_path_factory.mktemp("fleet"), replicas=3, models=("digits_raw", "digits"))
+    base = tmp_path_factory.mktemp("fleet")
+    f = Fleet(with_quota_guard(exported_repo, base / "source"), base, replicas=3, models=MODELS)
     f.start(timeout=180)
     print("fleet:", json.dumps(f.urls()))
     try:
         yield f
     finally:
         f.stop()
+
+
+def model_file(fleet: Fleet, name: str) -> list[str]:
+    """What a user with a model file and unlabelled samples passes to ``exporter export``: an ONNX
+    file written by the training script (trained here, before the traffic starts: in the test
+    process, and once per session) and 64 varied load_digits images without labels.
+
+    - ``retrain``: a genuine retrain (v1's recipe and 30 epochs, another seed);
+    - ``slow``: v1's weights behind a chain of input-dependent matmuls that leave the answers
+      alone and make it ~2x slower (``examples.candidates.slow2``)."""
+    from examples import candidates, digits, faults
+
+    module = (candidates.trained(1, digits.EPOCHS)[0] if name == "retrain"
+              else faults.SlowChain(faults.trained()[0], *candidates.SLOW2))
+    path = candidates.write_onnx(module, fleet.workdir / f"{name}.onnx")
+    samples = fleet.workdir / "samples.npz"
+    np.savez(samples, IMAGE=faults.load_all()[0][::28][:64])
+    return ["--source", str(path), "--inputs", str(samples), "--task", "classifier"]
 
 
 def exporter(fleet: Fleet, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -131,6 +174,7 @@ def listed_replicas(fleet: Fleet) -> tuple[dict, str]:
 def test_the_fleet_rolls_out_through_a_replica_crash(fleet):
     numbers: dict[str, object] = {"replica_ready_s": [round(r.started_s, 1) for r in fleet.servers],
                                   "fleet_start_s": round(fleet.timings["start_s"], 1)}
+    v2_args = model_file(fleet, "retrain")
     with Traffic(fleet) as traffic:
         time.sleep(2)
         # (a) no --server: the three replicas are found in the registry the guards heartbeat to
@@ -139,17 +183,10 @@ def test_the_fleet_rolls_out_through_a_replica_crash(fleet):
         assert {x["http"] for x in doc["replicas"]} == {r.http_url for r in fleet.servers}
         assert all(x["models"].get("digits") == [1] for x in doc["replicas"]), doc["replicas"]
 
-        # (b) a digits v2 in the store, then promoted with gates read from Prometheus
-        source = os.environ.get("FLEET_V2_SOURCE")
-        if source:
-            args = ["--source", source]
-        else:
-            inputs = fleet.workdir / "inputs.npz"
-            np.savez(inputs, IMAGE=traffic.images[:64])
-            args = ["--source", str(fleet.workdir / "publish" / "digits_raw" / "1" / "model.onnx"),
-                    "--inputs", str(inputs), "--task", "classifier", "--force"]
+        # (b) a digits v2 in the store, a genuine retrain (v1's recipe, another seed), then
+        # promoted with gates read from Prometheus
         t0 = time.monotonic()
-        r = exporter(fleet, "export", *args, "--name", "digits", "--no-register", "-r", fleet.url)
+        r = exporter(fleet, "export", *v2_args, "--name", "digits", "--no-register", "-r", fleet.url)
         assert r.returncode == 0, r.stdout + r.stderr
         numbers["export_v2_s"] = round(time.monotonic() - t0, 1)
         assert "digits_raw/2/manifest.json" in {k.removeprefix(f"{fleet.prefix}/") for k in fleet.s3.keys(fleet.bucket)}
@@ -157,9 +194,7 @@ def test_the_fleet_rolls_out_through_a_replica_crash(fleet):
         env = {**os.environ, **fleet.env(), "TRITONGUARD_REPOSITORY": fleet.url}
         promote = subprocess.Popen(
             [sys.executable, "-m", "exporter", "promote", "digits", "--version", "2", "-r", fleet.url,
-             "--state-url", fleet.redis.url, "--prometheus", fleet.prom.url, "--steps", "50,100",
-             "--dwell-s", "10", "--interval-s", "1", "--min-requests", "60", "--max-error-rate", "0.05",
-             "--min-compared", "40", "--min-latency-samples", "30", "--max-step-s", "120"],
+             "--state-url", fleet.redis.url, "--prometheus", fleet.prom.url, "--steps", "50,100", *PROMOTE_GATES],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         out: list[str] = []
         at_step1 = threading.Event()
@@ -247,3 +282,129 @@ def test_the_fleet_rolls_out_through_a_replica_crash(fleet):
     assert len(log) > 200
     assert failed == in_flight, failed[:5]
     assert len(failed) <= HTTP_THREADS + GRPC_THREADS
+
+
+def test_a_slower_version_is_rolled_back_across_the_fleet(fleet):
+    """After the first test (or from v1 alone): the primary stays, every replica serves it, no
+    client request fails."""
+    import redis
+
+    from tritonguard.rollout.stores import RedisStateStore
+
+    store = redis.Redis.from_url(fleet.redis.url)
+    primary = RedisStateStore(fleet.redis.url, "digits").load().primary
+    slow_args = model_file(fleet, "slow")
+    with Traffic(fleet) as traffic:
+        r = exporter(fleet, "export", *slow_args, "--name", "digits", "--no-register", "-r", fleet.url)
+        assert r.returncode == 0, r.stdout + r.stderr
+        slow = max(int(k.split("/")[-2]) for k in fleet.s3.keys(fleet.bucket) if k.endswith("/manifest.json")
+                   and "/digits_raw/" in k)
+        t0 = time.monotonic()
+        r = exporter(fleet, "promote", "digits", "--version", str(slow), "-r", fleet.url, "--state-url",
+                     fleet.redis.url, "--prometheus", fleet.prom.url, "--steps", "25,100", *PROMOTE_GATES)
+        took = time.monotonic() - t0
+    print(r.stdout[-1500:])
+    print("fleet slow version:", json.dumps({"version": slow, "promote_s": round(took, 1), "requests": len(traffic.log),
+                                             "served_slow_rows": sum(w.count(f"digits_raw:{slow}") for *_, w in traffic.log)}))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "rolled_back" in r.stdout and "latency FAIL" in r.stdout, r.stdout
+    prog = json.loads(store.get("tritonguard:rollout:digits"))
+    assert prog["status"] == "rolled_back", prog
+    state = RedisStateStore(fleet.redis.url, "digits").load()
+    assert state.primary == primary and state.candidate is None, state
+    for rep in fleet.servers:
+        assert direct_served_by(rep, traffic.images[:8]) == [f"digits_raw:{primary}"] * 8
+    failed = [x for x in traffic.log if x[3] is not None]
+    assert len(traffic.log) > 200 and not failed, failed[:5]
+
+
+def test_one_tenant_quota_holds_across_the_fleet(fleet):
+    """A tenant at ``rps`` 40, ``burst`` 10, sending as fast as 4 clients can through nginx for
+    6 s: the three replicas together admit 40 x 6 + 10 = 250 within 10 % (a quota per replica
+    would admit three times that), and every replica was asked."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    images = Traffic(fleet).images[:1]
+
+    def one(client, tenant: str) -> None:
+        inp = httpclient.InferInput("IMAGE", [1, 8, 8], "FP32")
+        inp.set_data_from_numpy(images)
+        client.infer("digits_quota", [inp], parameters={"tenant": tenant})
+
+    def asked() -> list[int]:
+        out = []
+        for rep in fleet.servers:
+            with httpclient.InferenceServerClient(rep.server.http_url) as c:
+                stats = c.get_inference_statistics("digits_quota")["model_stats"]
+                out.append(sum(int(m["inference_stats"]["success"]["count"]) for m in stats))
+        return out
+
+    # each replica's guard is past its first batches before the clock starts (on a quiet
+    # machine a fresh digits guard's second request took 1.27 s, the next ones 3-5 ms: without
+    # this the window lost its first 1.3 s), as a tenant without a quota, so the bucket of
+    # "fleet" starts full: until one request answers within 50 ms, at most 30 s
+    for rep in fleet.servers:
+        with httpclient.InferenceServerClient(rep.server.http_url, network_timeout=60) as c:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                t = time.monotonic()
+                one(c, "warm-up")
+                if time.monotonic() - t < 0.05:
+                    break
+    before = asked()
+    admitted, refused, other = [], [], []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpclient.InferenceServerClient(fleet.lb.http_url.removeprefix("http://"), network_timeout=30) as c:
+            while not stop.is_set():
+                try:
+                    one(c, "fleet")
+                    admitted.append(time.monotonic())
+                except InferenceServerException as exc:
+                    (refused if "over its rate limit of 40 requests/s" in str(exc) else other).append(str(exc)[:200])
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(QUOTA_S)
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    per_replica = [b - a for a, b in zip(before, asked(), strict=True)]
+    allowed = QUOTA["rps"] * QUOTA_S + QUOTA["burst"]
+    in_window = sum(1 for x in admitted if x - t0 <= QUOTA_S)
+    per_second = [sum(1 for x in admitted if k <= x - t0 < k + 1) for k in range(int(QUOTA_S) + 1)]
+    print("fleet quota:", json.dumps({"allowed": allowed, "admitted": len(admitted), "admitted_in_window": in_window,
+                                      "ratio": round(in_window / allowed, 3), "per_second": per_second,
+                                      "refused": len(refused), "asked_per_replica": per_replica,
+                                      "other_errors": other[:3]}))
+    assert not other, other[:3]
+    assert len(refused) > len(admitted), "the clients must ask for more than the quota"
+    assert abs(in_window / allowed - 1) <= 0.10, (in_window, allowed, per_second)
+    assert all(n > 0 for n in per_replica), per_replica
+
+
+def test_replicas_serve_on_when_the_object_store_goes_away(fleet):
+    """Last (the store's contents die with moto): with the object store gone, every replica
+    still answers from what it loaded, through nginx and directly, and the registry still lists
+    the three of them (it is in Redis)."""
+    fleet.s3.stop()
+    with Traffic(fleet) as traffic:
+        time.sleep(4)
+    served = {w for *_, w in traffic.log}
+    failed = [x for x in traffic.log if x[3] is not None]
+    print("fleet without its store:", json.dumps({"requests": len(traffic.log), "failed": len(failed),
+                                                  "served_by": sorted({v for w in served for v in w})}))
+    assert len(traffic.log) > 50 and not failed, failed[:5]
+    for rep in fleet.servers:
+        assert len(direct_served_by(rep, traffic.images[:4])) == 4
+    from tritonguard.rollout.replicas import ReplicaRegistry
+
+    registry = ReplicaRegistry(fleet.redis.url)
+    try:
+        assert len(registry.live()) == 3
+    finally:
+        registry.close()

@@ -28,8 +28,8 @@ def test_the_digits_guard_serves_from_an_object_store(exported_repo, moto_s3, re
     url = f"s3://http://127.0.0.1:{moto_s3.port}/{bucket}/repo"
     local = tmp_path / "publish"
     _copy_models(exported_repo, local, ("digits", "digits_raw"))
-    # a half-uploaded v2 of the target: its artifact, no manifest. Triton would serve it when
-    # asked for it; the guard must not
+    # a half-uploaded v2 of the target: its artifact, no manifest. With the exported "latest"
+    # policy Triton would load it; the published config names v1 only, and the guard ignores v2
     shutil.copy(local / "digits_raw" / "1" / "model.onnx", (local / "digits_raw" / "2").mkdir() or
                 local / "digits_raw" / "2" / "model.onnx")
     env = {**os.environ, **moto_s3.env, "AWS_ENDPOINT_URL": moto_s3.endpoint}
@@ -56,6 +56,7 @@ def test_the_digits_guard_serves_from_an_object_store(exported_repo, moto_s3, re
             inp.set_data_from_numpy(x)
             r = c.infer("digits", [inp])
             assert r.as_numpy("PROBS").shape == (2, 10)
+            assert c.is_model_ready("digits_raw", "1") and not c.is_model_ready("digits_raw", "2")
             assert [s[0] for s in r.as_numpy("SERVED_BY").tolist()] == [b"digits_raw:1", b"digits_raw:1"]
             bad = httpclient.InferInput("IMAGE", list(x.shape), "FP32")
             bad.set_data_from_numpy(x + 99)
