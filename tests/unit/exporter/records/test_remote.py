@@ -201,6 +201,11 @@ def test_commands_on_the_rollout_state_need_redis_with_an_object_store(aws_env, 
     # a missing bucket: one line naming it, exit 2
     res = CliRunner().invoke(app, ["upgrade", "-r", "s3://no-such-bucket/repo"])
     assert res.exit_code == 2 and "NoSuchBucket" in res.output and "Traceback" not in res.output
+    # an endpoint nobody listens on: one line naming it and the cause, exit 2
+    res = CliRunner().invoke(app, ["upgrade", "-r", "s3://http://127.0.0.1:1/b/repo"])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert len(lines) == 1 and "127.0.0.1:1" in lines[0] and "Could not connect" in lines[0], res.output
 
 
 def test_route_on_an_object_store_repository_with_redis_state(aws_env, tmp_path, monkeypatch, redis_server):
