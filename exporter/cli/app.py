@@ -171,7 +171,7 @@ def _quiet_onnxruntime() -> None:
 
 
 @app.command()
-@repository_command()
+@repository_command(read_only=True)
 def status(
     repository: Repository = "model_repository",
     server: Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of a replica (repeat): "

@@ -34,9 +34,10 @@ Repository = Annotated[str, typer.Option(
 _err = WideConsole(stderr=True, soft_wrap=True)
 
 
-def repository_command(*, needs_state: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def repository_command(*, needs_state: bool = True, read_only: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``needs_state``: the command reads or writes the rollout state, which must then be in
-    Redis (``$TRITONGUARD_STATE_URL``) when the repository is in an object store."""
+    Redis (``$TRITONGUARD_STATE_URL``) when the repository is in an object store.
+    ``read_only``: the command shows state and never publishes to an object store."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -51,7 +52,7 @@ def repository_command(*, needs_state: bool = True) -> Callable[[Callable[..., A
             done: BaseException | None = None
             result = None
             try:
-                with working_copy(spec, needs_state=needs_state,
+                with working_copy(spec, needs_state=needs_state, read_only=read_only,
                                   report=lambda line: _err.print(f"[green]✓[/] {escape(line)}")) as local:
                     kwargs["repository"] = local
                     try:

@@ -79,7 +79,7 @@ def rollback(
 
 
 @rollout_app.command("status")
-@repository_command()
+@repository_command(read_only=True)
 def rollout_status(
     model: Model,
     server: Servers = None,

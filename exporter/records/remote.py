@@ -205,9 +205,10 @@ def work_dir(spec: objectstore.StoreSpec, environ: Mapping[str, str] | None = No
 
 @contextmanager
 def working_copy(spec: str, *, needs_state: bool = False, environ: Mapping[str, str] | None = None,
-                 report=None) -> Iterator[Path]:
+                 report=None, read_only: bool = False) -> Iterator[Path]:
     """The local folder a command works on; ``spec`` a local path (yielded as is) or ``s3://…``.
-    Publishes what changed only when the block ends without an exception."""
+    Publishes what changed only when the block ends without an exception; ``read_only`` (status):
+    never, and a copy the command changed anyway is dropped, so it cannot go up later."""
     env = os.environ if environ is None else environ
     if not objectstore.is_object_store(spec):
         yield Path(spec)
@@ -233,6 +234,11 @@ def working_copy(spec: str, *, needs_state: bool = False, environ: Mapping[str, 
         # a failed command publishes nothing, and leaves nothing for the next one to publish
         shutil.rmtree(work, ignore_errors=True)
         raise
+    if read_only:
+        if snapshot(root) != before:
+            log.debug("a read-only command changed the working copy of %s: dropped", store.url)
+            shutil.rmtree(work, ignore_errors=True)
+        return
     try:
         with publish_lock(store, env):
             uploaded, deleted = publish(store, root, before, s3=s3, seen=seen)

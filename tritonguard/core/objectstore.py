@@ -197,9 +197,10 @@ def _is_front_config(path: Path) -> bool:
 
 def publish_order(rels: Iterable[str], root: Path) -> list[str]:
     """The order in which changed files go up: every other file of a version first, then the
-    versions' manifests (and the models' own files beside their configs), then model configs (targets before guards and ensembles), then anything
-    else at the top. Triton reads a model from its config.pbtxt, and readers count a version only
-    once its manifest is there, so nobody sees half a version."""
+    versions' manifests (and the models' own files beside their configs), then model configs
+    (targets before guards and ensembles), then anything else at the top. Triton reads a model
+    from its config.pbtxt, and readers count a version only once its manifest is there, so
+    nobody sees half a version."""
     def rank(rel: str) -> tuple[int, str]:
         name = rel.rsplit("/", 1)[-1]
         if _version_of(rel) is not None:
