@@ -229,6 +229,10 @@ class DriftMonitor:
     """Sliding window of live inputs, scored against a :class:`ReferenceSummary`."""
 
     def __init__(self, reference: ReferenceSummary, config: DriftConfig | None = None, **overrides: Any):
+        # scipy.stats takes about a second to import, holding the GIL: here (a guard builds its
+        # primary's monitor when it loads), not at the first scoring, where it stalled serving
+        from scipy import stats  # noqa: F401, PLC0415
+
         cfg = config or DriftConfig()
         self.config = dataclasses.replace(cfg, **overrides) if overrides else cfg
         self.reference = reference
@@ -262,11 +266,13 @@ class DriftMonitor:
         """The live rows in the window, [count, f] (order not preserved)."""
         return self._buf[:self.count]
 
-    def scores(self) -> DriftReport:
+    def scores(self, live: np.ndarray | None = None) -> DriftReport:
+        """Score the window, or ``live`` (a copy of it taken under the caller's lock, so that
+        scoring, tens of milliseconds, does not hold up :meth:`update` on the request path)."""
         cfg, ref = self.config, self.reference
-        live = self.window()
+        live = self.window() if live is None else live
         f = live.shape[1]
-        if self.count == 0:
+        if len(live) == 0:
             zeros = np.zeros(f)
             return DriftReport(0, ref.features, zeros, np.ones(f), zeros, np.zeros(f, bool), 0.0, False)
         d, p = ks_2samp_rows(ref.sample, np.ascontiguousarray(live.T))
@@ -275,12 +281,12 @@ class DriftMonitor:
         psi = ((cur - base) * np.log(cur / base)).sum(axis=1)
         drifted = (p < cfg.alpha / f) | (psi > cfg.psi_threshold)
         fraction = float(drifted.mean())
-        flagged = self.count >= cfg.min_samples and fraction >= cfg.drift_fraction
-        return DriftReport(int(self.count), ref.features, d, p, psi, drifted, fraction, bool(flagged))
+        flagged = len(live) >= cfg.min_samples and fraction >= cfg.drift_fraction
+        return DriftReport(len(live), ref.features, d, p, psi, drifted, fraction, bool(flagged))
 
-    def check(self) -> DriftReport:
+    def check(self, live: np.ndarray | None = None) -> DriftReport:
         """:meth:`scores`, folding the drifting fraction into ``self.ewma`` once the window is judged."""
-        report = self.scores()
+        report = self.scores(live)
         if report.n >= self.config.min_samples:
             self.ewma.update(report.fraction)
         return report

@@ -100,6 +100,7 @@ class Router:
         self.worker.compare = self.comparator.compare
         self.worker.share_breaker = self.breakers.share
         self.worker.score_drift = self.signals.score_drift
+        self.signals.prepare(self.primary())  # its reference read and scipy imported before traffic
         self.worker.start()
         self._stop = threading.Event()
         self._reconciler = None

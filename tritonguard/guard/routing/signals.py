@@ -106,6 +106,11 @@ class Signals:
             self._input_drift = (version, monitor)
         return self._input_drift[1]
 
+    def prepare(self, version: int) -> None:
+        """Build ``version``'s drift monitor now (at load), not on the first request."""
+        if version > 0:
+            self._drift_monitor(version)
+
     def observe_inputs(self, fused: dict[str, np.ndarray], version: int) -> None:
         """Add the batch to the primary's drift window (a ring-buffer write); scoring runs on
         the worker every ``input_drift_interval_s``."""
@@ -125,8 +130,11 @@ class Signals:
         monitor = self._drift_monitor(version)
         if monitor is None:
             return
-        with self._drift_lock:  # its own lock: scoring takes ~20 ms and must not stall breakers
-            report = monitor.check()
+        # the request path's update() takes this lock: copy the window under it (a few hundred
+        # KB at most) and score the copy outside it (tens of ms that held up serving before)
+        with self._drift_lock:
+            live = monitor.window().copy()
+        report = monitor.check(live)
         if report.n < monitor.config.min_samples:
             return
         self.metrics.set("drift", report.fraction, target_version=str(version))

@@ -395,3 +395,35 @@ def test_latency_ratio_ignores_a_candidate_whose_p95_moved_but_not_its_median(re
     trip = router.signals.latency_vs_primary(2, b2, now)  # noqa: SLF001
     router.close()
     assert trip is not None and trip.reason == "latency" and trip.figures["p50_ms"] > 1.25 * trip.figures["primary_p50_ms"]
+
+
+def test_drift_monitor_is_built_at_load_and_scored_outside_the_serving_lock(repo, monkeypatch):
+    """The primary's drift monitor (its reference read, scipy imported: about a second that used
+    to stall a fresh guard's second request) exists when the router does; scoring runs on a copy
+    of the window, without the lock the request path's update() takes."""
+    import json
+
+    from tritonguard.rollout import drift
+
+    (repo / "t" / "1").mkdir(parents=True)
+    ref = drift.reference_from_inputs({"X": rows(500, seed=3)})
+    (repo / "t" / "1" / drift.REFERENCE_FILE).write_text(json.dumps(ref.to_dict()))
+    router, metrics = make(repo, {1: Linear(W1)}, routing={"input_drift_interval_s": 0})
+    try:
+        monitor = router.signals._input_drift[1]
+        assert router.signals._input_drift[0] == 1 and isinstance(monitor, drift.DriftMonitor)
+        held = []
+        scores = drift.DriftMonitor.scores
+
+        def watched(self, live=None):
+            held.append(router.signals._drift_lock.locked())
+            return scores(self, live)
+
+        monkeypatch.setattr(drift.DriftMonitor, "scores", watched)
+        for k in range(3):
+            router.infer({"X": rows(100, seed=10 + k)}, [1] * 100)
+        drain(router)
+        assert held and not any(held), held
+        assert metrics.gauges.get(("drift", ("target_version", "1"))) is not None  # it was scored
+    finally:
+        router.close()
