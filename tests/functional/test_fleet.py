@@ -340,10 +340,10 @@ def test_one_tenant_quota_holds_across_the_fleet(fleet):
                 out.append(sum(int(m["inference_stats"]["success"]["count"]) for m in stats))
         return out
 
-    # each replica's guard is past its first batches before the clock starts (on a quiet
-    # machine a fresh digits guard's second request took 1.27 s, the next ones 3-5 ms: without
-    # this the window lost its first 1.3 s), as a tenant without a quota, so the bucket of
-    # "fleet" starts full: until one request answers within 50 ms, at most 30 s
+    # each replica's guard is past its first batches before the clock starts (a fresh guard's
+    # second request used to wait ~1 s for scipy's import at the first drift scoring, and the
+    # window lost its first 1.3 s), as a tenant without a quota, so the bucket of "fleet"
+    # starts full: until one request answers within 50 ms, at most 30 s
     for rep in fleet.servers:
         with httpclient.InferenceServerClient(rep.server.http_url, network_timeout=60) as c:
             deadline = time.monotonic() + 30
