@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 from exporter.build.sources.spec import TextFront
 from tritonguard.core.repository import load_goldens
 from tritonguard.models.engines import EngineConfig, load_engine
-from tritonguard.models.tokenizer import TokenizerConfig, TokenizerModel
+from tritonguard.models.tokenizer import Tokenizer, TokenizerConfig, texts_of
 
 PASS, MARGINAL, FAIL = "PASS", "MARGINAL", "FAIL"
 _ORDER = {PASS: 0, MARGINAL: 1, FAIL: 2}
@@ -203,16 +202,11 @@ def check(task: str, reference: Mapping[str, np.ndarray], actual: Mapping[str, n
 def _encoder(tokenizer_dir: Path, max_length: int, output_names: Sequence[str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
     """TEXT [N,1] -> token tensors, through the ``tokenizer`` backend's own encode(); the
     tokenizer is loaded once, so a runner can be called chunk after chunk."""
-    from transformers import AutoTokenizer  # noqa: PLC0415 - defers a heavy import
-
-    # encode() reads only these three attributes; borrowing it keeps one tokenisation code path
-    backend = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(tokenizer_dir)),
-                              config=TokenizerConfig(max_length=max_length), output_names=list(output_names))
+    tokenizer = Tokenizer(tokenizer_dir.parent, TokenizerConfig(tokenizer_dir=tokenizer_dir.name, max_length=max_length),
+                          list(output_names))
 
     def encode(texts: np.ndarray) -> dict[str, np.ndarray]:
-        items = [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
-                 for x in texts.reshape(len(texts), -1)[:, 0]]
-        return TokenizerModel.encode(backend, items)  # type: ignore[arg-type]
+        return tokenizer.encode(texts_of(texts))
 
     return encode
 
