@@ -53,6 +53,13 @@ def test_repo(exported_repo, tmp_path_factory) -> Path:
     guard_variant("misspelt", target="digits_raw", placement="inprocess", **{"validation.max_paylod_bytes": "10"})
     # the BLS placement of the digits guard, to test both placements of one pipeline
     guard_variant("digits_bls", target="digits_raw", placement="bls", **{"validation.range.IMAGE": "0,16"})
+    # in process, a text guard runs a tokenizer -> runtime ensemble itself; the public minilm
+    # ensemble (intake -> guard) is not one: the load must fail naming the step
+    text = read_config(exported_repo / "minilm_guard")
+    params = {k: v for k, v in text["parameters"].items() if k not in ("serves_as", "target_per_version")}
+    write_config(repo / "minilm_wrongstep", {**text, "name": "minilm_wrongstep", "parameters": {
+        **params, "target": {"string_value": "minilm"}, "placement": {"string_value": "inprocess"}}})
+    (repo / "minilm_wrongstep" / "1").mkdir()
     return repo
 
 

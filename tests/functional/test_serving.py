@@ -267,6 +267,17 @@ def test_unknown_parameter_fails_the_load_naming_the_key(server):
     assert index["digits"]["state"] == "READY"
 
 
+def test_an_in_process_target_with_a_step_the_guard_cannot_run_fails_the_load_naming_it(server):
+    req = urllib.request.Request(f"http://{server.http_url}/v2/repository/index", data=b"{}", method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        index = {m["name"]: m for m in json.loads(r.read())}
+    assert index["minilm_wrongstep"]["state"] == "UNAVAILABLE"
+    reason = index["minilm_wrongstep"]["reason"]
+    assert "placement 'inprocess' needs a target served by backend 'runtime' or an ensemble of tokenizer and " \
+           "runtime steps; 'minilm': its step 'minilm_intake' uses backend 'intake'" in reason, reason
+    assert index["minilm"]["state"] == "READY"
+
+
 def test_metrics_count_requests_and_rejects(http, server):
     with pytest.raises(InferenceServerException):
         http.infer("digits", [http_input("IMAGE", np.full((1, 8, 8), 99.0, np.float32))])

@@ -34,6 +34,7 @@ from tritonguard.guard.stages.route import RouteStage
 from tritonguard.guard.stages.trace import TraceStartStage, TraceTagStage
 from tritonguard.guard.stages.validate import ValidateStage
 from tritonguard.guard.validation import BatchValidator
+from tritonguard.models import chain
 from tritonguard.models.engines import EngineConfig, load_engine
 from tritonguard.observe.cost import cost_meter
 from tritonguard.observe.tracing import Tracer
@@ -68,19 +69,21 @@ class BlsTarget:
         return {n: np.concatenate([p[n] for p in parts]) for n in self.outputs}
 
 
+def latest_version(repo: Path, name: str) -> int:
+    complete = repository.complete_versions(repo / name)
+    if not complete:
+        raise ConfigError(f"target '{name}' has no version folder in {repo / name}")
+    return complete[-1]
+
+
 class InProcessTarget:
-    def __init__(self, repo: Path, name: str, version: int, cfg: EngineConfig, signature: ModelSignature,
-                 outputs: list[str]):
-        model_dir = repo / name
-        if version <= 0:
-            complete = repository.complete_versions(model_dir)
-            latest = complete[-1] if complete else None
-            if latest is None:
-                raise ConfigError(f"target '{name}' has no version folder in {model_dir}")
-            version = latest
+    """A target version run by the guard itself: ``engine`` is a runtime artifact's engine or an
+    in-process :class:`~tritonguard.models.chain.Chain` (a tokenizer -> encoder ensemble)."""
+
+    def __init__(self, name: str, version: int, engine: Any, outputs: list[str]):
         self.name, self.version, self.outputs = name, version, outputs
         self.served_by = f"{name}:{version}"
-        self.engine = load_engine(model_dir / str(version), cfg, [s.name for s in signature.inputs], outputs)
+        self.engine = engine
 
     def infer(self, fused: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -127,18 +130,8 @@ class GuardModel:
                         self.name, tcfg.target)
 
         if tcfg.placement == "inprocess":
-            if target_config.get("backend") != "runtime":
-                raise ConfigError(f"model '{self.name}': placement 'inprocess' needs a target served by backend "
-                                  f"'runtime', '{tcfg.target}' uses '{target_config.get('backend') or target_config.get('platform')}'")
-            # the target's own runtime parameters, overridden by the guard's runtime.* ones
-            eng_params = {**model_parameters(target_config),
-                          **{k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("runtime.")}}
-            engine_cfg = from_params(EngineConfig, eng_params, model=tcfg.target)
-
-            def make_target(version: int) -> InProcessTarget:
-                source.check_complete(repo, tcfg.target, version)
-                return InProcessTarget(repo, tcfg.target, version, engine_cfg, self.signature, self.output_names)
-
+            overrides = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("runtime.")}
+            make_target, cost_config = self._inprocess_targets(repo, tcfg, target_config, overrides)
             ready = None  # the guard runs the artifact itself: always ready
         else:
             def make_target(version: int) -> BlsTarget:  # type: ignore[misc]
@@ -182,7 +175,9 @@ class GuardModel:
         # this replica in the shared store's registry (Redis only): the exporter finds it there
         self.heartbeat = start_heartbeat(self.name, lambda: served_versions(self.router.state))
         # compute and cost per answered request (tritonguard.observe.cost): fed once per batch, below
-        self.cost = cost_meter(self.config.cost, placement=tcfg.placement, target_config=target_config, params=params,
+        self.cost = cost_meter(self.config.cost, placement=tcfg.placement,
+                               target_config=cost_config if tcfg.placement == "inprocess" else target_config,
+                               params=params,
                                instance_kind=a.instance_kind, metrics=self.metrics,
                                label=self.privacy.label)
         # spans per safety stage (OpenTelemetry); None when tracing.endpoint is unset: then the
@@ -223,6 +218,49 @@ class GuardModel:
                                   f"on this server: {figures}")
         log.info("guard %s v%s -> %s primary v%d (%s)", self.name, self.version, tcfg.target,
                  self.router.primary(), tcfg.placement)
+
+    def _inprocess_targets(self, repo: Path, tcfg: TargetConfig, target_config: dict[str, Any],
+                           overrides: dict[str, str]) -> tuple[Any, dict[str, Any]]:
+        """``(make_target, the config that prices a call)`` for ``placement: inprocess``: a target
+        served by backend ``runtime`` (its artifact), or an ensemble of ``tokenizer`` and
+        ``runtime`` steps such as a text model's (:mod:`tritonguard.models.chain`; with
+        ``target_per_version``, version N runs the ensemble of that name)."""
+        target = tcfg.target
+        if target_config.get("backend") == "runtime":
+            # the target's own runtime parameters, overridden by the guard's runtime.* ones
+            engine_cfg = from_params(EngineConfig, {**model_parameters(target_config), **overrides}, model=target)
+            input_names = [s.name for s in self.signature.inputs]
+
+            def make_target(version: int) -> InProcessTarget:
+                source.check_complete(repo, target, version)
+                version = version if version > 0 else latest_version(repo, target)
+                engine = load_engine(repo / target / str(version), engine_cfg, input_names, self.output_names)
+                return InProcessTarget(target, version, engine, self.output_names)
+
+            return make_target, target_config
+        for step in chain.steps_of(target_config):  # an object-store repository: bring them here
+            self.source.fetch(step.get("model_name", ""))
+        why = chain.runnable(repo, target_config)
+        if why:
+            raise ConfigError(f"model '{self.name}': placement 'inprocess' needs a target served by backend "
+                              f"'runtime' or an ensemble of {' and '.join(chain.BACKENDS)} steps; '{target}': {why}")
+
+        def ensemble_of(version: int) -> str:
+            return tcfg.target_per_version.format(version=version) if tcfg.target_per_version else target
+
+        def make_chain_target(version: int) -> InProcessTarget:
+            source.check_complete(repo, target, version)
+            version = version if version > 0 else latest_version(repo, target)
+            name = ensemble_of(version)
+            self.source.fetch(name)
+            for step in chain.steps_of(repository.read_config(repo / name)):
+                self.source.fetch(step["model_name"])
+            return InProcessTarget(target, version, chain.Chain(repo, name, overrides), self.output_names)
+
+        # a call is priced by the step that runs an artifact (its threads), as if served alone
+        runtime_steps = [repository.read_config(repo / s["model_name"]) for s in chain.steps_of(target_config)]
+        cost_config = next((c for c in runtime_steps if c.get("backend") == "runtime"), target_config)
+        return make_chain_target, cost_config
 
     def _fetch_named_versions(self) -> None:
         """An object-store repository: when the rollout state names a version the local view

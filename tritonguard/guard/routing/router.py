@@ -315,7 +315,9 @@ class Router:
             sub_sizes = [int(starts[i + 1] - starts[i]) for i in idx]
         t0_ns = time.perf_counter_ns()
         try:
-            out = self.target_for(version).infer(sub)
+            target = self.target_for(version)  # the first call in process loads the version: not its latency
+            t0_ns = time.perf_counter_ns()
+            out = target.infer(sub)
         except TargetError as exc:
             self.calls.append((version, idx, t0_ns, time.perf_counter_ns(), False))
             if len(idx) > 1:  # isolate: one poisonous request must not fail its neighbours
