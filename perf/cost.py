@@ -97,9 +97,14 @@ def price(before: Snapshot, after: Snapshot, model: str) -> dict[str, float | No
 
     requests = delta(model)[0]
     cpu = {k: after.cpu.get(k, 0.0) - before.cpu.get(k, 0.0) for k in after.cpu}
-    _, inferences, executions = delta(BATCHED[model.removesuffix("_raw")])
-    if executions <= 0:  # an in-process guard (digits) runs the model itself: its batches are the target's
-        _, inferences, executions = delta(model)
+    base = model.removesuffix("_raw")
+    _, inferences, executions = delta(BATCHED[base])
+    # a guard that runs the target in process (digits; minilm with placement inprocess) forms the
+    # target's batches itself: its own batches, the guard step's for a public ensemble (minilm)
+    for name in (f"{base}_guard", model):
+        if executions > 0:
+            break
+        _, inferences, executions = delta(name)
     per = (lambda s: round(1000 * s / requests, 3)) if requests > 0 else (lambda s: None)
     return {
         "requests": requests,

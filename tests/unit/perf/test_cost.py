@@ -29,6 +29,18 @@ def test_an_in_process_guard_batches_itself():
     assert got["guard_cpu_ms_per_request"] == pytest.approx(0.5)
 
 
+def test_an_in_process_text_guard_batches_in_its_guard_step():
+    # minilm with placement inprocess: the encoder model runs nothing, the public ensemble runs
+    # one "execution" per request; the batches are those of the guard step, minilm_guard
+    before = Snapshot(cpu={"stub:guard": 1.0}, stats={"minilm": (0, 0, 0), "minilm_guard": (0, 0, 0),
+                                                      "minilm_encoder": (5, 5, 5)})
+    after = Snapshot(cpu={"stub:guard": 9.0}, stats={"minilm": (900, 900, 900), "minilm_guard": (900, 900, 100),
+                                                     "minilm_encoder": (5, 5, 5)})
+    got = price(before, after, "minilm")
+    assert got["target_mean_batch"] == 9.0
+    assert got["guard_cpu_ms_per_request"] == pytest.approx(8000 / 900, abs=0.001)  # the encoder runs in it
+
+
 def test_the_raw_path_is_read_under_its_own_name():
     before = Snapshot(cpu={"stub:runtime": 0.0}, stats={"digits_raw": (0, 0, 0)})
     after = Snapshot(cpu={"stub:runtime": 0.2}, stats={"digits_raw": (400, 400, 50)})
