@@ -30,7 +30,10 @@ def build_configs(spec: ExportSpec, names: dict[str, str], native: bool = False)
                    enc: {**layout.runtime_config(enc, spec, threads=layout.ENCODER_THREADS, native=native),
                          "version_policy": layout.ALL_VERSIONS},
                    raw: layout.ensemble_config(raw, spec, tok, enc)}
-        placement = "bls"  # an ensemble can only be reached through Triton
+        # over BLS by default; `placement: inprocess` runs the ensemble in the guard
+        # (tritonguard.models.chain), faster here (docs/performance.md) but not yet the default:
+        # a supervisor restart test failed once with two in-process text guards (issue 33)
+        placement = "bls"
     configs[guard] = layout.guard_config(guard, spec, raw, placement=placement,
                                          serves_as=names.get("front", ""))
     if "front" in names:

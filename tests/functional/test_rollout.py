@@ -324,7 +324,10 @@ def test_metrics_report_fallbacks_and_trips(rollout):
     assert any(f'target_version="{v["good"]}"' in k and 'figure="agreement"' in k and 0.9 <= x <= 1
                for k, x in scores), scores
     ewma = dict(gauges("tritonguard_output_drift_ewma"))
-    assert any(f'target_version="{v["accuracy_drop"]}"' in k and x > 0 for k, x in ewma.items()), ewma
+    if REPORT.get("accuracy_drop", {}).get("trip") != "latency":
+        # caught by a validator or drift, it was compared first; caught by its latency (it is
+        # 1.4x slower at batch 1, see the parametrize above), too few rows may have been compared
+        assert any(f'target_version="{v["accuracy_drop"]}"' in k and x > 0 for k, x in ewma.items()), ewma
     # per-feature input drift of the primary, after the drifted traffic of test_input_drift_is_measured
     for name in ("tritonguard_input_drift_psi", "tritonguard_input_drift_ks"):
         per_feature = gauges(name)
