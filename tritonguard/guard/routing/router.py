@@ -171,7 +171,17 @@ class Router:
             with self._target_lock:  # the serving thread, the worker and the reconciler
                 t = self._targets.get(version)
                 if t is None:
-                    t = self._targets[version] = self.make_target(version)
+                    try:
+                        t = self.make_target(version)
+                    except TargetError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - a version that cannot load (in process: a
+                        # missing file, a bad artifact) fails its requests like a target error, so
+                        # they fall back down the chain; the details (paths) stay in the log
+                        log.exception("guard %s: %s v%d could not be loaded", self.guard, self.target, version)
+                        raise TargetError(f"version {version} of '{self.target}' could not be loaded: "
+                                          f"{type(exc).__name__}", "UNAVAILABLE") from None
+                    self._targets[version] = t
         return t
 
     def routable(self, version: int, now: float) -> bool:

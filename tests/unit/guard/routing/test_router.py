@@ -127,6 +127,25 @@ def test_fused_failure_is_counted_against_the_version_and_trips_it(repo):
     router.close()
 
 
+def test_a_version_that_cannot_load_falls_back_to_the_primary(repo):
+    from tritonguard.core.errors import ConfigError
+
+    router, metrics = make(repo, {1: Linear(W1), 2: Linear(W1)}, candidate=2, share=1.0,
+                           routing={"golden_check": False})
+    loaded = router.make_target
+
+    def make_target(v):
+        if v == 2:  # as an in-process version whose artifact is gone
+            raise ConfigError("artifact /repo/t/2/model.onnx does not exist")
+        return loaded(v)
+
+    router.make_target = make_target
+    got = router.infer({"X": rows(3)}, [1] * 3)
+    assert all(e is None for e in got.errors) and set(got.served_by) == {"t:1"}, got
+    assert metrics.total("target_errors", target_version="2", code="UNAVAILABLE") == 3
+    router.close()
+
+
 def test_a_poisoned_request_is_not_a_fused_failure(repo):
     x = rows(6)
     v1 = Linear(W1, poison=x[2])
