@@ -143,6 +143,27 @@ def test_a_killed_encoder_behind_the_ensemble_is_reloaded(supervised):
     print(f"minilm serving again {took:.1f} s after its encoder's stub was killed")
 
 
+def test_a_server_that_crashes_during_a_reload_is_restarted(supervised):
+    """The server dies while the supervisor waits on a model load it asked for: the supervisor
+    must see the death at once, not when the load call gives up (300 s). Measured before the
+    fix: the dead server stayed a zombie, its stubs alive, and nothing restarted it."""
+    reloads = supervised.log_path.read_text(errors="replace").count("reloading 'minilm_encoder'")
+    old = _triton_pid(supervised)
+    _kill_stub(supervised, "minilm_encoder_0_0")
+    deadline = time.monotonic() + 20
+    while supervised.log_path.read_text(errors="replace").count("reloading 'minilm_encoder'") == reloads:
+        assert time.monotonic() < deadline, supervised.tail(20)
+        time.sleep(0.02)
+    os.kill(old, signal.SIGABRT)  # the load has been asked for and is under way
+    t0 = time.monotonic()
+    time.sleep(1.0)
+    took = _until_serving(supervised, "digits", since=t0)
+    assert _triton_pid(supervised) != old
+    assert "died during the reload of 'minilm_encoder'" in supervised.tail(400), supervised.tail(40)
+    assert _until_serving(supervised, "minilm") < RECOVERY_S
+    print(f"server restarted, digits serving {took:.1f} s after a SIGABRT during a reload")
+
+
 def test_a_crashed_server_is_restarted_and_its_stubs_reaped(supervised):
     old = _triton_pid(supervised)
     old_stubs = scan_stubs({old})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 from tritonguard.ops.supervisor.control import (
@@ -93,6 +94,38 @@ def test_a_server_that_never_became_live_is_not_restarted(tmp_path):
     t0 = time.monotonic()
     assert sup.run() == 3
     assert time.monotonic() - t0 < 10 and sup.restarts == 0
+
+
+def test_a_server_that_dies_while_a_reload_waits_is_seen_at_once():
+    """A load call can outlive the server it went to (measured against Triton: a SIGABRT during a
+    reload left the call waiting): the reload gives up as soon as the server is gone."""
+    logs: list[str] = []
+    sup = Supervisor(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", "--http-port=1"],
+                     dict(os.environ), poll_s=0.05, log=logs.append)
+    release = threading.Event()
+
+    class HangingControl:
+        def config(self, model: str) -> str:
+            return "{}"
+
+        def load(self, model: str, config: str) -> tuple[bool, str]:
+            release.wait(60)  # a call whose connection outlived the server
+            return True, ""
+
+    sup.control, sup.mode = HangingControl(), "explicit"
+    sup._spawn()
+    try:
+        threading.Timer(0.5, sup.proc.kill).start()
+        t0 = time.monotonic()
+        sup._recover("encoder", [])
+        assert time.monotonic() - t0 < 10
+        assert sup.proc.returncode is not None
+        assert any("died during the reload of 'encoder'" in line for line in logs), logs
+        assert not any("reloaded" in line for line in logs), logs
+    finally:
+        release.set()
+        if sup.proc.poll() is None:
+            sup.proc.kill()
 
 
 METRICS = """# HELP nv_inference_pending_request_count Instantaneous number of pending requests

@@ -18,7 +18,8 @@ supervisor:
   would keep the old instances); new instances start, then the old ones are released (ensembles
   over it follow). That needs ``--model-control-mode=explicit`` (the launcher's default); in
   ``none``/``poll`` mode the whole server is restarted instead. Readiness is wrong only between
-  the death and the end of the reload (detection ≤ ``poll_s`` + ``grace_s``);
+  the death and the end of the reload (detection ≤ ``poll_s`` + ``grace_s``). The load call is
+  watched, not waited on: a server that dies during a reload is restarted at once;
 - every ``stall_poll_s`` reads Triton's metrics: a model whose instances took no new execution
   for ``stall_s`` (60 s; ``TRITONGUARD_STALL_S``, 0 turns it off) while requests waited for it,
   and whose stubs used under a quarter of one CPU meanwhile, is frozen (python_backend 24.10 can deadlock a stub

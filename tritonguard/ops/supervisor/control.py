@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -302,6 +303,8 @@ class Supervisor:
             time.sleep(0.05)
 
     def _recover(self, model: str, stubs: list[Stub], what: str = "died") -> None:
+        if self.proc is not None and self.proc.returncode is not None:
+            return  # the server itself died: the main loop restarts it
         names = ", ".join(f"{s.instance} (pid {s.pid})" for s in stubs)
         if self.control is None or self.mode != "explicit":
             self.log(f"stub {names} of model '{model}' {what}; model control mode '{self.mode}' cannot "
@@ -321,17 +324,36 @@ class Supervisor:
             except OSError as exc:
                 self.log(f"cannot touch {folder} ({exc.strerror}): Triton may keep the dead instance")
         config = self.control.config(model)
-        ok, msg = (self.control.load(model, config) if config is not None
-                   else (False, "its config could not be read"))
+        result = self._load(model, config) if config is not None else (False, "its config could not be read")
         for stub in stubs:  # the dead stub's region: Triton does not remove it
             unlink_shm(stub.shm_region)
         took = time.monotonic() - t0
+        if result is None:  # the main loop restarts it
+            self.log(f"tritonserver died during the reload of '{model}' ({took:.1f} s in)")
+            return
+        ok, msg = result
         if ok:
             self.log(f"reloaded '{model}' in {took:.1f} s")
         elif self.stopping is None:
             self.log(f"reload of '{model}' failed after {took:.1f} s: {msg}")
         if self.proc is not None:
             self.stubs = scan_stubs({self.proc.pid})
+
+    def _load(self, model: str, config: str) -> tuple[bool, str] | None:
+        """Load ``model`` while watching the server: None when the server died first. The load
+        call itself can outlive the server: measured, a SIGABRT during a reload left the call
+        waiting (up to its 300 s timeout) and the dead server unreaped, its stubs alive."""
+        assert self.control is not None and self.proc is not None
+        done: list[tuple[bool, str]] = []
+        call = threading.Thread(target=lambda: done.append(self.control.load(model, config)),
+                                name=f"load-{model}", daemon=True)
+        call.start()
+        while call.is_alive():
+            call.join(0.1)
+            self._reap()
+            if self.proc.returncode is not None:
+                return None
+        return done[0] if done else (False, "the load call failed")
 
     def _restart_server(self) -> None:
         assert self.proc is not None
