@@ -30,10 +30,10 @@ def build_configs(spec: ExportSpec, names: dict[str, str], native: bool = False)
                    enc: {**layout.runtime_config(enc, spec, threads=layout.ENCODER_THREADS, native=native),
                          "version_policy": layout.ALL_VERSIONS},
                    raw: layout.ensemble_config(raw, spec, tok, enc)}
-        # over BLS by default; `placement: inprocess` runs the ensemble in the guard
-        # (tritonguard.models.chain), faster here (docs/performance.md) but not yet the default:
-        # a supervisor restart test failed once with two in-process text guards (issue 33)
-        placement = "bls"
+        # the guard runs the tokenizer -> encoder ensemble itself (tritonguard.models.chain): its
+        # one instance no longer idles through two more stub hops per batch (layout.py, issue 33);
+        # a native encoder (Triton's onnxruntime backend) is reached by BLS
+        placement = "bls" if native else "inprocess"
     configs[guard] = layout.guard_config(guard, spec, raw, placement=placement,
                                          serves_as=names.get("front", ""))
     if "front" in names:

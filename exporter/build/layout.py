@@ -19,17 +19,21 @@ from tritonguard.core.tensors import NUMPY_TO_TRITON
 
 # small models: waiting longer for a fuller batch costs more latency than it saves
 RAW_QUEUE_DELAY_US = 500
-# A text guard waits on a BLS call to the ensemble for milliseconds; requests queue meanwhile,
-# so batches form without a delay window. One instance: behind the intake, every request that
-# arrives during a call goes into the next one, so the encoder gets batches as large as the raw
-# ensemble's; a second instance splits them (5.7 rows instead of 8.0) and pays the per-batch
-# Python twice. Measured at c=16 (one server, 3 alternating rounds, perf.bench's CPU counters,
-# 2-core machine, 2026-11-27): one repeated sentence, 1 instance: encoder batch 8.4 vs raw 8.0,
-# server CPU +0.37 ms/request over raw, guarded/raw 0.86; 2 instances: 5.7, +1.78 ms, 0.77.
-# 64 varied sentences: 1 instance 10.2 ms CPU/request, 2 instances 10.9 (the raw ensemble's
-# encoder gets 1.3-row batches there: different lengths do not batch). A queue delay buys
-# batches at c=16 and costs it at c=1 (8 ms: +14 ms p50 at c=1), so none (issue 33; the 2-instance
-# default came from issue 13, before the intake existed).
+# A text guard runs the tokenizer -> encoder ensemble in process (configs.py; over BLS, its one
+# instance idled through two more stub hops per batch while the encoder waited on its pre/post
+# work). At c=16, one server, 2 alternating rounds, 2-core machine, 2026-11-27: one repeated
+# sentence, in process 0.99x raw (BLS 0.85x) at 5.83 vs 5.97 ms server CPU per request (BLS
+# 6.07 vs 5.70); c=1 1.16x raw (BLS 0.78x); 64 varied sentences 1.57x raw (BLS 1.20x).
+# The call takes milliseconds and requests queue meanwhile, so batches form without a delay
+# window. One instance (measured over BLS, 3 alternating rounds): behind the intake, every
+# request that arrives during a call goes into the next one, so the encoder gets batches as
+# large as the raw ensemble's; a second instance split them (5.7 rows instead of 8.0) and paid
+# the per-batch Python twice: one repeated sentence, 1 instance: batch 8.4 vs raw 8.0, server
+# CPU +0.37 ms/request over raw, guarded/raw 0.86; 2 instances: 5.7, +1.78 ms, 0.77. 64 varied
+# sentences: 1 instance 10.2 ms CPU/request, 2 instances 10.9 (the raw ensemble's encoder gets
+# 1.3-row batches there: different lengths do not batch). A queue delay buys batches at c=16
+# and costs it at c=1 (8 ms: +14 ms p50 at c=1), so none (issue 33; the 2-instance default
+# came from issue 13, before the intake existed).
 TEXT_GUARD_QUEUE_DELAY_US = 0
 TEXT_GUARD_INSTANCES = 1
 # 256 tokens are a few KB of text; 16 KiB bounds the tokenizer's work per element with margin

@@ -273,7 +273,7 @@ def test_text_export_writes_tokenizer_encoder_ensemble_and_guard(tmp_path):
     assert steps[1]["output_map"] == {"sentence_embedding": "EMBEDDING"}
     guard = repository.read_config(tmp_path / "txt_guard")  # the public txt: intake -> guard
     params = {k: v["string_value"] for k, v in guard["parameters"].items()}
-    assert params["placement"] == "bls" and params["target"] == "txt_raw" and params["serves_as"] == "txt"
+    assert params["placement"] == "inprocess" and params["target"] == "txt_raw" and params["serves_as"] == "txt"
     front = repository.read_config(tmp_path / "txt")
     assert [s["model_name"] for s in front["ensemble_scheduling"]["step"]] == ["txt_intake", "txt_guard"]
     assert guard["input"][0]["data_type"] == "TYPE_STRING"
