@@ -328,8 +328,9 @@ class Supervisor:
         for stub in stubs:  # the dead stub's region: Triton does not remove it
             unlink_shm(stub.shm_region)
         took = time.monotonic() - t0
-        if result is None:  # the main loop restarts it
-            self.log(f"tritonserver died during the reload of '{model}' ({took:.1f} s in)")
+        if result is None:  # the main loop restarts it, or ends when a stop was asked
+            if self.stopping is None:
+                self.log(f"tritonserver died during the reload of '{model}' ({took:.1f} s in)")
             return
         ok, msg = result
         if ok:
