@@ -12,6 +12,8 @@ from tritonguard.rollout.drift import (
     Ewma,
     ReferenceSummary,
     ks_2samp_rows,
+    ks_below,
+    ks_p_values,
     text_features,
 )
 
@@ -204,3 +206,45 @@ def test_ks_equals_scipy_axis_form():
         r = stats.ks_2samp(a, b, axis=1, method="asymp")
         np.testing.assert_allclose(r.statistic, d0, rtol=0, atol=1e-9)
         np.testing.assert_allclose(r.pvalue, p0, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("n_eff", [3.0, 10.0, 400.0, 1667.0, 4000.0])
+@pytest.mark.parametrize("alpha", [0.05 / 64, 0.05 / 4, 1e-6])
+def test_ks_below_is_the_exact_p_value_rule(n_eff, alpha):
+    """The guard's drift verdict without exact p-values decides every statistic as
+    ``p < alpha`` does: over the whole range and densely around the critical value."""
+    crit = stats.kstwo.isf(alpha, n_eff)
+    d = np.concatenate([np.linspace(0.0, 1.0, 81),
+                        crit * (1 + np.linspace(-0.03, 0.03, 61)),
+                        crit * (1 + np.linspace(-1e-6, 1e-6, 11))])
+    np.testing.assert_array_equal(ks_below(d, n_eff, alpha), ks_p_values(d, n_eff) < alpha)
+
+
+def test_scoring_a_window_needs_no_exact_p_values(reference, monkeypatch):
+    """kstwo.sf runs in Python per value holding the GIL (tens of ms for 64 features, on the
+    guard that serves): a clear verdict is reached without it; the report's p-values are still
+    the exact ones when read, and a summary computes only its own features'."""
+    X, ref = reference
+    rng = np.random.default_rng(12)
+    scale = 1 + np.arange(16) / 4
+    mon = DriftMonitor(ref, window=1000)
+    shifted = np.arange(16) + scale * np.where(np.arange(16) < 8, 1.0, 0.0)  # half the features move
+    for _ in range(16):
+        mon.update(rng.normal(loc=shifted, scale=scale, size=(64, 16)))
+    live = mon.window().copy()
+    calls = []
+    real_sf = stats.kstwo.sf
+    monkeypatch.setattr(stats.kstwo, "sf", lambda d, n: calls.append(np.size(d)) or real_sf(d, n))
+    r = mon.scores(live)
+    assert sum(calls) <= 2, calls  # only statistics within 2 % of the critical value (none here, or a rare one)
+    d, p = ks_2samp_rows(ref.sample, np.ascontiguousarray(live.T))
+    alpha = mon.config.alpha / 16
+    expected = (p < alpha) | (r.psi > mon.config.psi_threshold)
+    np.testing.assert_array_equal(r.drifted, expected)
+    assert r.drifted[:8].all() and not r.drifted[8:].any()
+    calls.clear()
+    summary = r.to_dict(top=3)
+    assert calls == [3]  # the 3 summarised features' p-values, in one call
+    worst = np.argsort(-r.psi, kind="stable")[:3]
+    assert [w["ks_p"] for w in summary["worst"]] == pytest.approx(p[worst].tolist(), rel=1e-12)
+    np.testing.assert_allclose(r.ks_p, p, rtol=1e-12, atol=0)
