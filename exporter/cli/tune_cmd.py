@@ -34,6 +34,7 @@ out = console()
 err = console(stderr=True)
 EXIT_APPLY_SKIPPED = 1
 EXIT_RUN_FAILED = 3
+LONE_REQUEST_WARN_PCT = 5.0  # c=1 throughput lost by the chosen layout that the summary warns about
 
 
 class ObjectiveKind(str, Enum):
@@ -100,6 +101,14 @@ def _summary(result) -> list[str]:
                         f"p99 {cc.worst_p99:.2f} vs {cb.worst_p99:.2f} ms)")
             lines.append(("[green]confirmed[/]" if result.confirmed else "[yellow]not confirmed[/]: the gain did "
                           "not reproduce against the baseline") + figs)
+        lone = result.lone_request
+        if lone is not None:
+            change = lone["throughput_change_pct"]
+            worse = change is not None and change < -LONE_REQUEST_WARN_PCT
+            lines.append(f"{'[yellow]' if worse else ''}one request at a time (c=1, not tuned): "
+                         f"{lone['chosen']['throughput']:.1f} vs {lone['baseline']['throughput']:.1f} inf/s"
+                         f"{f' ({change:+.1f} %)' if change is not None else ''}, p50 {lone['p50_change_ms']:+.2f} ms"
+                         f"{'[/]: the chosen layout is slower for a lone request; weigh that before --apply' if worse else ''}")
     style = "red" if result.aborted else "dim"
     lines.append(f"[{style}]{escape(result.stop_reason)}; {len(result.points)} points in {result.elapsed_s:.0f} s[/]")
     return lines
@@ -175,7 +184,8 @@ def tune_command(
     max_instances: Annotated[int | None, typer.Option(help="Largest instance count tried (default: cores, 2..4).")] = None,
     max_threads: Annotated[int | None, typer.Option(help="Largest intra_op_threads tried (default: cores, at most 4).")] = None,
     confirm: Annotated[bool, typer.Option("--confirm/--no-confirm", help="Measure baseline and chosen once more, "
-                                          "back to back; --apply needs the gain confirmed.")] = True,
+                                          "back to back (and at c=1, reported only, when --concurrency leaves it "
+                                          "out); --apply needs the gain confirmed.")] = True,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder (default ./tune-<model>-<timestamp>).")] = None,
     apply: Annotated[bool, typer.Option("--apply", help="Write the chosen knobs into the repository's configs "
                                         "(backup config.pbtxt.bak-<timestamp> beside each).")] = False,

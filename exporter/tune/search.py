@@ -123,6 +123,9 @@ class Point:
     stats: dict[int, Stat] = field(default_factory=dict)  # concurrency -> figures
     elapsed_s: float = 0.0
     phase: str = "search"  # baseline | search | confirm
+    # a confirmation's figures for one request at a time (c=1), when the tuned concurrencies
+    # leave it out: reported beside the objective, never part of it
+    lone: Stat | None = None
 
     @property
     def ok(self) -> bool:

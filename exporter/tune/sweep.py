@@ -67,6 +67,17 @@ class Result:
     aborted: bool = False  # the search stopped on an error (the server unusable)
 
     @property
+    def lone_request(self) -> dict[str, Any] | None:
+        """The confirmation's c=1 figures, chosen against the current config; None without them."""
+        b, c = self.confirm.get("baseline"), self.confirm.get("chosen")
+        if b is None or c is None or b.lone is None or c.lone is None:
+            return None
+        return {"baseline": dataclasses.asdict(b.lone), "chosen": dataclasses.asdict(c.lone),
+                "throughput_change_pct": round((c.lone.throughput / b.lone.throughput - 1) * 100, 1)
+                if b.lone.throughput else None,
+                "p50_change_ms": round(c.lone.p50_ms - b.lone.p50_ms, 3)}
+
+    @property
     def confirmed(self) -> bool | None:
         """None without a confirmation; else whether the chosen point still beat the baseline."""
         if not self.confirm:
@@ -103,6 +114,11 @@ def run(repo: Path, model: str, settings: Settings, workdir: Path, log_path: Pat
             for c in settings.concurrency:
                 p.stats[c] = measure(session.url, pipe.public, c, data, window_ms=settings.window_ms,
                                      trials=settings.trials, stability_pct=settings.stability_pct)
+            if phase == "confirm" and 1 not in settings.concurrency:
+                # what the layout does to a lone request, which the objective does not see
+                # (minilm: 2 guard instances of 1 thread won 1.75x at c=16 and lost 19 % at c=1)
+                p.lone = measure(session.url, pipe.public, 1, data, window_ms=settings.window_ms,
+                                 trials=settings.trials, stability_pct=settings.stability_pct)
             p.status = "ok"
         except TuneError as exc:
             p.status, p.error = "failed", str(exc)
@@ -188,6 +204,7 @@ def report(result: Result, applied: list[Applied] | None = None) -> dict[str, An
         "chosen": point(result.chosen) if result.chosen else None,
         "confirm": {k: point(p) for k, p in result.confirm.items()} or None,
         "confirmed": result.confirmed,
+        "lone_request": result.lone_request,
         "stop_reason": result.stop_reason,
         "aborted": result.aborted,
         "elapsed_s": round(result.elapsed_s, 1),

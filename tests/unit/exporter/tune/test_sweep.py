@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from exporter.cli.tune_cmd import tune_command
+from exporter.cli.tune_cmd import _summary, tune_command
 from exporter.tune import sweep as tune
 from exporter.tune.apply import apply_configs
 from exporter.tune.knobs import (
@@ -414,3 +414,44 @@ def test_run_stops_with_what_it_has_when_the_server_is_gone(tmp_path, monkeypatc
     assert result.aborted and result.stop_reason.startswith("stopped: cannot restore the incumbent")
     assert [p.status for p in result.points] == ["ok", "failed"] and result.confirm == {}
     assert tune.report(result)["aborted"] is True
+
+
+class DelaySession(FakeSession):
+    """A server where the guard's queue delay fills batches at c=16 and makes a lone request wait."""
+
+    def load(self, new, *, force=False):
+        self.delay = int(new[self.pipe.guard].get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0))
+        return []
+
+
+def test_the_confirmation_reports_what_the_chosen_layout_does_to_a_lone_request(tmp_path, monkeypatch):
+    """The objective weighs the tuned concurrencies only; a layout that wins at c=16 can lose a
+    lone request (issue 33: minilm's 2 guard instances, 1.75x at c=16, 0.81x at c=1). The
+    confirmation measures c=1 too and the summary says so."""
+    repo = digits_repo(tmp_path / "repo")
+    monkeypatch.setattr(tune, "Session", DelaySession)
+    FakeSession.instances = []
+    seen = []
+
+    def measure(url, model, c, data, **kw):
+        delay_ms = FakeSession.instances[-1].delay / 1000
+        seen.append(c)
+        if c == 1:
+            return Stat(1000 / (1 + delay_ms), 1 + delay_ms, 2 + delay_ms)
+        return Stat(100 * (1 + delay_ms), 5.0, 9.0)
+
+    settings = tune.Settings(concurrency=(16,), budget_points=4, knobs=(GUARD_DELAY,))
+    result, _ = tune.run(repo, "digits", settings, tmp_path, tmp_path / "log", measure=measure)
+    assert result.chosen is not None and result.chosen.knobs[GUARD_DELAY] > result.base[GUARD_DELAY]
+    assert result.confirmed is True
+    assert seen.count(1) == 2  # baseline and chosen, in the confirmation only
+    assert all(p.lone is None for p in result.points if p.phase != "confirm")
+    lone = tune.report(result)["lone_request"]
+    assert lone["throughput_change_pct"] < -5 and lone["p50_change_ms"] > 0
+    line = next(x for x in _summary(result) if "one request at a time" in x)
+    assert "slower for a lone request" in line and "[yellow]" in line
+    # tuned at c=1 itself: no separate lone-request measurement
+    FakeSession.instances, seen[:] = [], []
+    settings = tune.Settings(concurrency=(1, 16), budget_points=4, knobs=(GUARD_DELAY,))
+    result, _ = tune.run(repo, "digits", settings, tmp_path, tmp_path / "log2", measure=measure)
+    assert result.lone_request is None and tune.report(result)["lone_request"] is None
