@@ -102,7 +102,9 @@ def _summary(result) -> list[str]:
             lines.append(("[green]confirmed[/]" if result.confirmed else "[yellow]not confirmed[/]: the gain did "
                           "not reproduce against the baseline") + figs)
         lone = result.lone_request
-        if lone is not None:
+        if lone is not None and "error" in lone:
+            lines.append(f"[yellow]one request at a time (c=1, not tuned): not measured[/]: {escape(lone['error'])}")
+        elif lone is not None:
             change = lone["throughput_change_pct"]
             worse = change is not None and change < -LONE_REQUEST_WARN_PCT
             lines.append(f"{'[yellow]' if worse else ''}one request at a time (c=1, not tuned): "

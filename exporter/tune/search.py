@@ -126,6 +126,7 @@ class Point:
     # a confirmation's figures for one request at a time (c=1), when the tuned concurrencies
     # leave it out: reported beside the objective, never part of it
     lone: Stat | None = None
+    lone_error: str = ""  # why it could not be measured (the point itself still counts)
 
     @property
     def ok(self) -> bool:

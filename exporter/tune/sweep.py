@@ -70,8 +70,11 @@ class Result:
     def lone_request(self) -> dict[str, Any] | None:
         """The confirmation's c=1 figures, chosen against the current config; None without them."""
         b, c = self.confirm.get("baseline"), self.confirm.get("chosen")
-        if b is None or c is None or b.lone is None or c.lone is None:
+        if b is None or c is None:
             return None
+        if b.lone is None or c.lone is None:
+            why = b.lone_error or c.lone_error
+            return {"error": why} if why else None
         return {"baseline": dataclasses.asdict(b.lone), "chosen": dataclasses.asdict(c.lone),
                 "throughput_change_pct": round((c.lone.throughput / b.lone.throughput - 1) * 100, 1)
                 if b.lone.throughput else None,
@@ -114,12 +117,15 @@ def run(repo: Path, model: str, settings: Settings, workdir: Path, log_path: Pat
             for c in settings.concurrency:
                 p.stats[c] = measure(session.url, pipe.public, c, data, window_ms=settings.window_ms,
                                      trials=settings.trials, stability_pct=settings.stability_pct)
+            p.status = "ok"
             if phase == "confirm" and 1 not in settings.concurrency:
                 # what the layout does to a lone request, which the objective does not see
                 # (minilm: 2 guard instances of 1 thread won 1.75x at c=16 and lost 19 % at c=1)
-                p.lone = measure(session.url, pipe.public, 1, data, window_ms=settings.window_ms,
-                                 trials=settings.trials, stability_pct=settings.stability_pct)
-            p.status = "ok"
+                try:
+                    p.lone = measure(session.url, pipe.public, 1, data, window_ms=settings.window_ms,
+                                     trials=settings.trials, stability_pct=settings.stability_pct)
+                except TuneError as exc:  # reported, but not the point's failure: c=1 is no objective
+                    p.lone_error = str(exc)
         except TuneError as exc:
             p.status, p.error = "failed", str(exc)
             p.stats.clear()

@@ -455,3 +455,21 @@ def test_the_confirmation_reports_what_the_chosen_layout_does_to_a_lone_request(
     settings = tune.Settings(concurrency=(1, 16), budget_points=4, knobs=(GUARD_DELAY,))
     result, _ = tune.run(repo, "digits", settings, tmp_path, tmp_path / "log2", measure=measure)
     assert result.lone_request is None and tune.report(result)["lone_request"] is None
+
+
+def test_a_lone_request_that_cannot_be_measured_is_reported_not_held_against_the_point(tmp_path, monkeypatch):
+    repo = digits_repo(tmp_path / "repo")
+    monkeypatch.setattr(tune, "Session", DelaySession)
+    FakeSession.instances = []
+
+    def measure(url, model, c, data, **kw):
+        if c == 1:
+            raise TuneError("perf_analyzer failed at c=1: no stable measurement")
+        return Stat(100 * (1 + FakeSession.instances[-1].delay / 1000), 5.0, 9.0)
+
+    settings = tune.Settings(concurrency=(16,), budget_points=4, knobs=(GUARD_DELAY,))
+    result, _ = tune.run(repo, "digits", settings, tmp_path, tmp_path / "log", measure=measure)
+    assert result.confirmed is True and all(p.ok for p in result.confirm.values())
+    assert result.lone_request == {"error": "perf_analyzer failed at c=1: no stable measurement"}
+    line = next(x for x in _summary(result) if "one request at a time" in x)
+    assert "not measured" in line and "no stable measurement" in line
