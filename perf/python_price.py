@@ -117,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     p50[name].append(int(row["p50 latency"]) / 1000)
                     sys.stderr.write(f"round {rnd} {name:14s} p50 {p50[name][-1]:.3f} ms\n")
-    base = statistics.median(p50[names[0]]) if p50[names[0]] else None
-    if base is None:
+    if not p50[names[0]]:
         sys.stderr.write("error: the baseline model was never measured\n")
         return 1
+    base = statistics.median(p50[names[0]])
     out = sys.stdout.write
     out(f"c=1, HTTP, median of {args.rounds} rounds; baseline (no extra Python) p50 {base:.3f} ms\n")
     out(f"{'model':16s} {'Python per execute':>28s} {'added p50':>10s} {'ms added per 100 µs':>20s}\n")

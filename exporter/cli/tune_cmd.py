@@ -106,11 +106,13 @@ def _summary(result) -> list[str]:
             lines.append(f"[yellow]one request at a time (c=1, not tuned): not measured[/]: {escape(lone['error'])}")
         elif lone is not None:
             change = lone["throughput_change_pct"]
-            worse = change is not None and change < -LONE_REQUEST_WARN_PCT
-            lines.append(f"{'[yellow]' if worse else ''}one request at a time (c=1, not tuned): "
-                         f"{lone['chosen']['throughput']:.1f} vs {lone['baseline']['throughput']:.1f} inf/s"
-                         f"{f' ({change:+.1f} %)' if change is not None else ''}, p50 {lone['p50_change_ms']:+.2f} ms"
-                         f"{'[/]: the chosen layout is slower for a lone request; weigh that before --apply' if worse else ''}")
+            figs = f"{lone['chosen']['throughput']:.1f} vs {lone['baseline']['throughput']:.1f} inf/s"
+            if change is not None:
+                figs += f" ({change:+.1f} %)"
+            line = f"one request at a time (c=1, not tuned): {figs}, p50 {lone['p50_change_ms']:+.2f} ms"
+            if change is not None and change < -LONE_REQUEST_WARN_PCT:
+                line = f"[yellow]{line}[/]: the chosen layout is slower for a lone request; weigh that before --apply"
+            lines.append(line)
     style = "red" if result.aborted else "dim"
     lines.append(f"[{style}]{escape(result.stop_reason)}; {len(result.points)} points in {result.elapsed_s:.0f} s[/]")
     return lines

@@ -221,8 +221,8 @@ def test_ks_below_is_the_exact_p_value_rule(n_eff, alpha):
 
 
 def test_scoring_a_window_needs_no_exact_p_values(reference, monkeypatch):
-    """kstwo.sf runs in Python per value holding the GIL (tens of ms for 64 features, on the
-    guard that serves): a clear verdict is reached without it; the report's p-values are still
+    """kstwo.sf runs in Python per value (tens of ms of CPU for 64 features, on the guard
+    that serves): a clear verdict is reached without it; the report's p-values are still
     the exact ones when read, and a summary computes only its own features'."""
     X, ref = reference
     rng = np.random.default_rng(12)
