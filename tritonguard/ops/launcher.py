@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import ipaddress
 import os
 import shutil
 import subprocess
@@ -32,6 +33,19 @@ NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 NGC_BACKENDS = Path("/opt/tritonserver/backends")
 # Every folder here holding a model.py is a Python-based backend (`backend: "<folder>"`).
 PROJECT_BACKENDS = Path(__file__).resolve().parents[2] / "backends"  # tritonguard/ops/ -> the project
+
+
+# Every Triton API that changes the server rather than reading it: client shared-memory
+# registration (step two of the 2025 Python-backend advisories CVE-2025-23319/-23320/-23334,
+# fixed in NGC 25.07), model load/unload, model configs, trace and log settings. Triton 2.51 and
+# every release up to 2.73 accept exactly these category names (server src/restricted_features.h
+# is unchanged between them), so no version check is needed to pass them.
+ADMIN_APIS = ("shared-memory", "model-repository", "model-config", "trace", "logging")
+ENV_ADMIN_KEY = "TRITONGUARD_ADMIN_KEY"
+ENV_ADMIN_HEADER = "TRITONGUARD_ADMIN_HEADER"
+DEFAULT_ADMIN_HEADER = "x-tritonguard-admin-key"
+# frontend -> (its flag prefix, the flag restricting its APIs)
+_FRONTENDS = {"http": ("--http", "--http-restricted-api"), "grpc": ("--grpc", "--grpc-restricted-protocol")}
 
 
 class LaunchError(RuntimeError):
@@ -137,19 +151,22 @@ def advertise_env(args: Sequence[str], environ: dict[str, str] | None = None) ->
     """The ``TRITONGUARD_ADVERTISE_*`` variables the guards register their replica with
     (``tritonguard.rollout.replicas``): Triton's HTTP, gRPC and metrics URLs from ``--http-port``,
     ``--grpc-port`` and ``--metrics-port`` (Triton's defaults 8000/8001/8002) on
-    ``$TRITONGUARD_ADVERTISE_HOST`` (default 127.0.0.1), and the start time. Variables already
+    ``$TRITONGUARD_ADVERTISE_HOST`` (default 127.0.0.1; the Helm chart sets the pod's IP, so each
+    pod registers its own replica key), and the start time. Variables already
     set in ``environ`` are kept (an operator's override, e.g. a load balancer's name)."""
     from tritonguard.rollout import replicas  # noqa: PLC0415 - constants only; redis is not imported
 
     env = os.environ if environ is None else environ
     host = env.get(replicas.ENV_HOST) or "127.0.0.1"
+    # an IPv6 pod IP (the chart's $(POD_IP) on a v6 or dual-stack cluster) goes in brackets
+    netloc = f"[{host}]" if ":" in host and not host.startswith("[") else host
     ports = {"http": flag_value(args, "--http-port") or "8000",
              "grpc": flag_value(args, "--grpc-port") or "8001",
              "metrics": flag_value(args, "--metrics-port") or "8002"}
     wanted = {replicas.ENV_HOST: host,
-              replicas.ENV_HTTP: f"http://{host}:{ports['http']}",
-              replicas.ENV_GRPC: f"{host}:{ports['grpc']}",
-              replicas.ENV_METRICS: f"http://{host}:{ports['metrics']}/metrics",
+              replicas.ENV_HTTP: f"http://{netloc}:{ports['http']}",
+              replicas.ENV_GRPC: f"{netloc}:{ports['grpc']}",
+              replicas.ENV_METRICS: f"http://{netloc}:{ports['metrics']}/metrics",
               replicas.ENV_STARTED: f"{time.time():.3f}"}
     return {k: env[k] if env.get(k) else v for k, v in wanted.items()}
 
@@ -187,8 +204,94 @@ def object_store_env(args: Sequence[str], env: dict[str, str]) -> dict[str, str]
     return env
 
 
+def _flag_values(args: Sequence[str], name: str) -> list[str]:
+    """Every value of ``--name=value`` / ``--name value``, in order (Triton accumulates the
+    restricted-API groups of repeated flags)."""
+    out = []
+    for i, a in enumerate(args):
+        if a.startswith(name + "="):
+            out.append(a.split("=", 1)[1])
+        elif a == name and i + 1 < len(args):
+            out.append(args[i + 1])
+    return out
+
+
+def restricted_apis(args: Sequence[str], flag: str) -> set[str]:
+    """The API categories that ``flag`` (``--http-restricted-api`` or
+    ``--grpc-restricted-protocol``, ``<apis>:<header>=<key>``) restricts, over every occurrence."""
+    return {api.strip() for spec in _flag_values(args, flag) if ":" in spec
+            for api in spec.split(":", 1)[0].split(",") if api.strip()}
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or ``localhost``; a wildcard, a routable address or any other
+    name is beyond loopback."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposed_frontends(args: Sequence[str]) -> dict[str, str]:
+    """Frontend (http, grpc) -> the address it binds to, for each one enabled and listening beyond
+    loopback (Triton binds both to 0.0.0.0 unless told otherwise)."""
+    out = {}
+    for name, (prefix, _) in _FRONTENDS.items():
+        if (flag_value(args, f"--allow-{name}") or "true").lower() in ("false", "0", "no", "off"):
+            continue
+        address = flag_value(args, f"{prefix}-address") or "0.0.0.0"
+        if not is_loopback(address):
+            out[name] = address
+    return out
+
+
+def restrict_admin_apis(args: Sequence[str], environ: dict[str, str] | None = None) -> list[str]:
+    """``args`` with every API in :data:`ADMIN_APIS` restricted on each frontend that listens
+    beyond loopback: the categories the given flags leave open are put behind
+    ``$TRITONGUARD_ADMIN_HEADER: $TRITONGUARD_ADMIN_KEY`` (header default
+    ``x-tritonguard-admin-key``; what exporter and the supervisor send). Without a key the launcher
+    refuses (LaunchError) rather than serve load/unload and shared-memory registration to the
+    network. A loopback-only server is left as it is. The message never holds the key; Triton
+    itself only takes it on its command line, so it is visible to ``ps`` on the host."""
+    env = os.environ if environ is None else environ
+    exposed = exposed_frontends(args)
+    out = list(args)
+    if not exposed:
+        return out
+    key = env.get(ENV_ADMIN_KEY, "")
+    header = env.get(ENV_ADMIN_HEADER, "") or DEFAULT_ADMIN_HEADER
+    if not header.replace("-", "").isalnum() or not header.isascii():
+        raise LaunchError(f"{ENV_ADMIN_HEADER} must be letters, digits and '-' (an HTTP header name)")
+    for name, address in exposed.items():
+        flag = _FRONTENDS[name][1]
+        missing = [api for api in ADMIN_APIS if api not in restricted_apis(out, flag)]
+        if not missing:
+            continue
+        if not key:
+            raise LaunchError(
+                f"Triton's {name.upper()} frontend would listen on {address} with its admin APIs "
+                f"({', '.join(missing)}) open to anyone who reaches it: set {ENV_ADMIN_KEY} (clients then "
+                f"send the header {header}), restrict them with {flag}, or bind --{name}-address=127.0.0.1")
+        group = f"{flag}={','.join(missing)}:{header}={key}"
+        # the supervisor reads the repository API's header from the last --http-restricted-api:
+        # last when it holds model-repository, else before the operator's own groups (one of
+        # which restricts the repository API then)
+        first = next((i for i, a in enumerate(out) if a == flag or a.startswith(flag + "=")), len(out))
+        out.insert(len(out) if "model-repository" in missing else first, group)
+    return out
+
+
 def resolve_tritonserver(args: Sequence[str]) -> tuple[str, list[str], dict[str, str]]:
-    """Return (binary, argv, env) for the real tritonserver with our backends wired in."""
+    """Return (binary, argv, env) for the real tritonserver with our backends wired in, and its
+    admin APIs restricted when it listens beyond loopback (:func:`restrict_admin_apis`)."""
+    binary, argv, env = _resolve_tritonserver(args)
+    return binary, [argv[0], *restrict_admin_apis(argv[1:], env)], env
+
+
+def _resolve_tritonserver(args: Sequence[str]) -> tuple[str, list[str], dict[str, str]]:
     args = list(args)
     env = object_store_env(args, server_env())
     env.update(advertise_env(args, env))  # the guards register this replica with these URLs
