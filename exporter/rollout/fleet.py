@@ -6,13 +6,22 @@ guards keep in the shared store (:mod:`tritonguard.rollout.replicas`), when no `
 
 - a replica that stops heartbeating (its key expired) or whose metrics cannot be read drops out
   at that look, with a line saying so; what it counted until its last reading stays in the
-  window (counters never go back, so the gates do not see a reset);
+  window (counters never go back, so the gates do not see a reset). One that comes back is
+  read again from where it was;
 - a replica that joins mid-rollout is counted from its first reading: its counters up to then
-  are an offset, not traffic of the window.
+  are an offset, not traffic of the window;
+- each reading of a replica is compared with its previous one: a new start time in its record,
+  or any of the model's counters that went down, is a restart (Triton's counters start again
+  from zero; a reloaded guard model's too). What it had counted until its previous reading is
+  kept and its counters since the restart are added to it, so a restart mid-step neither loses
+  the step's evidence nor takes the counts since the restart for an offset. What it counted
+  between its previous reading and the restart is lost with the process (read more often to
+  lose less).
 
-Gauges (breaker state, drift) are taken from the live replicas only. The bookkeeping lives in
-the reader, one process: a reader made later (``rollout status``, a resumed driver) counts the
-replicas live at its first look in full, as a ``--server`` list would.
+Only the model's own series are read (another model's reload on the same server is not a reset
+of this one). Gauges (breaker state, drift) are taken from the live replicas only. The
+bookkeeping lives in the reader, one process: a reader made later (``rollout status``, a resumed
+driver) counts the replicas live at its first look in full, as a ``--server`` list would.
 """
 
 from __future__ import annotations
@@ -80,6 +89,33 @@ def _add(into: Series, series: Series) -> None:
         into[k] = into.get(k, 0.0) + v
 
 
+class _Replica:
+    """What the reader knows of one replica; kept after it drops out (its counts stay)."""
+
+    def __init__(self, started: float, offset: Series):
+        self.started = started
+        self.offset = offset  # its counters at its first reading when it joined after the first look
+        self.base: Series = {}  # what it had counted in its lives before each restart
+        self.prev: Series = {}  # its counters at its last reading, as read
+        self.contribution: Series = {}  # base + (counters - offset), and its gauges
+        self.live = True
+
+    def went_back(self, series: Series) -> bool:
+        return any(series.get(k, 0.0) < v - 1e-9 for k, v in self.prev.items())
+
+    def restarted(self) -> None:
+        """Its counters start again from zero: what it had counted until its last reading is kept."""
+        _add(self.base, _counters(_minus(self.prev, self.offset)))
+        self.offset = {}
+
+    def read(self, series: Series) -> Series:
+        self.prev = _counters(series)
+        mine = _minus(series, self.offset)
+        _add(mine, self.base)
+        self.contribution = mine
+        return mine
+
+
 class FleetReader:
     """A rollout reader (``(primary, candidate) -> GuardReadings``) over the registry's live replicas."""
 
@@ -90,16 +126,15 @@ class FleetReader:
         self.say = say or (lambda msg: log.info("%s", msg))
         self.scraper = scraper
         self.first = True
-        self.offsets: dict[str, Series] = {}  # replica -> counters at its first reading (joined later)
-        self.last: dict[str, Series] = {}  # replica -> its contribution at the last reading
-        self.started: dict[str, float] = {}
-        self.frozen: Series = {}  # counters of replicas that dropped out, as of their last reading
+        self.known: dict[str, _Replica] = {}  # every replica counted so far, live or dropped out
         self.count = count  # replicas read at the last look (the line is said when it changes)
 
+    def _mine(self, series: Series) -> Series:
+        return {k: v for k, v in series.items() if dict(k[1]).get("model") == self.model}
+
     def _drop(self, rid: str, why: str) -> None:
-        _add(self.frozen, _counters(self.last.pop(rid, {})))
-        self.offsets.pop(rid, None)
-        self.started.pop(rid, None)
+        self.known[rid].live = False
+        self.known[rid].contribution = _counters(self.known[rid].contribution)
         self.say(f"replica {rid} dropped out ({why}); its counts until its last reading stay in the window")
 
     def __call__(self, primary: int, candidate: int) -> GuardReadings:
@@ -107,36 +142,36 @@ class FleetReader:
         scraped: dict[str, tuple[Replica, Series]] = {}
         for r in live:
             try:
-                scraped[r.id] = (r, self.scraper(r.metrics, self.timeout))
+                scraped[r.id] = (r, self._mine(self.scraper(r.metrics, self.timeout)))
             except triton_http.Unreachable as exc:
-                if r.id in self.last:
+                if r.id in self.known and self.known[r.id].live:
                     self._drop(r.id, f"metrics {r.metrics} unreadable: {exc.reason}")
-                else:
+                elif r.id not in self.known:
                     self.say(f"replica {r.id} not counted: metrics {r.metrics} unreadable: {exc.reason}")
-        for rid in [rid for rid in self.last if rid not in scraped]:
-            self._drop(rid, "no heartbeat within the registry's TTL")
-        for rid, (r, series) in scraped.items():
-            restarted = rid in self.started and r.started and r.started != self.started[rid]
-            if rid in self.last and not restarted:
-                continue
-            if restarted:
-                self._drop(rid, "restarted")
-            if not self.first or restarted:
-                self.offsets[rid] = _counters(series)
-                self.say(f"replica {rid} joined: counted from this reading")
-            self.started[rid] = r.started
+        for rid, rep in self.known.items():
+            if rep.live and rid not in scraped:
+                self._drop(rid, "no heartbeat within the registry's TTL")
         contributions = []
-        for rid, (_, series) in scraped.items():
-            mine = _minus(series, self.offsets.get(rid, {}))
-            if any(v < -1e-9 for k, v in mine.items() if _counter(k[0])):  # reset unseen by `started`
-                self._drop(rid, "its counters went back: restarted")
-                self.offsets[rid] = _counters(series)
-                self.say(f"replica {rid} joined: counted from this reading")
-                mine = _minus(series, self.offsets[rid])
-            self.last[rid] = mine
-            contributions.append(mine)
+        for rid, (r, series) in scraped.items():
+            rep = self.known.get(rid)
+            if rep is None:
+                rep = self.known[rid] = _Replica(r.started, {} if self.first else _counters(series))
+                if not self.first:
+                    self.say(f"replica {rid} joined: counted from this reading")
+            else:
+                why = ("a new start time" if r.started and rep.started and r.started != rep.started
+                       else "its counters went back" if rep.went_back(series) else "")
+                if why:
+                    rep.restarted()
+                    self.say(f"replica {rid} restarted ({why}): its counts until its last reading stay, "
+                             "its counts since the restart are added")
+                elif not rep.live:
+                    self.say(f"replica {rid} is back: counted again from its last reading")
+                rep.started, rep.live = r.started or rep.started, True
+            contributions.append(rep.read(series))
         self.first = False
-        readings = GuardReadings.from_scrapes([*contributions, self.frozen], self.model, primary, candidate,
+        frozen = [rep.contribution for rep in self.known.values() if not rep.live]
+        readings = GuardReadings.from_scrapes([*contributions, *frozen], self.model, primary, candidate,
                                               target=self.target)
         readings.replicas = GuardReadings.from_scrapes(contributions, self.model, primary, candidate,
                                                        target=self.target).replicas

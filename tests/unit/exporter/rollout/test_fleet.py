@@ -91,18 +91,78 @@ def test_reader_drops_dead_replicas_and_counts_new_ones_from_their_first_reading
     scrapes.by_url[info(7000)["metrics"]] = series(1010, 902, 501)
     assert read(1, 2).errors == {2: 1}
 
-    # 7000 restarts (new start time, counters from 0): its counts so far stay, then it counts again
+    # 7000 restarts (new start time, counters from 0): its counts so far stay, and what it
+    # counted since the restart is added (3 and 1: they were served inside the window)
     registry.beat(info(7000, started=2.0), MODEL, [1, 2])
     scrapes.by_url[info(7000)["metrics"]] = series(3, 1, 0)
     r = read(1, 2)
-    assert r.served == {1: 180, 2: 19} and r.errors == {2: 1}
-    assert any("127.0.0.1:7000 dropped out (restarted)" in x for x in lines), lines
+    assert r.served == {1: 183, 2: 20} and r.errors == {2: 1}
+    assert any("127.0.0.1:7000 restarted (a new start time)" in x for x in lines), lines
 
     # metrics unreadable while still registered: dropped within this look
     del scrapes.by_url[info(8000)["metrics"]]
     r = read(1, 2)
-    assert r.replicas == 1 and r.served == {1: 180, 2: 19}
+    assert r.replicas == 1 and r.served == {1: 183, 2: 20}
     assert any("127.0.0.1:8000 dropped out (metrics" in x for x in lines), lines
+
+
+def restart_mid_rollout(registry, new_start_time: bool) -> None:
+    """Issue 39 item 7: 8000 is read at 0/0, then 100 served and 40 errors to v2, then restarts
+    (Triton's counters from zero) and reads 110 served and 5 errors. The window holds +210 / +45,
+    not +110 / +5 (a reset seen only against the join offset) nor +0 (the new counts taken for
+    an offset). Without a new start time (a supervisor that kept the launcher's) the counters
+    that went down say it."""
+    lines: list[str] = []
+    scrapes = FakeScrapes()
+    read = FleetReader(Fleet(registry.url, registry), MODEL, target="fleetm_raw", say=lines.append, scraper=scrapes)
+    for port in (8000, 9000):
+        registry.beat(info(port), MODEL, [1, 2])
+        scrapes.by_url[info(port)["metrics"]] = series(0, 0, 0)
+    r0 = read(1, 2)
+    scrapes.by_url[info(8000)["metrics"]] = series(0, 100, 40)
+    r1 = read(1, 2)
+    assert (r1.served[2], r1.errors[2]) == (100, 40)
+    if new_start_time:
+        registry.beat(info(8000, started=2.0), MODEL, [1, 2])
+    scrapes.by_url[info(8000)["metrics"]] = series(0, 110, 5)
+    r2 = read(1, 2)
+    assert (r2.served[2] - r0.served[2], r2.errors[2] - r0.errors[2]) == (210, 45), lines
+    assert r2.replicas == 2
+    why = "a new start time" if new_start_time else "its counters went back"
+    assert any(f"replica 127.0.0.1:8000 restarted ({why})" in x for x in lines), lines
+    # and it keeps counting from there; another model's counters on the server are not read
+    other = ("tritonguard_served_total", frozenset({"model": "other", "served_by": "o:1"}.items()))
+    scrapes.by_url[info(8000)["metrics"]] = {**series(0, 130, 6), other: 9.0}
+    r3 = read(1, 2)
+    assert (r3.served[2], r3.errors[2]) == (230, 46)
+    scrapes.by_url[info(8000)["metrics"]] = {**series(0, 131, 6), other: 1.0}  # "other" reloaded
+    assert read(1, 2).served[2] == 231
+    assert sum("restarted" in x for x in lines) == 1, lines
+
+
+def test_a_replica_restarting_mid_rollout_with_its_old_start_time_keeps_its_counts(registry):
+    restart_mid_rollout(registry, new_start_time=False)
+
+
+def test_a_replica_restarting_mid_rollout_with_a_new_start_time_keeps_its_counts(registry):
+    restart_mid_rollout(registry, new_start_time=True)
+
+
+def test_a_replica_unread_for_a_look_is_read_again_from_where_it_was(registry):
+    """A metrics blip is not a restart: the replica's counts while it was unread are not lost."""
+    lines: list[str] = []
+    scrapes = FakeScrapes()
+    read = FleetReader(Fleet(registry.url, registry), MODEL, target="fleetm_raw", say=lines.append, scraper=scrapes)
+    registry.beat(info(8000), MODEL, [1, 2])
+    scrapes.by_url[info(8000)["metrics"]] = series(10, 10, 1)
+    assert read(1, 2).served == {1: 10, 2: 10}
+    del scrapes.by_url[info(8000)["metrics"]]
+    r = read(1, 2)
+    assert r.served == {1: 10, 2: 10} and r.replicas == 0
+    scrapes.by_url[info(8000)["metrics"]] = series(30, 25, 2)
+    r = read(1, 2)
+    assert (r.served, r.errors, r.replicas) == ({1: 30, 2: 25}, {2: 2}, 1)
+    assert "replica 127.0.0.1:8000 is back: counted again from its last reading" in lines
 
 
 def test_controller_is_not_failed_by_a_replica_joining_with_old_errors(registry, tmp_path, monkeypatch):
