@@ -135,6 +135,34 @@ def test_a_server_that_dies_while_a_reload_waits_is_seen_at_once(stopping):
             sup.proc.kill()
 
 
+def test_a_restarted_server_advertises_a_new_start_time(tmp_path):
+    """Issue 39 item 7: the guards of a restarted server advertise when it started, not when the
+    launcher did, so the exporter's readers see the restart (its counters start from zero)."""
+    from tritonguard.rollout.replicas import ENV_STARTED
+
+    seen = tmp_path / "started"
+    # each start writes the start time it was given; the first dies after 0.5 s (a crash once
+    # live: no HTTP, so live at once), the second asks the supervisor to stop
+    script = (f"import os, signal, time; f = open({str(seen)!r}, 'a'); f.write(os.environ[{ENV_STARTED!r}] + '\\n');"
+              "f.close(); n = len(open(f.name).readlines()); time.sleep(0.5);"
+              "n == 1 and os._exit(1); os.kill(os.getppid(), signal.SIGTERM); time.sleep(30)")
+    env = {**os.environ, ENV_STARTED: "12.500"}
+    logs: list[str] = []
+    sup = Supervisor(sys.executable, [sys.executable, "-c", script, "--allow-http=false"], env, poll_s=0.05,
+                     min_backoff_s=0.05, stall_s=0, log=logs.append)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    t0 = time.time()
+    try:
+        assert sup.run() == -signal.SIGTERM, logs
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    first, second = (float(x) for x in seen.read_text().split())
+    assert sup.restarts == 1 and first == 12.5, logs
+    assert t0 <= second <= time.time()
+    assert env[ENV_STARTED] == "12.500"  # the caller's environment is not changed
+
+
 METRICS = """# HELP nv_inference_pending_request_count Instantaneous number of pending requests
 # TYPE nv_inference_pending_request_count gauge
 nv_inference_pending_request_count{model="tinylm_guard",version="1"} 3

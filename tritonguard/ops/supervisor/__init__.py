@@ -30,7 +30,8 @@ supervisor:
   execution) is left alone;
 - when the server dies after having been live (a signal, an abort), kills its leftover stubs,
   removes their shared-memory regions and starts it again (backoff 1 s doubling to 30 s, reset
-  after 60 s up); a server that dies before it was ever live exits the supervisor with its code
+  after 60 s up), with a new advertised start time (``TRITONGUARD_ADVERTISE_STARTED``: the
+  replica registry shows the restart, whose counters start from zero); a server that dies before it was ever live exits the supervisor with its code
   (a bad flag or repository is not retried forever);
 - forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to the server, waits for it, kills its leftover stubs,
   and exits with its code.

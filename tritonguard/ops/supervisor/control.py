@@ -31,6 +31,9 @@ from tritonguard.ops.supervisor.stall import (
 from tritonguard.ops.supervisor.stubs import Stub, alive, read_stub, scan_stubs, unlink_shm
 from tritonguard.triton import http as triton_http
 
+# the start time the guards advertise in the replica registry (``tritonguard.rollout.replicas.
+# ENV_STARTED``, named here: the supervisor imports only the standard library and triton.http)
+ADVERTISED_START = "TRITONGUARD_ADVERTISE_STARTED"
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -175,6 +178,10 @@ class Supervisor:
 
     # -- process management -------------------------------------------------------
     def _spawn(self) -> None:
+        if self.restarts and ADVERTISED_START in self.env:
+            # a restarted server's counters start from zero: its replica record says so with a
+            # new start time (the launcher's would hide the restart from the exporter's readers)
+            self.env = {**self.env, ADVERTISED_START: f"{time.time():.3f}"}
         self.proc = subprocess.Popen(list(self.argv), executable=self.binary, env=self.env,
                                      preexec_fn=_die_with_parent)
         self.stubs = {}
