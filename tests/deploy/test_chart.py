@@ -370,20 +370,137 @@ def test_external_store_needs_a_url():
 def test_network_policies(docs):
     d = docs["default"]
     servers = one(d, "NetworkPolicy", FULL)
-    (rule,) = servers["spec"]["ingress"]
-    assert "from" not in rule  # default: the ports are open to any client, nothing else is
-    assert {p["port"] for p in rule["ports"]} == {"http", "grpc", "metrics"}
+    api, metrics, job_rule = servers["spec"]["ingress"]
+    # default: HTTP/gRPC from the release's namespace only, metrics from there and from `monitoring`
+    assert {p["port"] for p in api["ports"]} == {"http", "grpc"}
+    assert api["from"] == [{"podSelector": {}}]
+    assert {p["port"] for p in metrics["ports"]} == {"metrics"}
+    assert metrics["from"] == [{"podSelector": {}},
+                               {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert job_rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "rollout"
+    assert {q["port"] for q in job_rule["ports"]} == {"http", "metrics"}
     redis = one(d, "NetworkPolicy", f"{FULL}-redis")
     components = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
                   for peer in redis["spec"]["ingress"][0]["from"]}
     assert components == {"server", "rollout"}
-    # with `from` restricted, the rollout Job still reaches the servers' HTTP and metrics ports
+    # every rule of every values set names its sources: no port is open to any source
+    for label, x in docs.items():
+        for rule in one(x, "NetworkPolicy", FULL)["spec"]["ingress"]:
+            assert rule.get("from"), f"{label}: a rule without sources {rule}"
+    # with `from` set, those peers replace the namespace; the rollout Job still reaches HTTP and metrics
     p = one(docs["examples/pvc.yaml"], "NetworkPolicy", FULL)["spec"]["ingress"]
-    assert len(p) == 2 and len(p[0]["from"]) == 2
-    assert p[1]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "rollout"
-    assert {q["port"] for q in p[1]["ports"]} == {"http", "metrics"}
+    assert len(p) == 3 and len(p[0]["from"]) == 2 and {"podSelector": {}} not in p[0]["from"]
+    assert p[1]["from"][:2] == p[0]["from"]
+    assert p[2]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "rollout"
+    assert {q["port"] for q in p[2]["ports"]} == {"http", "metrics"}
     job = one(docs["examples/pvc.yaml"], "NetworkPolicy", f"{FULL}-rollout")
     assert job["spec"]["policyTypes"] == ["Ingress"] and "ingress" not in job["spec"]
+
+
+def test_network_policy_sources_cannot_be_emptied():
+    """An empty `from` used to mean "from anywhere": now it is refused, and every source open has
+    to be written out as an ipBlock."""
+    answer = run_tool("render", chart=str(CHART), name=RELEASE, namespace=NAMESPACE, sets={
+        "empty": ["networkPolicy: {servers: {from: []}}"],
+        "bad-peer": ["networkPolicy: {servers: {from: [{podSelectr: {}}]}}"],
+        "anywhere": ["networkPolicy: {servers: {from: [{ipBlock: {cidr: 0.0.0.0/0}}], metricsFrom: []}}"]})
+    assert not answer["empty"]["ok"] and "/networkPolicy/servers/from" in answer["empty"]["error"]
+    assert not answer["bad-peer"]["ok"] and "podSelectr" in answer["bad-peer"]["error"]
+    assert answer["anywhere"]["ok"], answer["anywhere"]
+    rules = one(documents(answer["anywhere"]["manifests"]), "NetworkPolicy", FULL)["spec"]["ingress"]
+    assert rules[0]["from"] == rules[1]["from"] == [{"ipBlock": {"cidr": "0.0.0.0/0"}}]
+
+
+ADMIN_APIS = {"shared-memory", "model-repository", "model-config", "trace", "logging"}
+
+
+def test_every_admin_api_is_restricted_on_both_frontends(docs):
+    """Issue 39 item 6: the pods listen on the pod network, so every API that changes the server
+    (client shared-memory registration, load/unload, configs, trace, logging) needs the admin key,
+    in every values set; the launcher, reading the kubelet-expanded flags, finds nothing left open."""
+    from tritonguard.ops import launcher
+    from tritonguard.ops.supervisor.control import repository_headers
+
+    for label, d in docs.items():
+        c = _container(d)
+        assert _env(c)["TRITONGUARD_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "admin-key", label
+        for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
+            (spec,) = [a.split("=", 1)[1] for a in c["args"] if a.startswith(flag + "=")]
+            apis, _, kv = spec.partition(":")
+            assert set(apis.split(",")) == ADMIN_APIS, (label, flag)
+            assert kv == "x-tritonguard-admin-key=$(TRITONGUARD_ADMIN_KEY)", (label, flag)
+        args = [a.replace("$(TRITONGUARD_ADMIN_KEY)", "k3y") for a in c["args"]]
+        assert launcher.exposed_frontends(args) == {"http": "0.0.0.0", "grpc": "0.0.0.0"}
+        assert launcher.restrict_admin_apis(args, {"TRITONGUARD_ADMIN_KEY": "k3y"}) == args, label
+        assert repository_headers(args) == {"x-tritonguard-admin-key": "k3y"}
+    # the switch that turned the restriction off is gone: such values are refused
+    answer = run_tool("render", chart=str(CHART), name=RELEASE, namespace=NAMESPACE,
+                      sets={"off": ["adminApi: {restricted: false}"]})
+    assert not answer["off"]["ok"] and "restricted" in answer["off"]["error"]
+
+
+def _kubelet_env(container: dict, field_values: dict[str, str]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: fieldRefs from ``field_values``,
+    $(VAR) expanded from the variables defined before it (Kubernetes' rule)."""
+    out: dict[str, str] = {}
+    for e in container["env"]:
+        if "value" in e:
+            out[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: out.get(m.group(1), m.group(0)), e["value"])
+        elif "fieldRef" in e.get("valueFrom", {}):
+            out[e["name"]] = field_values[e["valueFrom"]["fieldRef"]["fieldPath"]]
+    return out
+
+
+def test_pods_advertise_their_own_ip(docs):
+    """Issue 39 item 8: every pod used to register 127.0.0.1:8000, one registry key for the whole
+    fleet. The address is the pod's IP from the downward API, so two pods register two replicas."""
+    from tritonguard.ops.launcher import advertise_env
+    from tritonguard.rollout.replicas import ENV_HOST, ENV_HTTP, replica_id
+
+    for label, d in docs.items():
+        c = _container(d)
+        env = _env(c)
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, label
+        assert env[ENV_HOST]["value"] == "$(POD_IP)", label
+        names = [e["name"] for e in c["env"]]
+        assert names.index("POD_IP") < names.index(ENV_HOST), "$(POD_IP) expands only after POD_IP"
+        assert ENV_HTTP not in env, f"{label}: a literal advertised URL would be the same on every pod"
+        ids, urls = set(), set()
+        for pod_ip in ("10.244.1.7", "10.244.2.9", "fd00:10:244::5"):
+            advertised = advertise_env(c["args"], _kubelet_env(c, {"status.podIP": pod_ip}))
+            assert advertised[ENV_HOST] == pod_ip
+            ids.add(replica_id({"http": advertised[ENV_HTTP]}))
+            urls.add(advertised[ENV_HTTP])
+        assert ids == {"10.244.1.7:8000", "10.244.2.9:8000", "fd00:10:244::5:8000"}, label
+        assert "http://[fd00:10:244::5]:8000" in urls
+
+
+def test_server_env_accepts_value_from(tmp_path):
+    """server.env takes plain values and downward-API / Secret references; the result is valid
+    for Kubernetes (kubernetes-validate) and a malformed reference is refused by the schema."""
+    values = {"server": {"env": {
+        "NODE_NAME": {"valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        "EXTRA_TOKEN": {"valueFrom": {"secretKeyRef": {"name": "mine", "key": "token", "optional": True}}},
+        "PLAIN": "text", "COUNT": 3, "FLAG": True}}}
+    answer = run_tool("render", chart=str(CHART), name=RELEASE, namespace=NAMESPACE, sets={
+        "ok": [yaml.safe_dump(values)],
+        "no-source": ["server: {env: {X: {valueFrom: {}}}}"],
+        "unknown-source": ["server: {env: {X: {valueFrom: {podIP: {}}}}}"],
+        "value-key": ["server: {env: {X: {value: plain}}}"]})
+    assert answer["ok"]["ok"], answer["ok"]
+    for bad in ("no-source", "unknown-source", "value-key"):
+        assert not answer[bad]["ok"] and "/server/env/X" in answer[bad]["error"], (bad, answer[bad])
+    d = documents(answer["ok"]["manifests"])
+    env = _env(_container(d))
+    assert env["NODE_NAME"] == {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    assert env["EXTRA_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "token", "optional": True}
+    assert (env["PLAIN"]["value"], env["COUNT"]["value"], env["FLAG"]["value"]) == ("text", "3", "true")
+    from tests.deploy.conftest import CRDS, KUBE_VERSIONS
+
+    dep = one(d, "Deployment", FULL)
+    results = run_tool("validate", objects=[{"where": "server.env valueFrom", "object": dep}],
+                       kube_versions=list(KUBE_VERSIONS), crds=str(CRDS))
+    assert len(results) == len(KUBE_VERSIONS) and not [r for r in results if r["errors"]], results
 
 
 def test_update_strategy(docs):

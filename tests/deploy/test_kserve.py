@@ -94,6 +94,13 @@ def test_runtime_serves_a_writable_repository_in_place(tmp_path):
     assert metrics_url(argv) == "http://127.0.0.1:8002/metrics"
     assert repository_headers(argv) == {"x-tritonguard-admin-key": "admin-0123456789abcdef"}
     assert "--grpc-port=9000" in argv
+    # every API that changes the server is behind the key on both frontends (issue 39 item 6):
+    # the launcher, which refuses an exposed server with any of them open, has nothing to add
+    from tritonguard.ops import launcher as tg_launcher
+
+    for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
+        assert tg_launcher.restricted_apis(argv, flag) == set(tg_launcher.ADMIN_APIS), flag
+    assert tg_launcher.restrict_admin_apis(argv, {"TRITONGUARD_ADMIN_KEY": "admin-0123456789abcdef"}) == argv
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to run as another user")

@@ -116,6 +116,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* Every Triton API that changes the server (Triton 2.51's category names, the same through 2.73):
+     client shared-memory registration (step two of CVE-2025-23319/-23320/-23334), model
+     load/unload, model configs, trace and log settings. Health, metadata, inference and
+     statistics stay open. */}}
+{{- define "tritonguard.adminApis" -}}shared-memory,model-repository,model-config,trace,logging{{- end -}}
+
 {{/* Environment shared by the server and the rollout Job: the store, the admin key, the guard
      secrets (each optional: a key missing from the Secret leaves the variable unset, which is
      what tritonguard reads as "not configured"). */}}
@@ -135,7 +141,6 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
       name: {{ include "tritonguard.stateSecret" . }}
       key: {{ include "tritonguard.stateSecretKey" . }}
 {{- end }}
-{{- if .Values.adminApi.restricted }}
 - name: TRITONGUARD_ADMIN_KEY
   valueFrom:
     secretKeyRef:
@@ -143,7 +148,6 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
       key: admin-key
 - name: TRITONGUARD_ADMIN_HEADER
   value: {{ .Values.adminApi.header | quote }}
-{{- end }}
 - name: TRITONGUARD_TENANT_JWT_SECRET
   valueFrom:
     secretKeyRef:
