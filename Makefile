@@ -28,12 +28,15 @@ SERVER_FLAGS ?= --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-addr
 TENANT_HEADER ?= x-tenant-id
 FORWARD_HEADERS ?= ^($(TENANT_HEADER)|x-tritonguard-api-key|authorization|traceparent)$$
 SERVER_FLAGS += '--http-header-forward-pattern=$(FORWARD_HEADERS)' '--grpc-header-forward-pattern=$(FORWARD_HEADERS)'
-# with TRITONGUARD_ADMIN_KEY set, model load/unload and config endpoints need the header
-# $(ADMIN_HEADER): <key>. The shell expands the key, so make never echoes it (`ps` still shows it).
+# with TRITONGUARD_ADMIN_KEY set, every API that changes the server (client shared memory, model
+# load/unload, configs, trace and log settings) needs the header $(ADMIN_HEADER): <key>. The shell
+# expands the key, so make never echoes it (`ps` still shows it). On loopback the key is optional;
+# the launcher refuses an address beyond loopback without one (docs/privacy.md).
 ADMIN_HEADER ?= x-tritonguard-admin-key
+ADMIN_APIS := shared-memory,model-repository,model-config,trace,logging
 ifneq ($(TRITONGUARD_ADMIN_KEY),)
-SERVER_FLAGS += "--http-restricted-api=model-repository,model-config:$(ADMIN_HEADER)=$$TRITONGUARD_ADMIN_KEY" \
-          "--grpc-restricted-protocol=model-repository,model-config:$(ADMIN_HEADER)=$$TRITONGUARD_ADMIN_KEY"
+SERVER_FLAGS += "--http-restricted-api=$(ADMIN_APIS):$(ADMIN_HEADER)=$$TRITONGUARD_ADMIN_KEY" \
+          "--grpc-restricted-protocol=$(ADMIN_APIS):$(ADMIN_HEADER)=$$TRITONGUARD_ADMIN_KEY"
 endif
 
 .PHONY: help setup system-deps venv models run fleet fleet-test test unit functional bench soak lint clean
