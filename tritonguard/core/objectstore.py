@@ -25,6 +25,9 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tritonguard.core.errors import ConfigError
-from tritonguard.core.files import file_digest
+from tritonguard.core.files import atomic_write, file_digest
 from tritonguard.core.store import home
 
 log = logging.getLogger(__name__)
@@ -138,13 +141,21 @@ def list_tree(spec: StoreSpec, sub: str = "", s3: Any = None) -> dict[str, Entry
     return out
 
 
-def download(spec: StoreSpec, rel: str, dest: Path, s3: Any = None) -> Path:
+def download(spec: StoreSpec, rel: str, dest: Path, s3: Any = None, *, threads: bool = True) -> Path:
+    """``rel`` into ``dest`` (through a temporary name beside it). ``threads=False``: one
+    connection on the calling thread (a guard's background fetch: no pool of download threads
+    competing with the serving thread for the GIL)."""
     s3 = s3 or client(spec)
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.part")
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     try:
-        s3.download_file(spec.bucket, spec.key(rel), str(tmp))
+        if threads:
+            s3.download_file(spec.bucket, spec.key(rel), str(tmp))
+        else:
+            from boto3.s3.transfer import TransferConfig  # noqa: PLC0415 - only with a store
+
+            s3.download_file(spec.bucket, spec.key(rel), str(tmp), Config=TransferConfig(use_threads=False))
         os.replace(tmp, dest)
     except Exception as exc:  # noqa: BLE001
         tmp.unlink(missing_ok=True)
@@ -228,14 +239,29 @@ def delete_order(rels: Iterable[str]) -> list[str]:
 class RepositoryCache:
     """Models of an object-store repository mirrored under ``cache_dir`` (by default
     ``$TRITONGUARD_HOME/cache/objstore/<hash of the spec>``), one model at a time, only the
-    versions that have a manifest (a version without one is being uploaded, or was never
-    finished: logged and skipped). An artifact named in the manifest is checked against its
-    sha256; a file whose ETag has not changed is not fetched again."""
+    versions that have a manifest in the store (a version without one is being uploaded, or
+    being deleted: logged and skipped).
+
+    A version appears in the cache whole and checked, or not at all: its files are downloaded
+    under temporary names (``.staging/``), the artifact named in its manifest is checked against
+    the manifest's sha256, then the files are renamed into the version's folder, the manifest
+    last. A reader counts a version only once its manifest is there
+    (:func:`tritonguard.core.repository.complete_versions`), so it never sees a manifest without
+    its artifact, nor an artifact that fails its checksum. Every instance of a guard shares the
+    cache folder: temporary names are private to a process, and every rename is atomic.
+
+    A file whose ETag has not changed is not fetched again (and not hashed again: it was checked
+    when it came). A version the store no longer has (its manifest deleted) is dropped from the
+    cache, unless the caller still routes to it (``keep``)."""
+
+    STAGING = ".staging"
 
     def __init__(self, spec: StoreSpec | str, cache_dir: Path | None = None, environ: Mapping[str, str] | None = None):
         self.spec = parse(spec, environ) if isinstance(spec, str) else spec
         self.root = Path(cache_dir) if cache_dir else home(environ) / "cache" / "objstore" / self.spec.cache_key
         self._s3: Any = None
+        self._lock = threading.Lock()  # one sync at a time in this process (the guard's fetcher, initialize())
+        self._warned: set[str] = set()  # incomplete versions already logged
 
     @property
     def s3(self) -> Any:
@@ -246,9 +272,16 @@ class RepositoryCache:
     def _index_path(self, model: str) -> Path:
         return self.root / f".{model}.index.json"
 
-    def sync(self, model: str) -> Path:
-        """Bring ``model``'s config and complete versions into the cache; returns its folder."""
+    def sync(self, model: str, keep: Iterable[int] = ()) -> Path:
+        """Bring ``model``'s config and complete versions into the cache, drop the versions the
+        store no longer has (except ``keep``); returns its folder. A version that fails (a
+        download, its checksum) is left as it was, the others are synced, then the first
+        failure is raised."""
         listed = list_tree(self.spec, model, s3=self.s3)
+        with self._lock:
+            return self._sync(model, listed, {int(v) for v in keep})
+
+    def _sync(self, model: str, listed: dict[str, Entry], keep: set[int]) -> Path:
         index_path = self._index_path(model)
         try:
             index = json.loads(index_path.read_text())
@@ -260,44 +293,113 @@ class RepositoryCache:
             v = _version_of(rel)
             if v is None:
                 top.append(rel)
-            else:
+            elif v[0] == model:
                 by_version.setdefault(v[1], []).append(rel)
-        wanted = list(top)
+        complete: dict[str, list[str]] = {}
         for version, rels in sorted(by_version.items(), key=lambda kv: int(kv[0])):
-            if f"{model}/{version}/{MANIFEST}" not in rels:
+            if f"{model}/{version}/{MANIFEST}" in rels:
+                complete[version] = rels
+            elif f"{model}/{version}" not in self._warned:
+                self._warned.add(f"{model}/{version}")
                 log.warning("object store %s: %s version %s has no %s (incomplete upload?): ignored",
                             self.spec.url, model, version, MANIFEST)
-                continue
-            wanted += rels
-        for rel in wanted:
-            dest = self.root / rel
-            entry = listed[rel]
-            if index.get(rel) == entry.etag and dest.exists():
-                continue
-            download(self.spec, rel, dest, s3=self.s3)
-            index[rel] = entry.etag
-        for version in by_version:
-            self._verify(self.root / model / version)
+        failures: list[ObjectStoreError] = []
         self.root.mkdir(parents=True, exist_ok=True)
-        index_path.write_text(json.dumps({k: v for k, v in index.items() if k in listed}))
+        staging = Path(tempfile.mkdtemp(prefix=f"{model}.", dir=self._staging_root()))
+        try:
+            for version, rels in complete.items():  # the versions first, then the configs (publish order)
+                try:
+                    self._sync_version(model, version, rels, listed, index, staging)
+                except ObjectStoreError as exc:
+                    failures.append(exc)
+            try:
+                self._install(top, listed, index, staging, check=None)
+            except ObjectStoreError as exc:
+                failures.append(exc)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if f"{model}/{CONFIG}" in listed:  # an empty listing (a wrong prefix?) drops nothing
+            self._drop_gone(model, set(complete), keep)
+        atomic_write(index_path, json.dumps({k: v for k, v in index.items() if k in listed}))
+        if failures:
+            raise failures[0]
         return self.root / model
 
-    def _verify(self, version_dir: Path) -> None:
-        manifest = version_dir / MANIFEST
-        if not manifest.exists():
+    def _staging_root(self) -> Path:
+        d = self.root / self.STAGING
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def _fresh(self, rel: str, listed: dict[str, Entry], index: dict[str, str]) -> bool:
+        return index.get(rel) == listed[rel].etag and (self.root / rel).is_file()
+
+    def _sync_version(self, model: str, version: str, rels: list[str], listed: dict[str, Entry],
+                      index: dict[str, str], staging: Path) -> None:
+        if all(self._fresh(rel, listed, index) for rel in rels):
             return
+        manifest_rel = f"{model}/{version}/{MANIFEST}"
+        if not self._fresh(manifest_rel, listed, index):
+            # a changed version stops counting while its files change, and counts again only
+            # once they all are in place and checked (the manifest goes back last)
+            (self.root / manifest_rel).unlink(missing_ok=True)
+        self._install(rels, listed, index, staging, check=manifest_rel)
+        log.info("object store %s: %s v%s fetched and checked", self.spec.url, model, version)
+
+    def _install(self, rels: list[str], listed: dict[str, Entry], index: dict[str, str], staging: Path,
+                 check: str | None) -> None:
+        """Download the stale ``rels`` under ``staging``; when ``check`` (a version's manifest)
+        is given, check the artifact it names; then rename them into place, ``check`` last."""
+        staged: dict[str, Path] = {}
+        for rel in rels:
+            if not self._fresh(rel, listed, index):
+                tmp = staging / rel
+                download(self.spec, rel, tmp, s3=self.s3, threads=False)
+                staged[rel] = tmp
+        if check is not None:
+            self._verify(check, staged)
+        for rel in sorted(staged, key=lambda r: r == check):
+            dest = self.root / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged[rel], dest)
+            index[rel] = listed[rel].etag
+
+    def _verify(self, manifest_rel: str, staged: dict[str, Path]) -> None:
+        """The artifact the manifest names matches its sha256 (the staged copy when it was just
+        downloaded; one already in the cache was checked when it came)."""
+        model, version = manifest_rel.split("/")[:2]
+        path = staged.get(manifest_rel, self.root / manifest_rel)
         try:
-            doc = json.loads(manifest.read_text())
-        except ValueError as exc:
-            raise ObjectStoreError(f"{version_dir.parent.name} v{version_dir.name}: unreadable manifest: {exc}") from None
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ObjectStoreError(f"{model} v{version}: unreadable manifest: {type(exc).__name__}") from None
         artifact, sha = doc.get("artifact"), doc.get("sha256")
         if not artifact or not sha or "/" in str(artifact):
             return  # a folder (tokenizer) or another model's file: nothing to check here
-        path = version_dir / artifact
-        if path.is_file() and file_digest(path) != sha:
-            path.unlink()
-            raise ObjectStoreError(f"{version_dir.parent.name} v{version_dir.name}: {artifact} does not match "
-                                   "the sha256 in its manifest (removed from the cache)")
+        rel = f"{model}/{version}/{artifact}"
+        if rel not in staged:
+            if (self.root / rel).is_file():
+                return
+            raise ObjectStoreError(f"{model} v{version}: {artifact}, named in its manifest, is not in the store: "
+                                   "the version is not cached")
+        if file_digest(staged[rel]) != sha:
+            raise ObjectStoreError(f"{model} v{version}: {artifact} does not match the sha256 in its manifest "
+                                   "(not cached)")
+
+    def _drop_gone(self, model: str, in_store: set[str], keep: set[int]) -> None:
+        model_dir = self.root / model
+        if not model_dir.is_dir():
+            return
+        for d in sorted(model_dir.iterdir()):
+            if not (d.is_dir() and d.name.isdigit()) or d.name in in_store:
+                continue
+            if int(d.name) in keep:
+                log.warning("object store %s: %s v%s is gone from the store but still routed to: kept in the cache",
+                            self.spec.url, model, d.name)
+                continue
+            (d / MANIFEST).unlink(missing_ok=True)  # it stops counting before its files go
+            shutil.rmtree(d, ignore_errors=True)
+            log.info("object store %s: %s v%s is gone from the store: dropped from the cache",
+                     self.spec.url, model, d.name)
 
 
 __all__ = ["ENV_REPOSITORY", "ObjectStoreError", "RepositoryCache", "StoreSpec", "delete", "delete_order",

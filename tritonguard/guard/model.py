@@ -48,6 +48,9 @@ from tritonguard.triton.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+FETCH_RETRY_S = 2.0  # a named version still missing after a fetch: fetched again after this long
+FETCH_RETRY_MAX_S = 60.0
+
 
 class BlsTarget:
     def __init__(self, name: str, version: int, outputs: list[str], max_batch: int, timeout_ms: int,
@@ -168,6 +171,8 @@ class GuardModel:
             validator=self.config.validator, registry=ValidatorRegistry.from_config(self.config.validator),
             breaker=self.config.breaker, metrics=self.privacy.wrap_metrics(self.metrics), pin=tcfg.target_version,
             ready=ready, max_batch=self.signature.max_batch_size, latency=recorder_for(self.name, repo),
+            # an object-store repository: a version is routed to once it is fetched and checked here
+            present=self._present if self.source.remote else None,
         )
         self.privacy.attach(self.router)
         if self.source.remote:
@@ -262,20 +267,59 @@ class GuardModel:
         cost_config = next((c for c in runtime_steps if c.get("backend") == "runtime"), target_config)
         return make_chain_target, cost_config
 
+    def _present(self, version: int) -> bool:
+        return self.source.present(self.config.target.target, version)
+
     def _fetch_named_versions(self) -> None:
-        """An object-store repository: when the rollout state names a version the local view
-        lacks (exported after this guard loaded), fetch the target again (off the serving path:
-        the reconciler reads the state)."""
+        """An object-store repository: a version the rollout state names that this replica lacks
+        (exported after this guard loaded) is fetched by the source's fetcher thread, never on the
+        serving path (a large artifact takes seconds); the router routes to it once it is here
+        and checked (:meth:`_present`), and serves its share by the rest of the rollout until
+        then. An in-process guard also loads it on that thread before it is routed to. A fetch
+        that leaves a named version missing (the store failed) is tried again on a later poll,
+        at most every ``FETCH_RETRY_S`` (doubling, up to ``FETCH_RETRY_MAX_S``)."""
         view, target = self.router.view, self.config.target.target
         chained = view.on_new
+        retry = {"at": 0.0, "wait": FETCH_RETRY_S, "revision": -1}
+        reported: set[int] = set()
+
+        def prepare(versions: list[int]) -> None:
+            if self.config.target.placement != "inprocess":
+                return
+            named = set(view.named_versions())
+            for version in versions:
+                if version in named:
+                    try:
+                        self.router.target_for(version)
+                    except TargetError as exc:  # routed to, it fails its requests as any broken version
+                        log.warning("guard %s: %s v%d fetched but not loaded: %s", self.name, target, version, exc)
+
+        def done(_model: str) -> None:
+            missing = [v for v in view.named_versions() if not self._present(v)]
+            if missing and view.state.revision != retry["revision"]:
+                retry["at"] = 0.0  # the state moved on while this fetch ran: its news are fetched at once
+                return
+            if missing:  # the store failed, or does not have it (yet): later, less and less often
+                retry["wait"] = min(retry["wait"] * 2, FETCH_RETRY_MAX_S)
+                retry["at"] = time.monotonic() + retry["wait"]
+                return
+            retry["wait"] = FETCH_RETRY_S
+            for version in sorted(reported):
+                log.info("guard %s: %s v%d fetched and checked: routed to as the rollout state says",
+                         self.name, target, version)
+            reported.clear()
 
         def on_new(old: Any, new: Any) -> None:
-            if new.revision != old.revision and any(
-                    not (self.repo / target / str(v) / repository.MANIFEST).exists() for v in view.named_versions()):
-                try:
-                    self.source.fetch(target)
-                except ConfigError as exc:
-                    log.warning("guard %s: %s", self.name, exc)
+            missing = [v for v in view.named_versions() if not self._present(v)]
+            now = time.monotonic()
+            if missing and (new.revision != old.revision or now >= retry["at"]):
+                if self.source.fetch_later(target, keep=view.named_versions, prepare=prepare, done=done):
+                    retry["at"], retry["revision"] = now + retry["wait"], new.revision
+                for version in set(missing) - reported:
+                    reported.add(version)
+                    log.info("guard %s: %s v%d is named by the rollout state and not on this replica yet: "
+                             "fetching it in the background; its share is served by the rest of the rollout "
+                             "until then", self.name, target, version)
             if chained is not None:
                 chained(old, new)
 
@@ -330,6 +374,7 @@ class GuardModel:
 
     def finalize(self) -> None:
         self.router.close()
+        self.source.close()
         if getattr(self, "heartbeat", None) is not None:
             self.heartbeat.stop()
         self.pipeline.close()  # the cost meter; the privacy services close below

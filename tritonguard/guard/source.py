@@ -14,7 +14,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from tritonguard.core import objectstore, repository
@@ -25,24 +26,134 @@ log = logging.getLogger(__name__)
 
 
 class RepositorySource:
+    """The repository a guard routes in. An object-store one is mirrored into a local cache:
+    :meth:`fetch` brings a model in (``initialize()`` only: it waits for the store), and
+    :meth:`fetch_later` asks this process's one fetcher thread to (the serving path: it never
+    waits). :meth:`present` says whether a version is in the local view, checked: a version
+    the rollout state names is routed to on this replica only once it is."""
+
     def __init__(self, root: Path, cache: objectstore.RepositoryCache | None = None):
         self.root, self.cache = Path(root), cache
+        # model -> its complete local versions, as of the last fetch (read per batch: no I/O)
+        self._local: dict[str, frozenset[int]] = {}
+        self._fetcher: Fetcher | None = None
 
     @property
     def remote(self) -> bool:
         return self.cache is not None
 
-    def fetch(self, model: str) -> None:
+    def fetch(self, model: str, keep: Iterable[int] = (),
+              prepare: Callable[[list[int]], None] | None = None) -> None:
         """Bring ``model`` into the local view (a no-op for a local repository); a store that
-        fails is logged, and what the cache holds stays in use."""
+        fails is logged, and what the cache holds stays in use. ``keep``: versions not dropped
+        from the cache even if the store no longer has them (the ones routed to). ``prepare(new
+        versions)``: called before :meth:`present` says yes to them (an in-process guard loads
+        them there, so the first request routed to one does not wait for its load)."""
         if self.cache is None:
             return
         try:
-            self.cache.sync(model)
+            self.cache.sync(model, keep=keep)
         except objectstore.ObjectStoreError as exc:
             if not (self.root / model / repository.CONFIG).exists():
                 raise
             log.warning("%s; serving from the cached copy", exc)
+        finally:
+            local = frozenset(repository.complete_versions(self.root / model))
+            new = sorted(local - self._local.get(model, frozenset()))
+            try:
+                if prepare is not None and new:
+                    prepare(new)
+            finally:
+                self._local[model] = local
+
+    def present(self, model: str, version: int) -> bool:
+        """Whether ``version`` of ``model`` is in the local view, whole and checked. Always for
+        a local repository, and for a model the store does not hold (a target outside the
+        repository: Triton serves it, there is nothing to fetch)."""
+        if self.cache is None:
+            return True
+        local = self._local.get(model)
+        if local is None:
+            local = self._local[model] = frozenset(repository.complete_versions(self.root / model))
+        return version in local or not (self.root / model / repository.CONFIG).exists()
+
+    def fetch_later(self, model: str, keep: Callable[[], Iterable[int]] = tuple,
+                    prepare: Callable[[list[int]], None] | None = None,
+                    done: Callable[[str], None] | None = None) -> bool:
+        """Ask the fetcher thread to :meth:`fetch` ``model`` (``keep()`` read when it runs;
+        ``done(model)`` called on that thread afterwards, failed or not); returns False when a
+        fetch of it is already waiting or running. A no-op for a local repository."""
+        if self.cache is None:
+            return False
+        if self._fetcher is None:
+            self._fetcher = Fetcher(self)
+        return self._fetcher.request(model, lambda: self.fetch(model, keep(), prepare), done)
+
+    def idle(self, timeout: float) -> bool:
+        """Wait until the fetcher has nothing waiting or running; False on timeout."""
+        return self._fetcher is None or self._fetcher.idle(timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        if self._fetcher is not None:
+            self._fetcher.stop(timeout)
+
+
+class Fetcher:
+    """The one thread of a guard process that fetches from the object store, so that a download
+    (seconds for a large artifact) never runs on ``execute()``'s thread. Bounded: one fetch at a
+    time, at most one waiting or running per model (a request for a model already waiting or
+    running is refused: the caller asks again later)."""
+
+    def __init__(self, source: RepositorySource):
+        self.source = source  # whose fetches it runs
+        self._cv = threading.Condition()
+        self._waiting: dict[str, tuple[Callable[[], None], Callable[[str], None] | None]] = {}
+        self._busy: str | None = None  # the model being fetched
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="tritonguard-fetch", daemon=True)
+        self._thread.start()
+
+    def request(self, model: str, work: Callable[[], None], done: Callable[[str], None] | None) -> bool:
+        with self._cv:
+            if self._stop or model in self._waiting or model == self._busy:
+                return False
+            self._waiting[model] = (work, done)
+            self._cv.notify()
+            return True
+
+    def idle(self, timeout: float) -> bool:
+        """Wait until nothing is waiting or running (tests, shutdown); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._waiting and not self._busy, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._waiting or self._stop)
+                if self._stop:
+                    return
+                model = next(iter(self._waiting))
+                work, done = self._waiting.pop(model)
+                self._busy = model
+            try:
+                work()
+            except Exception as exc:  # noqa: BLE001 - the thread outlives a store that fails; retried later
+                log.warning("fetch of %s from the object store failed: %s", model, exc)
+            finally:
+                try:
+                    if done is not None:
+                        done(model)
+                except Exception:  # noqa: BLE001
+                    log.exception("after the fetch of %s", model)
+                with self._cv:
+                    self._busy = None
+                    self._cv.notify_all()
+
+    def stop(self, timeout: float) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
 
 
 def resolve(name: str, model_dir: Path, environ: Mapping[str, str]) -> RepositorySource:
@@ -70,4 +181,4 @@ def check_complete(repo: Path, target: str, version: int) -> None:
         raise TargetError(f"version {version} of '{target}' has no manifest: not served")
 
 
-__all__ = ["RepositorySource", "check_complete", "resolve"]
+__all__ = ["Fetcher", "RepositorySource", "check_complete", "resolve"]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import threading
 
 import pytest
 
-from tritonguard.core import repository
+from tritonguard.core import objectstore, repository
 from tritonguard.core.errors import ConfigError, TargetError
 from tritonguard.guard import source
 
@@ -76,3 +79,71 @@ def test_the_router_view_counts_only_complete_versions(tmp_path):
     view = RolloutView(guard="g", repo=tmp_path, target="t", store=open_store("g", tmp_path, url=""),
                        poll_interval_s=0, metrics=None)
     assert view.versions_on_disk() == [1] and view.primary() == 1  # v2, half uploaded, is not the latest
+
+
+def test_a_version_is_fetched_off_the_calling_thread_and_present_only_once_checked_and_prepared(aws_env, tmp_path):
+    """Issue 39 item 2: the guard's hook ran the store download on whichever thread read the new
+    rollout state, execute()'s included. Now it goes to the process's one fetcher thread, and a
+    version is present (routable) only after it is in the cache whole and checked and the
+    guard prepared it (an in-process guard loads it there)."""
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("source-test")
+
+    def publish(v: int, art: bytes) -> None:
+        s3.put_object(Bucket=bucket, Key=f"repo/t/{v}/model.onnx", Body=art)
+        s3.put_object(Bucket=bucket, Key=f"repo/t/{v}/manifest.json",
+                      Body=json.dumps({"artifact": "model.onnx", "sha256": hashlib.sha256(art).hexdigest()}).encode())
+
+    s3.put_object(Bucket=bucket, Key="repo/t/config.pbtxt", Body=b'name: "t"\n')
+    publish(1, b"one")
+    cache = objectstore.RepositoryCache(f"s3://{bucket}/repo", cache_dir=tmp_path / "cache")
+    src = source.RepositorySource(cache.root, cache)
+    src.fetch("t")
+    assert src.present("t", 1) and not src.present("t", 2)
+    assert src.present("elsewhere", 7)  # a target the store does not hold: Triton's, nothing to fetch
+    publish(2, b"two")
+    seen: list[tuple] = []
+    release = threading.Event()
+
+    def prepare(versions):
+        seen.append((versions, threading.current_thread().name, src.present("t", 2),
+                     (cache.root / "t" / "2" / "model.onnx").read_bytes()))
+        release.wait(10)
+
+    caller = threading.current_thread().name
+    assert src.fetch_later("t", prepare=prepare) is True
+    for _ in range(500):  # bounded: up to 10 s for the fetcher to reach prepare()
+        if seen:
+            break
+        release.wait(0.02)
+    assert seen == [([2], "tritonguard-fetch", False, b"two")] and caller != "tritonguard-fetch"
+    assert not src.present("t", 2)  # in the cache, checked, not prepared yet: not routed to
+    assert src.fetch_later("t") is False  # one fetch of a model at a time: a second is refused
+    release.set()
+    assert src.idle(10)
+    assert src.present("t", 2)
+    src.close()
+    # a local repository: everything is present, nothing is ever fetched
+    local = source.RepositorySource(tmp_path / "local")
+    assert local.present("t", 9) and local.fetch_later("t") is False
+
+
+def test_a_fetch_that_fails_leaves_the_version_absent_and_the_thread_alive(aws_env, tmp_path, caplog):
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("source-fail")
+    s3.put_object(Bucket=bucket, Key="repo/t/config.pbtxt", Body=b'name: "t"\n')
+    s3.put_object(Bucket=bucket, Key="repo/t/1/model.onnx", Body=b"one")
+    s3.put_object(Bucket=bucket, Key="repo/t/1/manifest.json",
+                  Body=json.dumps({"artifact": "model.onnx", "sha256": "0" * 64}).encode())
+    cache = objectstore.RepositoryCache(f"s3://{bucket}/repo", cache_dir=tmp_path / "cache")
+    src = source.RepositorySource(cache.root, cache)
+    done: list[str] = []
+    with caplog.at_level(logging.WARNING):
+        assert src.fetch_later("t", done=done.append)
+        assert src.idle(10)
+    assert done == ["t"] and not src.present("t", 1)
+    assert "does not match the sha256" in caplog.text
+    s3.put_object(Bucket=bucket, Key="repo/t/1/manifest.json",
+                  Body=json.dumps({"artifact": "model.onnx", "sha256": hashlib.sha256(b"one").hexdigest()}).encode())
+    assert src.fetch_later("t") and src.idle(10) and src.present("t", 1)
+    src.close()

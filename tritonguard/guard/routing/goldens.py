@@ -45,6 +45,9 @@ class GoldensChecker:
         self.max_batch = max_batch  # goldens also run at this batch size (0: not known)
         self._lock = threading.Lock()  # one golden check at a time, never two of a version
         self._unready: dict[int, float] = {}  # version -> when its target last could not be reached
+        # whether a version is on this replica yet (the router sets it): one that is not is no
+        # verdict, and is not checked (its goldens file, its artifact may be on their way)
+        self.present: Callable[[int], bool] = lambda _v: True
 
     def verdict(self, version: int) -> str:
         """PASS / MARGINAL / FAIL for ``version``, checking it on this server the first time."""
@@ -53,6 +56,8 @@ class GoldensChecker:
         known = self.view.state.goldens.get(str(version))
         if known is not None:
             return known.get("verdict", FAIL)
+        if not self.present(version):
+            return FAIL  # not routable yet; nothing stored
         with self._lock:  # the reconciler may be checking it right now: wait for its verdict
             known = self.view.state.goldens.get(str(version))
             if known is not None:

@@ -62,7 +62,13 @@ class Router:
                  validator: ValidatorConfig, registry: ValidatorRegistry, breaker: BreakerConfig,
                  metrics: Any, clock: Callable[[], float] = time.time, seed: int | None = None,
                  pin: int = -1, ready: Callable[[int], bool] | None = None, max_batch: int = 0,
-                 latency: Any = None):
+                 latency: Any = None, present: Callable[[int], bool] | None = None):
+        """``present(version)``: whether the version is on this replica, whole and checked (an
+        object-store repository fetches it in the background,
+        :meth:`tritonguard.guard.source.RepositorySource.present`); None: always. Until it is,
+        the requests the state routes to it are served as if it were not in the rollout (the
+        primary, the fallback chain): not ready yet is no error of the version, counts nowhere,
+        and its goldens are not run."""
         self.guard, self.repo, self.target = guard, repo, target
         self.make_target = make_target
         self.output_names = output_names
@@ -77,6 +83,7 @@ class Router:
         self._target_lock = threading.Lock()
         # whether goldens of version N may run ahead of traffic (a BLS guard: once it has served)
         self.ready = ready or (lambda _v: True)
+        self.present = present or (lambda _v: True)
         self._published_revision = -1  # the state revision whose shares the gauges show
         self._published_shares: set[tuple[int, str]] = set()
         # the target calls of the last infer(): (version, request indices, start ns, end ns, ok), in
@@ -96,6 +103,7 @@ class Router:
                                min_requests=breaker.min_requests, view=self.view, breakers=self.breakers,
                                metrics=metrics, alert=self.alerts, submit=self.worker.submit, clock=now)
         self.goldens = self._goldens(validator, registry, max_batch)
+        self.goldens.present = self.present
         self.comparator = self._comparator(registry)
         self.worker.compare = self.comparator.compare
         self.worker.share_breaker = self.breakers.share
@@ -185,7 +193,9 @@ class Router:
         return t
 
     def routable(self, version: int, now: float) -> bool:
-        return self.golden_verdict(version) != FAIL and self.breakers.get(version).allow(now)
+        """Present here, goldens not FAILed, breaker letting calls through (a version not
+        fetched yet is not routable, and its goldens are not run)."""
+        return self.present(version) and self.golden_verdict(version) != FAIL and self.breakers.get(version).allow(now)
 
     # -- serving ---------------------------------------------------------------------------
     def infer(self, fused: dict[str, np.ndarray], sizes: list[int],
@@ -287,8 +297,9 @@ class Router:
                 errors[i] = TargetError(f"version {pin} of '{self.target}' is not routed here (served: "
                                         f"{', '.join(f'v{v}' for v in sorted(named))})", "UNAVAILABLE")
             elif not self.routable(pin, now):
-                errors[i] = TargetError(f"version {pin} of '{self.target}' is not routable now (breaker open or "
-                                        "goldens failed); retry later", "UNAVAILABLE")
+                why = "breaker open or goldens failed" if self.present(pin) else "not fetched to this replica yet"
+                errors[i] = TargetError(f"version {pin} of '{self.target}' is not routable now ({why}); retry later",
+                                        "UNAVAILABLE")
             else:
                 first[i] = pin
                 pinned.add(i)
@@ -310,7 +321,8 @@ class Router:
         # Nothing healthy left: an open breaker on the primary (a latency spike, say) should
         # degrade service, not end it, so the primary answers as the last resort unless it
         # failed its goldens (then its answers are known to be wrong).
-        if primary is not None and primary not in tried and self.golden_verdict(primary) != FAIL:
+        if (primary is not None and primary not in tried and self.present(primary)
+                and self.golden_verdict(primary) != FAIL):
             return primary
         return None
 
@@ -412,7 +424,7 @@ class Router:
                 named = self.view.named_versions()
                 for version in named:
                     if (self.config.golden_check and str(version) not in self.state.goldens
-                            and self.ready(version)):
+                            and self.present(version) and self.ready(version)):
                         self.golden_verdict(version)
                 with self.breakers.lock:
                     for version in named:  # a gauge for every routed version, served yet or not
@@ -427,6 +439,8 @@ class Router:
                              traced=None) -> None:
         now = self.clock()
         for version, shadow in self.view.experiments().items():
+            if not self.present(version):  # not here yet: nothing to mirror to, and no error of its own
+                continue
             canary = ([i for i in out_rows if served[i] == f"{self.target}:{version}"]
                       if self.config.canary_compare else [])
             # shadow: a sample of primary-served requests is also run on the candidate; while its

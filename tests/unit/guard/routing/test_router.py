@@ -8,6 +8,7 @@ import pytest
 
 from tritonguard.core import repository
 from tritonguard.core.errors import TargetError
+from tritonguard.guard import source
 from tritonguard.guard.routing.config import RoutingConfig
 from tritonguard.guard.routing.router import Router
 from tritonguard.rollout.breaker import BreakerConfig
@@ -71,7 +72,7 @@ def repo(tmp_path):
 
 
 def make(repo, targets, *, primary=1, candidate=None, share=1.0, judge=None, max_batch=0, goldens=None,
-         latency=None, routing=None, **breaker):
+         latency=None, routing=None, present=None, make_target=None, **breaker):
     store = open_store("g", repo)
 
     def setup(s):
@@ -90,7 +91,8 @@ def make(repo, targets, *, primary=1, candidate=None, share=1.0, judge=None, max
             x = goldens
             np.savez(d / repository.GOLDENS, in__X=x, out__P=targets[v].infer({"X": x})["P"])
     metrics = Metrics()
-    router = Router(guard="g", repo=repo, target="t", make_target=lambda v: targets[v], output_names=["P"],
+    router = Router(guard="g", repo=repo, target="t", make_target=make_target or (lambda v: targets[v]),
+                    output_names=["P"], present=present,
                     store=store, config=RoutingConfig(**{"reconcile_interval_s": 0, "poll_interval_s": 0, **(routing or {})}),
                     validator=ValidatorConfig(), registry=ValidatorRegistry(),
                     breaker=BreakerConfig(**{"min_requests": 20, "window": 200, **breaker}),
@@ -446,3 +448,47 @@ def test_drift_monitor_is_built_at_load_and_scored_outside_the_serving_lock(repo
         assert metrics.gauges.get(("drift", ("target_version", "1"))) is not None  # it was scored
     finally:
         router.close()
+
+
+@pytest.mark.parametrize("golden_check", [True, False])
+def test_a_version_not_on_this_replica_yet_is_served_by_the_rest_and_counts_nothing(repo, golden_check):
+    """Issue 39 item 2: the state names v2 before this replica has it (an object store, the
+    guard's fetcher still downloading). Before, v2 was routed to at once: each request failed
+    (no manifest here yet) and counted as a candidate target error (false rollbacks), or its
+    golden check ran in that gap and stored FAIL for good. Now its share is served by the
+    primary, nothing is counted, no golden check runs; once it is here it is routed to."""
+    here = {1}
+    targets = {1: Linear(W1), 2: Linear(W2)}
+    (repo / "t" / "config.pbtxt").write_text('name: "t"\n')
+
+    def make_target(version):  # as the guard's: a version without its manifest here is refused
+        source.check_complete(repo, "t", version)
+        return targets[version]
+
+    router, metrics = make(repo, targets, candidate=2, share=1.0, goldens=rows(8, seed=3),
+                           present=lambda v: v in here, make_target=make_target,
+                           routing={"golden_check": golden_check})
+    targets[2].calls.clear()  # make() ran it for its golden outputs
+    for v in (1, 2):  # v1 exported and fetched; v2 on its way: its files, not yet its manifest
+        if v in here:
+            repository.write_placeholder(repo / "t" / str(v), "t")
+    x = rows(8, seed=4)
+    for _ in range(3):
+        got = router.infer({"X": x}, [1] * 8)
+        assert all(e is None for e in got.errors) and set(got.served_by) == {"t:1"}
+    assert metrics.total("target_errors") == 0 and metrics.total("fallbacks") == 0
+    assert metrics.total("goldens", target_version="2") == 0 and "2" not in router.store.load().goldens
+    assert targets[2].calls == [] and router.breaker(2).state == "closed"
+    # a request pinned to it: not routable here yet, said so; still no error of the version
+    got = router.infer({"X": x[:1]}, [1], pins=[2])
+    assert got.errors[0].code == "UNAVAILABLE" and "not fetched to this replica yet" in str(got.errors[0])
+    assert metrics.total("target_errors") == 0
+    # fetched and checked: routed to as the state says
+    repository.write_placeholder(repo / "t" / "2", "t")
+    here.add(2)
+    got = router.infer({"X": x}, [1] * 8)
+    assert all(e is None for e in got.errors) and set(got.served_by) == {"t:2"}
+    assert metrics.total("target_errors") == 0
+    if golden_check:
+        assert router.store.load().goldens["2"]["verdict"] == "PASS"
+    router.close()
