@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tritonguard.core.files import atomic_path
 from tritonguard.core.objectstore import ENV_REPOSITORY, is_object_store
-from tritonguard.core.store import ENV_URL, home
+from tritonguard.core.store import ENV_URL, NamespaceError, home, namespace
 from tritonguard.ops.supervisor.control import flag_value, supervise, with_default_control
 
 NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
@@ -295,6 +295,10 @@ def _resolve_tritonserver(args: Sequence[str]) -> tuple[str, list[str], dict[str
     args = list(args)
     env = object_store_env(args, server_env())
     env.update(advertise_env(args, env))  # the guards register this replica with these URLs
+    try:  # the guards' Redis keys carry it: a bad one is refused here, not by every guard's load
+        namespace(env)
+    except NamespaceError as exc:
+        raise LaunchError(str(exc)) from None
     explicit = os.environ.get("TRITONSERVER_BIN")
     if explicit:
         if not Path(explicit).exists():
