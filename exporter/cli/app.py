@@ -329,6 +329,13 @@ def tenant_key(tenant: Annotated[str, typer.Argument(help="Tenant id the key is 
 
 
 def main() -> None:
+    from tritonguard.core.store import NamespaceError, namespace  # noqa: PLC0415
+
+    try:  # every Redis key carries it: a bad one is one line, before any command runs
+        namespace()
+    except NamespaceError as exc:
+        err.print(f"[bold red]✗[/] {escape(str(exc))}", soft_wrap=True)
+        raise SystemExit(EXIT_BAD_INPUT) from None
     app()
 
 
