@@ -63,6 +63,10 @@ EXPOSE 8000 8001 8002
 # --load-model=*: explicit mode is what text-model promotion and the supervisor's reloads need.
 # It is written out here too so `docker run IMAGE` shows it; pass your own flags to replace CMD.
 # TRITONGUARD_SUPERVISE=0 makes the launcher exec Triton without the supervisor.
+# Triton listens on 0.0.0.0 here, so the launcher restricts every API that changes the server
+# (shared-memory, model-repository, model-config, trace, logging) under $TRITONGUARD_ADMIN_KEY, and
+# refuses to start without it: `docker run -e TRITONGUARD_ADMIN_KEY=… IMAGE` (docs/docker.md).
+# 24.10 is inside CVE-2025-23319/-23320/-23334 (fixed in 25.07): docs/docker.md says what is left.
 CMD ["/usr/local/bin/tritonserver", "--model-repository=/models", \
      "--model-control-mode=explicit", "--load-model=*", \
      "--http-header-forward-pattern=^(x-tenant-id|x-tritonguard-api-key|authorization|traceparent)$", \
