@@ -508,3 +508,19 @@ def test_update_strategy(docs):
     assert default == {"maxSurge": 1, "maxUnavailable": 0}
     gpu = one(docs["examples/gpu.yaml"], "Deployment", FULL)["spec"]["strategy"]["rollingUpdate"]
     assert gpu == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_release_sets_the_redis_namespace(docs):
+    """Issue 39 item 3: two releases sharing one Redis (an external store) never share a key: the
+    servers and the rollout Job of one release carry the same TRITONGUARD_NAMESPACE, made of the
+    Kubernetes namespace and the release name, which the code accepts as a namespace."""
+    from tritonguard.core.store import namespace, redis_prefix
+
+    expected = f"{NAMESPACE}.{RELEASE}"
+    for name in ("default", "examples/external-redis.yaml", "examples/pvc.yaml"):
+        env = _env(_container(docs[name]))
+        assert env["TRITONGUARD_NAMESPACE"] == {"name": "TRITONGUARD_NAMESPACE", "value": expected}, name
+    (job,) = one(docs["examples/pvc.yaml"], "Job")["spec"]["template"]["spec"]["containers"]
+    assert _env(job)["TRITONGUARD_NAMESPACE"]["value"] == expected
+    env = {"TRITONGUARD_NAMESPACE": expected}
+    assert namespace(env) == expected and redis_prefix("state", env) == f"tritonguard:{{{expected}}}:state:"
