@@ -5,6 +5,7 @@ refused where they would turn an existing model into another kind.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from exporter.build import layout
@@ -61,17 +62,32 @@ def merge_existing(repository: Path, configs: dict[str, dict], names: dict[str, 
     notices of every value that differed. The merged guard is checked as the guard will check
     it at load, so kept settings that no longer fit (a range on a vanished input) fail here."""
     merged, notices = {}, []
-    for role, model in names.items():
+
+    def existing(model: str) -> dict | None:
         path = repository / model / repo_mod.CONFIG
-        existing = (planned or {}).get(model) or (
+        return (planned or {}).get(model) or (
             repo_mod.read_config(repository / model) if path.exists() else None)  # readable: check_existing
-        if role == "raw":
-            owns = layout.ENSEMBLE_OWNS if "tokenizer" in names else layout.RUNTIME_OWNS
+
+    guard = names["guard"]
+    # the guard's placement as it will be (a kept `placement: bls` counts): it decides what the
+    # target must keep loaded
+    placement = guard_placement(layout.merge(existing(guard), configs[guard], _OWNS["guard"])[0])
+    for role, model in names.items():
+        cfg, old, upgraded = configs[model], existing(model), []
+        if role == "raw" and "tokenizer" in names:
+            owns = layout.ENSEMBLE_OWNS
+        elif role == "raw":
+            owns = layout.RUNTIME_OWNS
+            cfg = {**cfg, "version_policy": layout.target_version_policy(placement)}
+            fixed = bls_target_policy(old.get("version_policy") if old else None, placement)
+            if old is not None and fixed is not None:
+                old = {**old, "version_policy": fixed}
+                upgraded = [f"set version_policy {json.dumps(fixed, separators=(',', ':'))} (was latest 1: the "
+                            "guard reaches it over BLS, and a rollout needs every version it names loaded)"]
         else:
             owns = _OWNS[role]
-        merged[model], said = layout.merge(existing, configs[model], owns)
-        notices += [f"{model}: {n}" for n in said]
-    guard = names["guard"]
+        merged[model], said = layout.merge(old, cfg, owns)
+        notices += [f"{model}: {n}" for n in upgraded + said]
     try:
         for cfg in merged.values():
             layout.render(cfg)
@@ -80,6 +96,23 @@ def merge_existing(repository: Path, configs: dict[str, dict], names: dict[str, 
         raise ExportError(f"the settings kept from {repository / guard}/{repo_mod.CONFIG} do not fit this "
                           f"export: {exc} (fix or remove them, then export again)") from None
     return merged, notices
+
+
+def bls_target_policy(policy: dict | None, placement: str) -> dict | None:
+    """The policy that replaces a target's ``policy`` kept from an existing config (or a
+    published repository's ``version_policy.json``), or None to keep it. Only ``latest
+    {num_versions: 1}`` on a target reached over BLS is replaced: what exports wrote before
+    issue 39 item 10, and a policy under which loading a rollout's candidate unloads its primary.
+    Any other policy a user chose (``latest`` N > 1, ``specific``) is theirs to keep."""
+    if placement != "bls" or policy is None or layout.canonical({"version_policy": policy}) != layout.canonical(
+            {"version_policy": layout.LATEST_ONLY}):
+        return None
+    return layout.target_version_policy(placement)
+
+
+def guard_placement(guard: dict) -> str:
+    """A guard config's placement (the guard's default, ``bls``, when it says none)."""
+    return model_parameters(guard).get("placement", "bls")
 
 
 def _check_guard(cfg: dict, guard: str) -> None:

@@ -42,9 +42,11 @@ from typing import Any
 
 from exporter.build import artifacts, goldens, layout
 from exporter.build.configs import (
+    bls_target_policy,
     build_configs,
     check_existing,
     defer_to_lower_layers,
+    guard_placement,
     merge_existing,
 )
 from exporter.build.errors import DuplicateArtifact, ExportError, GoldenCheckFailed
@@ -56,6 +58,7 @@ from exporter.build.sources.spec import ExportSpec, SourceError
 from exporter.build.staging import next_version, now_iso, place_versions
 from exporter.build.upgrade import apply_plan, upgrade_plan
 from exporter.records.registry import default_uri, open_registry
+from exporter.records.remote import POLICY_FILE
 from tritonguard.core import repository as repo_mod
 from tritonguard.core.config import from_params, layered_parameters, model_parameters
 from tritonguard.core.errors import ConfigError
@@ -270,6 +273,8 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
                 layout.write(repository / pinned, {**layout.ensemble_config(
                     names["raw"], spec, names["tokenizer"], names["encoder"], pin=version), "name": pinned})
                 repo_mod.write_placeholder(repository / pinned / "1", pinned)
+            else:
+                _keep_policy(repository / names["raw"] / POLICY_FILE, guard_placement(configs[names["guard"]]))
             for model in fronts:
                 if not repo_mod.versions(repository / model):
                     # Triton wants a version folder even for a model with no artifact, and an
@@ -279,6 +284,22 @@ def export(spec: ExportSpec, *, name: str, repository: Path, source: str, fmt: s
                         artifact=repository / art_model / str(version) / artifact.name,
                         sha256=sha, report=report, timings=timings, notices=notices, judge=judged,
                         same_weights_as=same, evaluation=evaluation)
+
+
+def _keep_policy(kept: Path, placement: str) -> None:
+    """A published repository's ``version_policy.json`` (its next publish pins the versions by it,
+    not by config.pbtxt) upgraded as :func:`bls_target_policy` says: one kept from an older
+    native export (``latest {num_versions: 1}``) would pin only the newest version, and a canary
+    would lose its primary on every replica (issue 39 item 10)."""
+    if not kept.is_file():
+        return  # a local repository: config.pbtxt is the policy
+    try:
+        policy = json.loads(kept.read_text())
+    except ValueError:
+        return  # not ours to guess: the publish that reads it says what is wrong
+    fixed = bls_target_policy(policy, placement)
+    if fixed is not None:
+        kept.write_text(json.dumps(fixed, sort_keys=True) + "\n")
 
 
 @contextmanager

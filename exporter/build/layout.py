@@ -65,8 +65,19 @@ def _common(max_batch: int, delay_us: int, instances: int = 1) -> dict[str, Any]
 
 
 LATEST_ONLY = {"latest": {"num_versions": 1}}
-# the parts of a text model: every version loaded, so each per-version ensemble can pin its own
+# the parts of a text model: every version loaded, so each per-version ensemble can pin its own.
+# A target the guard reaches over BLS too (``--native``, or a guard set to ``placement: bls``):
+# the guard calls the version the routing names in Triton, and a rollout names two or more
+# (primary, candidate, arms, the one a rollback returns to). With ``latest {num_versions: 1}``,
+# `promote` loading v2 unloaded v1 and every stable request failed (issue 39 item 10). A
+# runtime target behind an in-process guard keeps LATEST_ONLY: the guard runs its versions
+# itself, and Triton's copy of each further version would only cost memory.
 ALL_VERSIONS: dict[str, Any] = {"all": {}}
+
+
+def target_version_policy(placement: str) -> dict[str, Any]:
+    """The ``version_policy`` of a (non-text) target its guard reaches with ``placement``."""
+    return ALL_VERSIONS if placement == "bls" else LATEST_ONLY
 
 
 def version_ensemble_name(raw: str, version: int) -> str:
@@ -82,7 +93,7 @@ def runtime_config(name: str, spec: ExportSpec, *, threads: int = 1, native: boo
         return {
             "name": name, "platform": "onnxruntime_onnx", **_common(spec.max_batch_size, RAW_QUEUE_DELAY_US),
             "input": [_tensor(t) for t in spec.inputs], "output": [_tensor(t) for t in spec.outputs],
-            "version_policy": LATEST_ONLY,
+            "version_policy": target_version_policy("bls"),  # reached over BLS: every version a rollout names
         }
     return {
         "name": name, "backend": "runtime", **_common(spec.max_batch_size, RAW_QUEUE_DELAY_US),

@@ -414,3 +414,63 @@ def test_upgrade_command(tmp_path):
     assert result.exit_code == 2 and "no model repository" in result.output
     result = CliRunner().invoke(app, ["upgrade", "--repository", str(tmp_path)])
     assert result.exit_code == 0 and "already up to date" in result.output
+
+
+# -- targets reached over BLS keep every version a rollout names loaded (issue 39 item 10) -------
+def test_native_target_keeps_every_version_loaded(tmp_path):
+    """--native: Triton serves the target and the guard calls it over BLS, so loading a
+    candidate must not unload the primary (``latest 1`` did)."""
+    export(tiny_spec(), name="tiny", repository=tmp_path, source="test", native=True)
+    raw = repository.read_config(tmp_path / "tiny_raw")
+    assert raw["platform"] == "onnxruntime_onnx" and raw["version_policy"] == {"all": {}}
+    assert _params(repository.read_config(tmp_path / "tiny"))["placement"] == "bls"
+    # the in-process placement runs the versions itself: Triton keeps one (no copy of each)
+    export(tiny_spec(), name="inproc", repository=tmp_path, source="test")
+    assert repository.read_config(tmp_path / "inproc_raw")["version_policy"] == {"latest": {"num_versions": 1}}
+
+
+def test_reexport_upgrades_latest_one_on_a_bls_target_and_keeps_other_policies(tmp_path):
+    """A native target exported before the fix (``latest 1``) gets ``all`` from the next export,
+    with a notice; a runtime target whose guard the user moved to BLS too. A policy the user
+    chose that can keep two versions (``latest 3``) is kept, and so is an in-process target's."""
+    export(tiny_spec(), name="nat", repository=tmp_path, source="test", native=True)
+    _edit(tmp_path / "nat_raw", version_policy={"latest": {"num_versions": 1}})  # as older exports wrote it
+    res = export(tiny_spec(), name="nat", repository=tmp_path, source="test", native=True, force=True)
+    assert repository.read_config(tmp_path / "nat_raw")["version_policy"] == {"all": {}}
+    assert any(n.startswith('nat_raw: set version_policy {"all":{}} (was latest 1') for n in res.notices), res.notices
+
+    export(tiny_spec(), name="moved", repository=tmp_path, source="test")
+    _edit(tmp_path / "moved", parameters={"placement": "bls"})
+    export(tiny_spec(), name="moved", repository=tmp_path, source="test", force=True)
+    assert repository.read_config(tmp_path / "moved_raw")["version_policy"] == {"all": {}}
+
+    _edit(tmp_path / "nat_raw", version_policy={"latest": {"num_versions": 3}})
+    res = export(tiny_spec(), name="nat", repository=tmp_path, source="test", native=True, force=True)
+    assert repository.read_config(tmp_path / "nat_raw")["version_policy"] == {"latest": {"num_versions": 3}}
+    assert any(n.startswith("nat_raw: kept version_policy ") for n in res.notices), res.notices
+
+    export(tiny_spec(), name="inproc", repository=tmp_path, source="test")
+    export(tiny_spec(), name="inproc", repository=tmp_path, source="test", force=True)
+    assert repository.read_config(tmp_path / "inproc_raw")["version_policy"] == {"latest": {"num_versions": 1}}
+
+
+def test_published_policy_file_of_a_bls_target_is_upgraded_too(tmp_path):
+    """In an object store the config names its versions (``specific``) and the publish pins them by
+    ``version_policy.json`` (exporter/records/remote.py): a kept ``latest 1`` there would pin
+    only the newest version on every replica, so the export upgrades the file as it does the
+    config. Other policies in the file are the user's; a local repository gets no file."""
+    from exporter.records.remote import POLICY_FILE, pin_complete_versions
+
+    export(tiny_spec(), name="nat", repository=tmp_path, source="test", native=True)
+    assert not (tmp_path / "nat_raw" / POLICY_FILE).exists()
+    kept = tmp_path / "nat_raw" / POLICY_FILE
+    kept.write_text(json.dumps({"latest": {"num_versions": 1}}))  # as the publish kept an older export's
+    _edit(tmp_path / "nat_raw", version_policy={"specific": {"versions": ["1"]}})  # as published
+    export(tiny_spec(), name="nat", repository=tmp_path, source="test", native=True, force=True)
+    assert json.loads(kept.read_text()) == {"all": {}}
+    pin_complete_versions(tmp_path)
+    assert repository.read_config(tmp_path / "nat_raw")["version_policy"] == {"specific": {"versions": ["1", "2"]}}
+
+    kept.write_text(json.dumps({"latest": {"num_versions": 2}}))
+    export(tiny_spec(), name="nat", repository=tmp_path, source="test", native=True, force=True)
+    assert json.loads(kept.read_text()) == {"latest": {"num_versions": 2}}
