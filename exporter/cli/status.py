@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,15 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from exporter.records.history import stages as history_stages
 from exporter.records.progress import ControllerError
-from exporter.records.registry import default_uri, open_registry, sqlite_path
+from exporter.records.registry import (
+    RegistryError,
+    default_uri,
+    open_history,
+    open_registry,
+    sqlite_path,
+)
 from exporter.rollout.controller import RolloutController
 from exporter.rollout.gates.readings import scrape
 from exporter.rollout.route import state_summary
@@ -169,6 +177,26 @@ def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
         return {"error": f"{type(exc).__name__}: {exc}"}  # type: ignore[dict-item]
 
 
+HISTORY_SHOWN = 5  # the latest records of a model's history the text view shows
+
+
+def _registry_history(repository: Path, model: str) -> dict[str, Any] | None:
+    """The model's stage history, checked: for an object-store repository the store's, which every
+    machine shares (a machine that never ran a promotion shows it too). None when there is none."""
+    try:
+        history = open_history(repository)
+    except RegistryError:
+        return None  # a repository at a bucket's root: no history can be kept for it
+    try:
+        result, records = history.load(model)
+    except Exception as exc:  # noqa: BLE001 - status must show what it can
+        return {"where": history.where, "error": f"{type(exc).__name__}: {exc}"}
+    if not records and result.ok:
+        return None
+    return {"where": history.where, "ok": result.ok, "reason": "" if result.ok else result.reason,
+            "records": records}
+
+
 def registry_disagreement(model: str, state: Any, stages: dict[int, str] | None,
                           rollout: dict[str, Any] | None) -> str | None:
     """A line when the registry's PRODUCTION is not the version the routing serves (the state's
@@ -302,6 +330,11 @@ def live(repository: Path, metrics_urls: list[str], servers: list[str] | None = 
         except ControllerError as exc:
             entry["rollout"] = {"error": str(exc)}
         entry["stages"] = _registry_stages(repository, name)
+        entry["history"] = _registry_history(repository, name)
+        if entry["stages"] is None and entry["history"] and entry["history"].get("records"):
+            # no registry on this machine: the stages as the fleet's history tells them
+            entry["stages"] = history_stages(entry["history"]["records"])
+            entry["stages_from"] = "history"
         # a read changes nothing: where the registry and the routing disagree, say so
         entry["registry_disagrees"] = registry_disagreement(name, st, entry["stages"], entry.get("rollout"))
         if metrics_urls:
@@ -335,7 +368,9 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
         if isinstance(stages, dict) and "error" in stages:
             console.print(f"  registry: [red]{stages['error']}[/]")
         elif stages:
-            console.print("  registry: " + ", ".join(f"v{v} {s}" for v, s in sorted(stages.items())))
+            label = "registry (from its history)" if g.get("stages_from") == "history" else "registry"
+            console.print(f"  {label}: " + ", ".join(f"v{v} {s}" for v, s in sorted(stages.items())))
+        print_history(console, g.get("history"))
         if g.get("registry_disagrees"):
             console.print(f"  [yellow]! {escape(g['registry_disagrees'])}[/]", soft_wrap=True)
         r = g.get("rollout")
@@ -369,6 +404,29 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
             print_cost(console, met.get("cost") or {}, g.get("triton_stats") or {})
             for u in met["unreachable"]:
                 console.print(f"    [red]unreachable[/] {u}")
+
+
+def print_history(console: Any, history: dict[str, Any] | None) -> None:
+    if not history:
+        return
+    if "error" in history:
+        console.print(f"  history: [red]{escape(history['error'])}[/]", soft_wrap=True)
+        return
+    records = history["records"]
+    check = "chain intact" if history["ok"] else f"[red]chain broken: {escape(history['reason'])}[/]"
+    console.print(f"  history: {len(records)} record{'s' if len(records) != 1 else ''}, {check} "
+                  f"({escape(history['where'])})", soft_wrap=True)
+    for rec in records[-HISTORY_SHOWN:]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(rec.get("ts", 0))))
+        if rec.get("type") == "transition":
+            what = f"{rec.get('from')} → {rec.get('to')}" + (" (rollback)" if rec.get("rollback") else "")
+            if rec.get("archived"):
+                what += ", archived " + ", ".join(f"v{v}" for v in rec["archived"])
+        else:
+            what = str(rec.get("type"))
+        why = f": {rec['reason']}" if rec.get("reason") else ""
+        console.print(f"    #{rec.get('seq')} {when} v{rec.get('version')} {what} by {rec.get('by', '?')}"
+                      f"{escape(why)}", soft_wrap=True)
 
 
 def _version_key(v: str) -> tuple[int, str]:

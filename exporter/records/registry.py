@@ -25,7 +25,10 @@ Exactly one PRODUCTION per model: promoting archives the previous one in the sam
 section. The alias is authoritative: if a crash left a stale PRODUCTION tag, the next promotion
 archives it. Every registration and transition is appended to a hash-chained JSON Lines file
 (records carry ``seq``/``prev``/``hash`` as in :mod:`tritonguard.privacy.audit`, whose ``verify`` checks
-it); it is only ever appended to (:mod:`exporter.records.history`).
+it); it is only ever appended to (:mod:`exporter.records.history`). For an object-store
+repository the history is kept in the store (:class:`exporter.records.history.StoreHistory`):
+the sqlite registry then sits in this machine's working folder and is only this machine's
+view, the history is the fleet's.
 """
 
 from __future__ import annotations
@@ -50,13 +53,14 @@ from urllib.parse import unquote
 from exporter.errors import ExporterError
 from exporter.records.history import (
     HISTORY_FILE,
-    append_record,
-    check_history,
-    read_records,
+    FileHistory,
+    HistoryError,
+    StoreHistory,
     rollback_target,
 )
 from exporter.records.progress import ControllerError, ProgressUnavailable, RedisProgress
-from tritonguard.core.store import file_lock
+from exporter.records.remote import origin_of
+from tritonguard.core.store import file_lock, redis_prefix
 from tritonguard.privacy.audit.verify import VerifyResult
 
 log = logging.getLogger(__name__)
@@ -108,12 +112,31 @@ def default_uri(repository: str | os.PathLike) -> str:
 def open_registry(repository: str | os.PathLike, **kwargs: Any) -> Registry:
     """The registry the CLI uses for ``repository``: :func:`default_uri`; for a remote tracking
     server the history file is kept beside the repository (``<repository>.registry/``), the place
-    the embedded store would use, since MLflow itself has no append-only record."""
+    the embedded store would use, since MLflow itself has no append-only record. For the working
+    copy of an object-store repository, the history is the store's (:func:`open_history`)."""
     uri = default_uri(repository)
-    if sqlite_path(uri) is None and "history_path" not in kwargs:
-        repo = Path(repository).resolve()
-        kwargs["history_path"] = repo.parent / (repo.name + ".registry") / HISTORY_FILE
+    if "history_path" not in kwargs and "history" not in kwargs:
+        kwargs["history"] = open_history(repository, uri)
     return Registry(uri, **kwargs)
+
+
+def open_history(repository: str | os.PathLike, uri: str | None = None) -> FileHistory | StoreHistory:
+    """The stage history of ``repository`` (creates nothing): the file beside a folder
+    repository's sqlite registry (``<repository>.registry/registry_history.jsonl`` by default,
+    beside the repository for a tracking server); for the working copy of an
+    object-store repository (:func:`exporter.records.remote.origin_of`) the records in the store,
+    with that file as this machine's mirror of them. A repository at a bucket's root is refused
+    (RegistryError): its history would have to sit inside the repository."""
+    repo = Path(repository).resolve()
+    path = repo.parent / (repo.name + ".registry") / HISTORY_FILE
+    origin = origin_of(repo)
+    if origin is None:
+        db = sqlite_path(uri or default_uri(repo))
+        return FileHistory(db.parent / HISTORY_FILE if db is not None else path)
+    try:
+        return StoreHistory(origin, path)
+    except HistoryError as exc:
+        raise RegistryError(str(exc)) from None
 
 
 RECONCILE_TIMEOUT_S = 20.0
@@ -160,7 +183,7 @@ class Registry:
     raising refuses) or a shell command (environment ``TRITONGUARD_*``; exit 0 approves)."""
 
     def __init__(self, tracking_uri: str, *, history_path: str | os.PathLike | None = None,
-                 lock_path: str | os.PathLike | None = None,
+                 history: FileHistory | StoreHistory | None = None, lock_path: str | os.PathLike | None = None,
                  approvers: Mapping[str, Sequence[Approver]] | None = None,
                  settle_s: float = 0.2, clock: Callable[[], float] = time.time,
                  lock_url: str | None = None):
@@ -169,10 +192,13 @@ class Registry:
         db = sqlite_path(tracking_uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
-        if history_path is None and db is None:
+        if history_path is None and history is None and db is None:
             raise RegistryError(f"registry {tracking_uri}: pass history_path (a file this host "
                                 "keeps) for a registry that is not a local sqlite file")
-        self.history_path = Path(history_path) if history_path else db.parent / HISTORY_FILE
+        if history is None:
+            history = FileHistory(Path(history_path) if history_path else db.parent / HISTORY_FILE)
+        self.history_store = history
+        self.history_path = history.path  # the file: the history itself, or this machine's mirror of it
         self.lock_path = Path(lock_path) if lock_path else (db.with_name(db.name + ".lock") if db else None)
         # a remote registry: a Redis lease when there is a Redis, else the optimistic tag token
         self.lock_url = (lock_url if lock_url is not None else os.environ.get("TRITONGUARD_STATE_URL", "")) or None
@@ -412,7 +438,8 @@ class Registry:
             return
         if self.lock_url:
 
-            locks = RedisProgress(self.lock_url, name, key=f"tritonguard:registry:{name}", lock_wait_s=self.lock_wait_s)
+            locks = RedisProgress(self.lock_url, name, key=f"{redis_prefix('registry')}{name}",
+                                  lock_wait_s=self.lock_wait_s)
             try:
                 with locks.lock():
                     yield
@@ -438,18 +465,28 @@ class Registry:
 
     # -- history -----------------------------------------------------------------------------
     def _append(self, fields: dict[str, Any]) -> None:
-        """One hash-chained record in the history (:func:`exporter.records.history.append_record`)."""
-        append_record(self.history_path, fields, self.clock)
+        """One hash-chained record in the history (:mod:`exporter.records.history`)."""
+        try:
+            self.history_store.append(fields, self.clock)
+        except HistoryError as exc:
+            what = f"'{fields.get('model')}' v{fields.get('version')} {fields.get('type')}"
+            raise RegistryError(f"{what}: written to the registry {self.uri}, but not to its history: {exc}") from None
 
     def verify_history(self) -> VerifyResult:
-        return check_history(self.history_path)
+        return self._load_history(None)[0]
+
+    def _load_history(self, name: str | None) -> tuple[VerifyResult, list[dict[str, Any]]]:
+        try:
+            return self.history_store.load(name)
+        except HistoryError as exc:
+            raise RegistryError(str(exc)) from None
 
     def history(self, name: str | None = None) -> list[dict[str, Any]]:
         """Records of ``name`` (all models if None), oldest first; HistoryCorrupt if tampered."""
-        result = self.verify_history()
+        result, records = self._load_history(name)
         if not result.ok:
-            raise HistoryCorrupt(f"registry history {self.history_path}: {result.reason}")
-        return read_records(self.history_path, name)
+            raise HistoryCorrupt(f"registry history {self.history_store.where}: {result.reason}")
+        return records
 
     def previous_production(self, name: str) -> int | None:
         """The latest version that was PRODUCTION before the current one and did not leave

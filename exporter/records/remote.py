@@ -13,19 +13,29 @@ files and partial folders) is never published: with an object-store repository t
 state lives in Redis (``$TRITONGUARD_STATE_URL``), which :func:`working_copy` requires when
 ``needs_state``.
 
+A failed command drops the repository copy (``repo`` and its ETag index), never the rest of the
+work folder: the registry beside it (``repo.registry/``, the sqlite MLflow store of this machine
+and its mirror of the history) stays. The stage history itself lives in the store, beside the
+repository (:class:`exporter.records.history.StoreHistory`); ``origin.json`` in the work folder
+says which store a working copy is of (:func:`origin_of`).
+
 Two writers: a publish lists the store again and refuses (nothing published) when one of the
 objects it is about to write or delete changed since the copy was made (:func:`conflicts`); with a
-Redis state store the check and the uploads hold a lock per store (:func:`publish_lock`). Two
-commands on one machine share the working copy: run one writing command per store per machine.
+Redis state store the check and the uploads hold a lease per store (:func:`publish_lock`), renewed
+while the publish runs and confirmed before every upload, so a publish whose lease lapsed stops
+before its configs go up. Two commands on one machine share the working copy: run one writing
+command per store per machine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -35,12 +45,16 @@ from pathlib import Path
 from exporter.errors import ExporterError
 from tritonguard.core import objectstore, repository
 from tritonguard.core.files import file_digest
-from tritonguard.core.store import ENV_URL
+from tritonguard.core.store import ENV_URL, NamespaceError, redis_prefix
 from tritonguard.rollout.replicas import is_redis, redacted
 
 log = logging.getLogger(__name__)
 
 RUNTIME_NAMES = ("rollout_state.json",)
+ORIGIN_FILE = "origin.json"  # in the work folder: the store the copy beside it was made from
+# boto3's upload_file: one PUT below 8 MiB (ETag = MD5), else parts of 8 MiB (s3transfer's defaults)
+MULTIPART_THRESHOLD = MULTIPART_CHUNK = 8 * 1024 * 1024
+MAX_PARTS = 10_000
 
 
 class RemoteRepositoryError(ExporterError):
@@ -129,6 +143,39 @@ def pin_complete_versions(root: Path) -> list[str]:
     return pinned
 
 
+def expected_etag(path: Path) -> str:
+    """The ETag S3 gives ``path`` once boto3's ``upload_file`` put it: its MD5 for a single
+    PUT, else the MD5 of the parts' MD5s and ``-<parts>`` (the part size s3transfer picks)."""
+    size = path.stat().st_size
+    if size < MULTIPART_THRESHOLD:
+        return _digest(path)
+    chunk = MULTIPART_CHUNK
+    while -(-size // chunk) > MAX_PARTS:
+        chunk *= 2
+    parts = []
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            parts.append(hashlib.md5(block, usedforsecurity=False).digest())
+    return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
+
+
+def record_published(work: Path, uploaded: list[str], deleted: list[str]) -> None:
+    """Put what this command just published into the copy's ETag index, so the next command
+    does not download it again. The ETag is computed from the local file: if another writer
+    replaced the object since, the store's ETag differs and the next copy fetches theirs."""
+    root, index_path = work / "repo", work / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    for rel in uploaded:
+        with contextlib.suppress(OSError):
+            index[rel] = expected_etag(root / rel)
+    for rel in deleted:
+        index.pop(rel, None)
+    index_path.write_text(json.dumps(index))
+
+
 def sync_down(spec: objectstore.StoreSpec, work: Path, s3=None) -> dict[str, str]:
     """Make ``work/repo`` the store's prefix; returns its snapshot."""
     s3 = s3 or objectstore.client(spec)
@@ -170,11 +217,15 @@ def conflicts(seen: Mapping[str, objectstore.Entry], now: Mapping[str, objectsto
 
 
 def publish(spec: objectstore.StoreSpec, root: Path, before: Mapping[str, str], s3=None,
-            on_put=None, seen: Mapping[str, objectstore.Entry] | None = None) -> tuple[list[str], list[str]]:
+            on_put=None, seen: Mapping[str, objectstore.Entry] | None = None,
+            before_put=None) -> tuple[list[str], list[str]]:
     """Upload what changed since ``before`` in the safe order, then delete what went; returns
     (uploaded, deleted) in the order done. With ``seen`` (the store's listing when the working
     copy was made), nothing is published when another writer changed one of those objects
-    meanwhile (:class:`RemoteRepositoryError` naming them)."""
+    meanwhile (:class:`RemoteRepositoryError` naming them). ``before_put(rel)`` runs before each
+    upload and before the deletions (``rel`` None): raising there stops the publish (the
+    publish lock's ownership check: configs go up last, so a lease lost midway never lets a
+    config through)."""
     s3 = s3 or objectstore.client(spec)
     fill_empty_versions(root)
     pin_complete_versions(root)
@@ -190,17 +241,51 @@ def publish(spec: objectstore.StoreSpec, root: Path, before: Mapping[str, str], 
                 "another writer; nothing published. Run the command again (it starts from the store as it is now)")
     uploaded = []
     for rel in objectstore.publish_order(changed, root):
+        if before_put is not None:
+            before_put(rel)
         objectstore.upload(spec, root / rel, rel, s3=s3)
         uploaded.append(rel)
         if on_put is not None:
             on_put(rel)
     deleted = objectstore.delete_order(gone)
+    if deleted and before_put is not None:
+        before_put(None)
     objectstore.delete(spec, deleted, s3=s3)
     return uploaded, deleted
 
 
 def work_dir(spec: objectstore.StoreSpec, environ: Mapping[str, str] | None = None) -> Path:
     return objectstore.home(environ) / "work" / spec.cache_key
+
+
+def drop_copy(work: Path) -> None:
+    """Forget the repository copy (the next command copies the store afresh), and only it: the
+    registry beside it (``repo.registry/``) is not a copy of anything and stays."""
+    shutil.rmtree(work / "repo", ignore_errors=True)
+    (work / "index.json").unlink(missing_ok=True)
+
+
+def _write_origin(work: Path, store: objectstore.StoreSpec) -> None:
+    doc = {"bucket": store.bucket, "prefix": store.prefix, "endpoint": store.endpoint}
+    path = work / ORIGIN_FILE
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(path.read_text()) == doc:
+            return
+    work.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, sort_keys=True) + "\n")
+
+
+def origin_of(repository: str | os.PathLike) -> objectstore.StoreSpec | None:
+    """The store ``repository`` is the working copy of (:func:`working_copy`), None for a folder
+    repository of its own."""
+    repo = Path(repository)
+    if repo.name != "repo":
+        return None
+    try:
+        doc = json.loads((repo.parent / ORIGIN_FILE).read_text())
+        return objectstore.StoreSpec(bucket=doc["bucket"], prefix=doc["prefix"], endpoint=doc.get("endpoint"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @contextmanager
@@ -221,6 +306,7 @@ def working_copy(spec: str, *, needs_state: bool = False, environ: Mapping[str, 
         raise RemoteRepositoryError(f"repository {spec} is in an object store: set {ENV_URL}=redis://… "
                                     "(the rollout state cannot live in the store)")
     work = work_dir(store, env)
+    _write_origin(work, store)
     try:
         s3 = objectstore.client(store)
         seen = objectstore.list_tree(store, s3=s3)  # before the copy: a change after it is a conflict
@@ -232,67 +318,153 @@ def working_copy(spec: str, *, needs_state: bool = False, environ: Mapping[str, 
         yield root
     except BaseException:
         # a failed command publishes nothing, and leaves nothing for the next one to publish
-        shutil.rmtree(work, ignore_errors=True)
+        drop_copy(work)
         raise
     if read_only:
         if snapshot(root) != before:
             log.debug("a read-only command changed the working copy of %s: dropped", store.url)
-            shutil.rmtree(work, ignore_errors=True)
+            drop_copy(work)
         return
     try:
-        with publish_lock(store, env):
-            uploaded, deleted = publish(store, root, before, s3=s3, seen=seen)
+        with publish_lock(store, env) as lease:
+            uploaded, deleted = publish(store, root, before, s3=s3, seen=seen, before_put=lease.confirm)
     except objectstore.ObjectStoreError as exc:
-        shutil.rmtree(work, ignore_errors=True)
+        drop_copy(work)
         raise RemoteRepositoryError(f"publishing to the store failed: {exc}") from None
-    except RemoteRepositoryError:
-        shutil.rmtree(work, ignore_errors=True)  # the next command copies the store afresh
+    except BaseException:
+        drop_copy(work)  # the next command copies the store afresh
         raise
+    record_published(work, uploaded, deleted)
     if report is not None and (uploaded or deleted):
         report(f"published to {store.url}: {len(uploaded)} file(s) up, {len(deleted)} removed")
     if not uploaded and not deleted:
         log.debug("nothing changed in %s", store.url)
 
 
-PUBLISH_LOCK_S = 120.0  # a publish holding the lock longer is taken to have died
+PUBLISH_LOCK_S = 120.0  # a publisher that stopped renewing (died, stalled) holds the lock this long at most
+PUBLISH_RENEW_S = PUBLISH_LOCK_S / 6  # how often a live publish renews it
 PUBLISH_WAIT_S = 30.0  # how long a publish waits for another one to finish
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# renew only while the token is still ours: 1 renewed, 0 lost (lapsed, or another publisher took it)
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+
+
+class PublishLease:
+    """The publish lock while it is held: renewed by a daemon thread every ``renew_s``, and
+    :meth:`confirm`-ed (renewed and checked, one Lua step) before every upload; the token is
+    the fencing token. Without Redis, a lease that never fails (:data:`NO_LEASE`)."""
+
+    def __init__(self, client, key: str, token: str, lease_s: float, renew_s: float, where: str, store_url: str):
+        self.client, self.key, self.token = client, key, token
+        self.lease_ms = max(1, int(lease_s * 1000))
+        self.renew_s, self.where, self.store_url = renew_s, where, store_url
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._keep, name=f"publish lease {self.key}", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> bool:
+        return bool(self.client.eval(_RENEW, 1, self.key, self.token, self.lease_ms))
+
+    def _keep(self) -> None:
+        import redis  # noqa: PLC0415 - imported by publish_lock already
+
+        while not self._stop.wait(self.renew_s):
+            try:
+                if not self._renew():
+                    self.lost.set()
+                    log.error("publish lock %s lapsed while publishing to %s (another publisher may hold it)",
+                              self.key, self.store_url)
+                    return
+            except redis.RedisError as exc:  # keep trying: the lease holds until it lapses
+                log.warning("publish lock %s: renewal failed: %s", self.key, type(exc).__name__)
+
+    def confirm(self, rel: str | None = None) -> None:
+        """Raise :class:`RemoteRepositoryError` unless the lock is still ours (renewing it): what
+        comes next (``rel``, or the deletions) is not published."""
+        import redis  # noqa: PLC0415
+
+        what = rel or "the removals"
+        try:
+            ours = not self.lost.is_set() and self._renew()
+        except redis.RedisError as exc:
+            raise RemoteRepositoryError(
+                f"cannot confirm the publish lock of {self.store_url} in {self.where} before {what}: "
+                f"{type(exc).__name__}; publishing stopped there, nothing more uploaded. Run the command again"
+            ) from None
+        if not ours:
+            self.lost.set()
+            raise RemoteRepositoryError(
+                f"the publish lock of {self.store_url} lapsed while publishing (lock {self.key} in {self.where}; "
+                f"another exporter may be publishing): stopped before {what}, nothing more uploaded, no config "
+                "overwritten. Run the command again (it starts from the store as it is now)")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class _NoLease:
+    def confirm(self, rel: str | None = None) -> None:
+        return None
+
+
+NO_LEASE = _NoLease()
 
 
 @contextmanager
-def publish_lock(store: objectstore.StoreSpec, environ: Mapping[str, str]) -> Iterator[None]:
+def publish_lock(store: objectstore.StoreSpec, environ: Mapping[str, str], *, lease_s: float | None = None,
+                 renew_s: float | None = None, wait_s: float | None = None) -> Iterator[PublishLease | _NoLease]:
     """With ``$TRITONGUARD_STATE_URL=redis://…``, one publisher per store prefix at a time (the
-    check for conflicts and the uploads are then one step); without Redis, nothing (the check
-    alone leaves a window of one listing)."""
+    check for conflicts and the uploads are then one step): a lease on
+    ``<redis_prefix("publish")><store>``, renewed while held (:class:`PublishLease`); without
+    Redis, nothing (the check alone leaves a window of one listing). Periods default to
+    :data:`PUBLISH_LOCK_S`, :data:`PUBLISH_RENEW_S` and :data:`PUBLISH_WAIT_S`."""
     url = environ.get(ENV_URL, "")
     if not is_redis(url):
-        yield
+        yield NO_LEASE
         return
     import redis  # noqa: PLC0415 - only with a Redis store
 
+    lease_s = PUBLISH_LOCK_S if lease_s is None else lease_s
+    renew_s = PUBLISH_RENEW_S if renew_s is None else renew_s
+    wait_s = PUBLISH_WAIT_S if wait_s is None else wait_s
+    try:
+        key = f"{redis_prefix('publish', environ)}{store.cache_key}"
+    except NamespaceError as exc:
+        raise RemoteRepositoryError(str(exc)) from None
+    where = redacted(url)
     client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-    key, token = f"tritonguard:publish:{store.cache_key}", uuid.uuid4().hex
-    wait_s = PUBLISH_WAIT_S
+    token = uuid.uuid4().hex
     deadline = time.monotonic() + wait_s
     try:
-        while not client.set(key, token, nx=True, px=int(PUBLISH_LOCK_S * 1000)):
+        while not client.set(key, token, nx=True, px=max(1, int(lease_s * 1000))):
             if time.monotonic() > deadline:
                 raise RemoteRepositoryError(f"another exporter has been publishing to {store.url} for over "
-                                            f"{wait_s:g} s (lock {key} in {redacted(url)}); nothing published")
+                                            f"{wait_s:g} s (lock {key} in {where}); nothing published")
             time.sleep(0.2)
     except redis.RedisError as exc:
-        raise RemoteRepositoryError(f"cannot take the publish lock in {redacted(url)}: {exc}") from None
+        client.close()
+        raise RemoteRepositoryError(f"cannot take the publish lock in {where}: {type(exc).__name__}: {exc}") from None
+    lease = PublishLease(client, key, token, lease_s, renew_s, where, store.url)
+    lease.start()
     try:
-        yield
+        yield lease
     finally:
+        lease.stop()
         with contextlib.suppress(redis.RedisError):
             client.eval(_RELEASE, 1, key, token)
         client.close()
 
 
 def remove_work(spec: str, environ: Mapping[str, str] | None = None) -> None:
-    shutil.rmtree(work_dir(objectstore.parse(spec, environ), environ), ignore_errors=True)
+    """Forget this machine's copy of ``spec`` (never its registry: :func:`drop_copy`)."""
+    drop_copy(work_dir(objectstore.parse(spec, environ), environ))
 
 
-__all__ = ["RemoteRepositoryError", "fill_empty_versions", "is_runtime", "publish", "snapshot", "sync_down",
-           "working_copy"]
+__all__ = ["PublishLease", "RemoteRepositoryError", "drop_copy", "fill_empty_versions", "is_runtime", "origin_of",
+           "publish", "publish_lock", "snapshot", "sync_down", "working_copy"]

@@ -223,3 +223,125 @@ def test_route_on_an_object_store_repository_with_redis_state(aws_env, tmp_path,
     # the state went to Redis, not into the store
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="repo/")["Contents"]}
     assert not any("rollout_state" in k for k in keys)
+
+
+def _slow_uploads(monkeypatch, seconds: float, during=None) -> list[str]:
+    """Every upload takes ``seconds`` (a large artifact on a slow link); ``during(rel)`` runs in it."""
+    from tritonguard.core import objectstore
+
+    real, done = objectstore.upload, []
+
+    def upload(spec, src, rel, s3=None):
+        import time
+
+        time.sleep(seconds)
+        if during is not None:
+            during(rel)
+        real(spec, src, rel, s3=s3)
+        done.append(rel)
+
+    monkeypatch.setattr(objectstore, "upload", upload)
+    return done
+
+
+def _new_version(local: Path, n: int = 3) -> None:
+    v2 = local / "digits_raw" / "2"
+    v2.mkdir()
+    for i in range(n):
+        (v2 / f"part{i}.bin").write_bytes(b"x" * i)
+    (v2 / "manifest.json").write_text('{"name": "digits_raw", "version": 2}')
+    (local / "digits_raw" / "config.pbtxt").write_text('name: "digits_raw"\nbackend: "runtime"\n# mine\n')
+
+
+def test_a_publish_whose_lock_lapsed_stops_before_the_configs(aws_env, tmp_path, monkeypatch, redis_server):
+    """The lease lapses mid-publish (renewal stalled past it) and another exporter takes the lock
+    and publishes its config: this publish refuses before its own configs, so the other's config
+    stays, and says why (issue 39 item 4)."""
+    import redis
+
+    from exporter.records import remote
+
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)
+    monkeypatch.setattr(remote, "PUBLISH_LOCK_S", 0.4)
+    monkeypatch.setattr(remote, "PUBLISH_RENEW_S", 30.0)  # a renewal that never comes in time
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("lapsed-lease")
+    _seed(s3, bucket)
+    spec = f"s3://{bucket}/repo"
+    client = redis.Redis.from_url(redis_server.url)
+    key = f"tritonguard:publish:{remote.objectstore.parse(spec, dict(os.environ)).cache_key}"
+    theirs = b'name: "digits_raw"\nbackend: "runtime"\n# theirs\n'
+
+    def other_exporter(rel: str) -> None:  # once our lease has lapsed, the other one publishes
+        if rel.endswith("part0.bin") and client.set(key, "other exporter", nx=True, px=60_000):
+            s3.put_object(Bucket=bucket, Key="repo/digits_raw/config.pbtxt", Body=theirs)
+
+    done = _slow_uploads(monkeypatch, 0.6, during=other_exporter)  # one upload outlasts the lease
+    with pytest.raises(RemoteRepositoryError, match="publish lock .* lapsed while publishing.*no config overwritten"), \
+            working_copy(spec) as local:
+        _new_version(local)
+    assert s3.get_object(Bucket=bucket, Key="repo/digits_raw/config.pbtxt")["Body"].read() == theirs
+    assert not any(rel.endswith("config.pbtxt") for rel in done), done
+    assert client.get(key) == b"other exporter"  # ours was not released over theirs
+
+
+def test_a_slow_publish_keeps_its_lock_by_renewing_it(aws_env, tmp_path, monkeypatch, redis_server):
+    """A publish that takes several leases long keeps the lock (renewed in the background):
+    another exporter cannot take it meanwhile, and every file goes up."""
+    import redis
+
+    from exporter.records import remote
+
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)
+    monkeypatch.setattr(remote, "PUBLISH_LOCK_S", 0.5)
+    monkeypatch.setattr(remote, "PUBLISH_RENEW_S", 0.1)
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("renewed-lease")
+    _seed(s3, bucket)
+    spec = f"s3://{bucket}/repo"
+    client = redis.Redis.from_url(redis_server.url)
+    key = f"tritonguard:publish:{remote.objectstore.parse(spec, dict(os.environ)).cache_key}"
+    taken = []
+    done = _slow_uploads(monkeypatch, 0.3, during=lambda rel: taken.append(client.set(key, "other", nx=True, px=60_000)))
+    with working_copy(spec) as local:
+        _new_version(local)
+    assert len(done) >= 6 and done[-1] == "digits_raw/config.pbtxt"  # well over the lease in all
+    assert taken and not any(taken)
+    assert b"versions: 2" in s3.get_object(Bucket=bucket, Key="repo/digits_raw/config.pbtxt")["Body"].read()
+    assert client.get(key) is None  # released
+
+
+def test_what_a_command_published_is_not_downloaded_again(aws_env, tmp_path, monkeypatch):
+    """After a publish, the copy's ETag index knows the objects it uploaded: the next command on
+    an unchanged store downloads nothing; an object another writer replaced is fetched (issue 39
+    item 11). One file is large enough for a multipart upload (its ETag is not its MD5)."""
+    from exporter.records import remote
+    from tritonguard.core import objectstore
+
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("no-second-download")
+    _seed(s3, bucket)
+    spec = f"s3://{bucket}/repo"
+    real, fetched = objectstore.download, []
+
+    def download(spec_, rel, dest, s3=None, **kwargs):
+        fetched.append(rel)
+        return real(spec_, rel, dest, s3=s3, **kwargs)
+
+    monkeypatch.setattr(objectstore, "download", download)
+    with working_copy(spec) as local:
+        _new_version(local)
+        (local / "digits_raw" / "2" / "big.bin").write_bytes(os.urandom(remote.MULTIPART_THRESHOLD + 1024))
+    head = s3.head_object(Bucket=bucket, Key="repo/digits_raw/2/big.bin")
+    assert head["ETag"].strip('"').endswith("-2")  # went up in parts
+    fetched.clear()
+    with working_copy(spec) as local:
+        assert (local / "digits_raw" / "2" / "big.bin").stat().st_size == remote.MULTIPART_THRESHOLD + 1024
+    assert fetched == []
+    s3.put_object(Bucket=bucket, Key="repo/digits_raw/2/part1.bin", Body=b"another writer's")
+    with working_copy(spec) as local:
+        assert (local / "digits_raw" / "2" / "part1.bin").read_bytes() == b"another writer's"
+    assert fetched == ["digits_raw/2/part1.bin"]
