@@ -17,6 +17,7 @@ from exporter.cli.consoles import where
 from exporter.cli.rollout_common import (
     EXIT_ROLLED_BACK,
     Model,
+    PrometheusSelector,
     PrometheusUrl,
     Repository,
     Servers,
@@ -98,6 +99,7 @@ def promote(
     detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
     state_url: StateUrl = None,
     prometheus: PrometheusUrl = None,
+    prometheus_selector: PrometheusSelector = None,
 ) -> None:
     """Register VERSION (or each --arms version), load it on the servers, and stage it or roll it out."""
 
@@ -155,7 +157,8 @@ def promote(
         else:
             urls = []
         ctl, reg, target = controller_for(model, repository, urls, approver=approver,
-                                       approve_cmd=approve_cmd, config=config, fleet=fleet, prometheus=prometheus)
+                                       approve_cmd=approve_cmd, config=config, fleet=fleet, prometheus=prometheus,
+                                       prometheus_selector=prometheus_selector)
 
         def register(v: int):
             vdir = repository / target / str(v)

@@ -16,6 +16,7 @@ import typer
 from exporter.cli.consoles import where
 from exporter.cli.rollout_common import (
     Model,
+    PrometheusSelector,
     PrometheusUrl,
     Repository,
     Servers,
@@ -186,7 +187,8 @@ def rollout_resume(model: Model, server: Servers = None,
                                           "each replica (repeat; default: each --server's port + 2).")] = None,
                    repository: Repository = "model_repository",
                    approver: Annotated[str | None, typer.Option(help="Who approves PRODUCTION.")] = None,
-                   state_url: StateUrl = None, prometheus: PrometheusUrl = None) -> None:
+                   state_url: StateUrl = None, prometheus: PrometheusUrl = None,
+                   prometheus_selector: PrometheusSelector = None) -> None:
     """Continue a paused or interrupted rollout where it stopped (step, dwell and baseline)."""
 
     try:
@@ -194,7 +196,8 @@ def rollout_resume(model: Model, server: Servers = None,
         if not urls and fleet is None and not prometheus:
             raise ControllerError("resume reads the guards' metrics: pass --server URL (or --metrics-url URL), "
                                   "or --state-url redis://… whose registry lists the replicas")
-        ctl, _, _ = controller_for(model, repository, urls, approver=approver, fleet=fleet, prometheus=prometheus)
+        ctl, _, _ = controller_for(model, repository, urls, approver=approver, fleet=fleet, prometheus=prometheus,
+                                    prometheus_selector=prometheus_selector)
         progress = ctl.resume()
         if progress.status == "done":
             purge(repository, model, "promote")

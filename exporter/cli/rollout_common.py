@@ -48,9 +48,10 @@ def purge(repository: Path, model: str, why: str) -> None:
 
 def controller_for(model: str, repository: Path, urls: list[str], *, approver: str | None = None,
                 approve_cmd: list[str] | None = None, config=None, fleet: Fleet | None = None,
-                prometheus: str | None = None):
+                prometheus: str | None = None, prometheus_selector: str | None = None):
     """The controller reading ``urls``, or with ``fleet`` the registry's live replicas, re-resolved
-    at every look, or with ``prometheus`` PromQL over every replica that Prometheus scrapes."""
+    at every look, or with ``prometheus`` PromQL over every replica that Prometheus scrapes (those
+    matching ``prometheus_selector``)."""
     target = guard_target(repository, model)
     reg = registry_for(repository, approve_cmd)
 
@@ -83,7 +84,7 @@ def controller_for(model: str, repository: Path, urls: list[str], *, approver: s
         labels = None
     say = lambda m: err.print(f"[yellow]![/] {m}")  # noqa: E731
     if prometheus:
-        reader = PrometheusReader(prometheus, model, target=target, say=say)
+        reader = PrometheusReader(prometheus, model, target=target, say=say, scope=prometheus_selector)
     elif fleet is not None:
         reader = FleetReader(fleet, model, target=target, count=len(urls), say=say)
     else:
@@ -153,3 +154,6 @@ PrometheusUrl = Annotated[str | None, typer.Option("--prometheus", help="Prometh
                           "http://prometheus:9090): the gates read every replica's guards with PromQL (the "
                           "recording rules' expressions, as counts since the first look) instead of scraping "
                           "each replica's metrics port.")]
+PrometheusSelector = Annotated[str | None, typer.Option(
+    "--prometheus-selector", envvar="TRITONGUARD_PROMETHEUS_SELECTOR", help="Label matchers added to every "
+    "query of --prometheus, e.g. 'namespace=\"prod\",job=\"triton\"' (a Prometheus shared by several fleets).")]

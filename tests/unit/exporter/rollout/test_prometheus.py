@@ -353,13 +353,13 @@ def test_the_rules_are_package_data_and_deploy_links_to_them():
         assert link.is_symlink() and link.resolve() == Path(str(packaged)).resolve(), link
 
 
-def test_a_missing_rules_file_is_one_line_and_exit_2(tmp_path, monkeypatch):
+def test_a_missing_rules_file_or_a_bad_selector_is_one_line_and_exit_2(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from exporter.cli.app import app
     from exporter.rollout import prometheus as module
 
-    gone = tmp_path / "rules.yml"
+    gone, packaged = tmp_path / "rules.yml", module.RULES
     with pytest.raises(PrometheusError, match="cannot be read") as exc:
         PrometheusReader("http://127.0.0.1:1", MODEL, rules_path=gone)
     assert "\n" not in str(exc.value) and "reinstall" in str(exc.value)
@@ -375,6 +375,11 @@ def test_a_missing_rules_file_is_one_line_and_exit_2(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["rollout", "resume", MODEL, "-r", str(repo), "--prometheus", "http://127.0.0.1:1"])
     assert res.exit_code == 2, res.output
     assert "cannot be read" in res.output and "Traceback" not in res.output, res.output
+    monkeypatch.setattr(module, "RULES", packaged)  # a malformed --prometheus-selector is one line too
+    res = CliRunner().invoke(app, ["rollout", "resume", MODEL, "-r", str(repo), "--prometheus", "http://127.0.0.1:1",
+                                   "--prometheus-selector", "namespace=prod"])
+    assert res.exit_code == 2, res.output
+    assert "Prometheus selector 'namespace=prod': expected label matchers" in res.output, res.output
 
 
 def test_an_installed_wheel_finds_its_rules(tmp_path):
