@@ -22,6 +22,7 @@ import pytest
 import tritonclient.http as httpclient
 from typer.testing import CliRunner
 
+from exporter.build.layout import target_version_policy
 from exporter.cli.app import app
 from exporter.rollout.gates.config import GateConfig
 from exporter.rollout.gates.evaluate import evaluate
@@ -91,7 +92,10 @@ def env(exported_repo, tmp_path_factory):
     add_version(repo / "digits_raw", SLOW, repo / "slow.onnx")
     add_version(repo / "digits_raw", SAME)
     raw = read_config(repo / "digits_raw")
-    raw["version_policy"] = {"all": {}}  # the BLS guard calls v1 while v2 and v3 are on disk
+    # digits_bls, added by hand below, reaches digits_raw over BLS: the target gets the policy an
+    # export writes for a BLS target (every version loaded: it calls v1 while v2 and v3 are on
+    # disk); the export of digits (in process) wrote latest 1 and knows nothing of digits_bls
+    raw["version_policy"] = target_version_policy("bls")
     write_config(repo / "digits_raw", raw)
     cfg = read_config(repo / "digits")
     params = {k: v["string_value"] for k, v in cfg["parameters"].items()}

@@ -16,6 +16,7 @@ through the repository API, the routing, the guard's BLS calls), not the onnxrun
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import pytest
 import torch
 import tritonclient.http as httpclient
 from torch import nn
+from tritonclient.utils import InferenceServerException
 from typer.testing import CliRunner
 
 from exporter.build.sources.spec import ExportSpec, TensorDef
@@ -93,13 +95,14 @@ def env(tmp_path_factory):
     server.stop()
 
 
-def served_by(env, n: int) -> set[str]:
+def served_by(env, n: int, client: httpclient.InferenceServerClient | None = None) -> set[str]:
+    """Which target versions answered ``n`` requests (the guard's SERVED_BY output)."""
     x = np.random.default_rng(2).uniform(0, 1, size=(1, 4)).astype(np.float32)
     seen = set()
     for _ in range(n):
         inp = httpclient.InferInput("X", [1, 4], "FP32")
         inp.set_data_from_numpy(x)
-        r = env["client"].infer(MODEL, [inp], outputs=[httpclient.InferRequestedOutput("P"),
+        r = (client or env["client"]).infer(MODEL, [inp], outputs=[httpclient.InferRequestedOutput("P"),
                                                        httpclient.InferRequestedOutput("SERVED_BY")])
         seen.add(r.as_numpy("SERVED_BY")[0, 0].decode())
     return seen
@@ -117,9 +120,29 @@ def test_native_canary_keeps_both_versions_loaded_and_serves_both(env):
     export_native(repo, "v2")
     assert runtime_stands_in(repo)["version_policy"] == {"all": {}}
     assert (repo / TARGET / "2" / "model.onnx").is_file() and (repo / TARGET / CONFIG).is_file()
-    res = CliRunner().invoke(app, ["promote", MODEL, "--version", "2", "--to", "staging",
-                                   "--server", server.http_url, "--repository", str(repo)])
+    # the primary's traffic goes on while the load happens: no request may fail
+    stop, answers, errors = threading.Event(), [], []
+
+    def traffic() -> None:
+        with httpclient.InferenceServerClient(server.http_url) as client:
+            for _ in range(10_000):  # bounded; stopped once the promote is done
+                if stop.is_set():
+                    return
+                try:
+                    answers.append(served_by(env, 1, client))
+                except InferenceServerException as exc:
+                    errors.append(str(exc))
+
+    worker = threading.Thread(target=traffic, daemon=True)
+    worker.start()
+    try:
+        res = CliRunner().invoke(app, ["promote", MODEL, "--version", "2", "--to", "staging",
+                                       "--server", server.http_url, "--repository", str(repo)])
+    finally:
+        stop.set()
+        worker.join(timeout=30)
     assert res.exit_code == 0, res.output
+    assert answers and not errors, (len(answers), errors[:3])
     assert ready(server.http_url, TARGET, 2)
     assert ready(server.http_url, TARGET, 1), "loading v2 unloaded the primary v1"
     res = CliRunner().invoke(app, ["route", MODEL, "--candidate", "2", "--share", "0.5", "--repository", str(repo)])
