@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
 
+from exporter.records.history import StoreHistory
 from exporter.records.remote import is_runtime, publish
 from tritonguard.core import objectstore
 from tritonguard.ops.server import Server
@@ -40,6 +42,10 @@ def test_the_digits_guard_serves_from_an_object_store(exported_repo, moto_s3, re
     assert uploaded.index("digits_raw/1/model.onnx") < uploaded.index("digits_raw/1/manifest.json") \
         < uploaded.index("digits_raw/config.pbtxt")
 
+    # the registry history sits beside the repository (issue 39 item 1): Triton must not see it
+    StoreHistory(spec, tmp_path / "history.jsonl", s3=s3).append(
+        {"type": "register", "model": "digits", "version": 1}, time.time)
+
     home = tmp_path / "home"
     server_env = {**env, "TRITONGUARD_STATE_URL": redis_server.url, "TRITONGUARD_HOME": str(home)}
     server_env.pop("TRITONGUARD_REPOSITORY", None)  # the launcher sets it from --model-repository
@@ -57,6 +63,7 @@ def test_the_digits_guard_serves_from_an_object_store(exported_repo, moto_s3, re
             r = c.infer("digits", [inp])
             assert r.as_numpy("PROBS").shape == (2, 10)
             assert c.is_model_ready("digits_raw", "1") and not c.is_model_ready("digits_raw", "2")
+            assert {m["name"] for m in c.get_model_repository_index()} == {"digits", "digits_raw"}
             assert [s[0] for s in r.as_numpy("SERVED_BY").tolist()] == [b"digits_raw:1", b"digits_raw:1"]
             bad = httpclient.InferInput("IMAGE", list(x.shape), "FP32")
             bad.set_data_from_numpy(x + 99)
