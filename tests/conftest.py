@@ -150,3 +150,28 @@ def aws_env(moto_s3, monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint)
     return moto_s3
+
+
+# -- the wall time of each module, printed at the end of every run (issue 40) -------------------
+# A module that grows is seen in the next review: pytest's --durations lists tests, not modules,
+# and the cost of a module's fixtures (a tritonserver start, exports) lands on its first test.
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _MODULE_SECONDS:
+        return
+    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.section("wall time per module (setup + call + teardown)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
+        if seconds >= 1.0:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:5.1f} %  {module}")
+    fast = [s for s in _MODULE_SECONDS.values() if s < 1.0]
+    if fast:
+        terminalreporter.write_line(f"{sum(fast):8.1f} s          {len(fast)} modules under 1 s each")
+    terminalreporter.write_line(f"{total:8.1f} s  in all, over {len(_MODULE_SECONDS)} modules")
