@@ -7,7 +7,8 @@ Two backends, one interface (``read``, ``write`` inside ``lock()``, ``driver()``
   ``<file>.lock``; ``driver()`` a non-blocking ``flock`` on ``<file>.run``, which the kernel
   drops the moment the driving process dies.
 - :class:`RedisProgress`, whenever the state is in Redis (``TRITONGUARD_STATE_URL``): the
-  progress document sits beside it (``tritonguard:rollout:<model>``), so a rollout started on
+  progress document sits beside it (``tritonguard:rollout:<model>``, in the state's namespace:
+  ``tritonguard:{<namespace>}:rollout:<model>``), so a rollout started on
   one host can be watched, paused, aborted or resumed from any other, and survives the loss of
   the host that drove it. Both locks are leases, redis-py's ``Lock`` (``SET key token NX PX
   lease``, released by compare-and-delete), renewed by a daemon thread every third of the lease.
@@ -31,13 +32,12 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from filelock import Timeout
 
 from exporter.errors import ExporterError
 from tritonguard.core.files import atomic_write
-from tritonguard.core.store import file_lock
+from tritonguard.core.store import file_lock, redacted, redis_client, redis_prefix, store_error
 from tritonguard.rollout.state import StateUnavailable
 from tritonguard.rollout.stores import RedisStateStore
 
@@ -101,16 +101,6 @@ class FileProgress:
 _FENCED_SET = "if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('set', KEYS[2], ARGV[2]) return 1 end return 0"
 
 
-def _safe_url(url: str) -> str:
-    """The URL without its password (it goes into messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 class Lease(_Held):
     """A redis-py ``Lock`` whose token names its holder (for :meth:`RedisProgress.holder`),
     renewed in the background until released."""
@@ -142,7 +132,7 @@ class Lease(_Held):
                 log.error("lease %s lapsed (another holder took it, or renewal stalled past the lease)", self.key)
                 return
             except redis.RedisError as exc:  # keep trying: the lease may still hold
-                log.warning("lease %s: renewal failed: %s: %s", self.key, type(exc).__name__, exc)
+                log.warning("lease %s: renewal failed: %s", self.key, store_error(exc, self.progress.url))
 
     def release(self) -> None:
         self._stop.set()
@@ -158,12 +148,12 @@ class RedisProgress:
         import redis  # noqa: PLC0415
 
         self._redis = redis
-        self.model, self.lease_s, self.lock_wait_s = model, lease_s, lock_wait_s
-        self.key = key or f"tritonguard:rollout:{model}"
+        self.url, self.model, self.lease_s, self.lock_wait_s = url, model, lease_s, lock_wait_s
+        self.key = key or f"{redis_prefix('rollout')}{model}"
         self.lock_key, self.driver_key = f"{self.key}:lock", f"{self.key}:driver"
-        self.where = f"{_safe_url(url)} key {self.key}"
+        self.where = f"{redacted(url)} key {self.key}"
         # unlike the guards' reads (100 ms, then back off), the controller can afford to wait
-        self.client = client or redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self.client = client or redis_client(url, timeout=5, retries=True)
         self._fenced_set = self.client.register_script(_FENCED_SET)
         self._lock: Lease | None = None
 
@@ -171,7 +161,7 @@ class RedisProgress:
         try:
             return fn(*args, **kwargs)
         except self._redis.RedisError as exc:
-            raise ProgressUnavailable(f"rollout progress {self.where}: {type(exc).__name__}: {exc}") from None
+            raise ProgressUnavailable(f"rollout progress {self.where}: {store_error(exc, self.url)}") from None
 
     def holder(self, key: str) -> str:
         pipe = self.client.pipeline(transaction=False)
@@ -220,8 +210,8 @@ class RedisProgress:
 
 
 def open_progress(model: str, repo: str | os.PathLike, store: Any, *, lease_s: float = LEASE_S):
-    """Redis beside a Redis state store (same server, ``tritonguard:rollout:<model>``), else the
-    file beside the guard."""
+    """Redis beside a Redis state store (same server and namespace, ``tritonguard:rollout:<model>``),
+    else the file beside the guard."""
     if isinstance(store, RedisStateStore):
         prefix = store.key[: -len(model)] if store.key.endswith(model) else f"{store.key}:"
         key = prefix.replace(":state:", ":rollout:", 1) + model if ":state:" in prefix else f"{store.key}:rollout"

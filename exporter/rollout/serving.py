@@ -168,7 +168,7 @@ def purge_cache(repo: Path, model: str, *, by: str = "cli") -> dict[str, int | s
             finally:
                 db.close()
         if cache.l3_url:
-            r = _Redis(cache.l3_url, cache.l3_ttl_s, cache.l3_prefix, max(cache.l3_timeout_ms / 1000, 2.0))
+            r = _Redis(cache.l3_url, cache.l3_ttl_s, cache.l3_key_prefix(), max(cache.l3_timeout_ms / 1000, 2.0))
             try:
                 done["l3"] = r.purge(model)
             except r.errors as exc:

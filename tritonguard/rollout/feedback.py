@@ -15,7 +15,8 @@ only judge a candidate on them if it remembers who answered what:
 - **background**: records wait in a bounded buffer (more are dropped and counted, never waited
   for) and go out about once a second as one *segment* per writer (``host:pid``), with an expiry
   of ``feedback.ttl_s``: Redis ``tritonguard:feedback:<guard>:<kind>:<writer>:<seq>`` (``SET EX``)
-  listed in the set ``tritonguard:feedback:<guard>:<kind>``; or files
+  listed in the set ``tritonguard:feedback:<guard>:<kind>`` (``tritonguard:{<namespace>}:feedback:…``
+  with ``$TRITONGUARD_NAMESPACE``); or files
   ``<repo>/<guard>/.feedback/<kind>/<writer>-<seq>.fb`` (written atomically; a reader removes
   expired ones). Tenant-scoped: a label joins only a prediction of the same tenant.
 - ``exporter feedback MODEL --labels FILE`` (:func:`join`): reads every prediction segment,
@@ -48,12 +49,12 @@ import msgpack
 
 from tritonguard.core.errors import TritonGuardError
 from tritonguard.core.files import atomic_write
-from tritonguard.core.store import ENV_URL
+from tritonguard.core.store import ENV_URL, redacted, redis_client, redis_prefix, store_error
 
 log = logging.getLogger(__name__)
 
 FEEDBACK_DIR = ".feedback"
-KEY_PREFIX = "tritonguard:feedback:"
+KEY_PREFIX = "tritonguard:feedback:"  # without a namespace; see RedisFeedbackLog
 PRED, LABEL = "pred", "label"
 KINDS = (PRED, LABEL)
 MAGIC = b"TGFB\x00\x00\x00\x01"
@@ -205,19 +206,15 @@ class RedisFeedbackLog:
     """Segments as Redis strings with an expiry, listed in one set per guard and kind."""
 
     def __init__(self, url: str, guard: str, *, ttl_s: float = 86400.0, socket_timeout: float = 0.5,
-                 client: Any = None):
+                 key_prefix: str | None = None, client: Any = None):
         import redis  # noqa: PLC0415 - only with a Redis store
-        from redis.backoff import NoBackoff  # noqa: PLC0415
-        from redis.retry import Retry  # noqa: PLC0415
 
         self._redis = redis
         self.url, self.guard, self.ttl_s = url, guard, ttl_s
-        self.prefix = f"{KEY_PREFIX}{guard}:"
-        self.client = client or redis.Redis.from_url(url, socket_timeout=socket_timeout,
-                                                     socket_connect_timeout=socket_timeout,
-                                                     retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.prefix = f"{redis_prefix('feedback') if key_prefix is None else key_prefix}{guard}:"
+        self.client = client or redis_client(url, timeout=socket_timeout)
         self.corrupt = 0
-        self.where = f"{url} ({self.prefix}*)"
+        self.where = f"{redacted(url)} ({self.prefix}*)"
 
     def write(self, kind: str, writer: str, seq: int, records: Sequence[Prediction | Label]) -> None:
         ttl = max(1, round(self.ttl_s))
@@ -229,7 +226,7 @@ class RedisFeedbackLog:
                 pipe.expire(index, ttl)
                 pipe.execute()
         except self._redis.RedisError as exc:
-            raise FeedbackUnavailable(f"feedback log {self.url}: {type(exc).__name__}: {exc}") from None
+            raise FeedbackUnavailable(f"feedback log {redacted(self.url)}: {store_error(exc, self.url)}") from None
 
     def read(self, kind: str) -> list[Any]:
         index = f"{self.prefix}{kind}"
@@ -251,7 +248,7 @@ class RedisFeedbackLog:
                         self.corrupt += 1
                         log.warning("feedback segment %s skipped: %s", k.decode(errors="replace"), exc)
         except self._redis.RedisError as exc:
-            raise FeedbackUnavailable(f"feedback log {self.url}: {type(exc).__name__}: {exc}") from None
+            raise FeedbackUnavailable(f"feedback log {redacted(self.url)}: {store_error(exc, self.url)}") from None
         return out
 
 
@@ -471,7 +468,8 @@ def recorder_for(guard: str, repo: str | os.PathLike, config: FeedbackConfig) ->
     try:
         rec = FeedbackRecorder(open_feedback_log(guard, repo, ttl_s=config.ttl_s), config)
     except Exception as exc:  # noqa: BLE001 - e.g. a bad TRITONGUARD_STATE_URL: serve on without it
-        log.warning("guard %s: answers not kept for late labels (%s: %s)", guard, type(exc).__name__, exc)
+        log.warning("guard %s: answers not kept for late labels (%s)", guard,
+                    store_error(exc, os.environ.get(ENV_URL, "")))
         return None
     rec.start()
     return rec

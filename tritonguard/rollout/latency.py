@@ -23,7 +23,9 @@ Store layout, chosen like :func:`tritonguard.rollout.state.open_store` (Redis wh
   + ``os.replace``); the reader removes blobs not rewritten for ``ttl_s``.
 - Redis: ``tritonguard:latency:<guard>:<version>:<writer>`` holds the blob (``SET ... EX ttl_s``),
   and the set ``tritonguard:latency:<guard>:<version>`` lists the writers' keys, so a read costs
-  SMEMBERS + MGET instead of a SCAN of the whole keyspace.
+  SMEMBERS + MGET instead of a SCAN of the whole keyspace. With ``$TRITONGUARD_NAMESPACE`` the
+  prefix is ``tritonguard:{<namespace>}:latency:`` (:func:`tritonguard.core.store.redis_prefix`):
+  a staging fleet's samples never reach production's gate.
 
 A blob: header ``<8s i I`` (magic, model version, sample count n), then ``t`` float64[n] (wall
 clock, seconds since the epoch, when the call ended), ``rows`` int32[n], ``seconds`` float32[n],
@@ -52,12 +54,12 @@ import numpy as np
 
 from tritonguard.core.errors import TritonGuardError
 from tritonguard.core.files import atomic_write
-from tritonguard.core.store import ENV_URL, home
+from tritonguard.core.store import ENV_URL, home, redacted, redis_client, redis_prefix, store_error
 
 log = logging.getLogger(__name__)
 
 LATENCY_DIR = ".latency"
-KEY_PREFIX = "tritonguard:latency:"
+KEY_PREFIX = "tritonguard:latency:"  # without a namespace; see RedisLatencyLog
 TTL_S = 3600.0
 MAGIC = b"TGLAT\x00\x00\x01"
 _HEADER = struct.Struct("<8siI")
@@ -216,20 +218,17 @@ class FileLatencyLog:
 class RedisLatencyLog:
     """Blobs as Redis strings with an expiry, indexed by a set per version; see the module docstring."""
 
-    def __init__(self, url: str, guard: str, *, key_prefix: str = KEY_PREFIX, ttl_s: float = TTL_S,
+    def __init__(self, url: str, guard: str, *, key_prefix: str | None = None, ttl_s: float = TTL_S,
                  socket_timeout: float = 0.5, client: Any = None):
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         self._redis = redis
         self.url, self.guard = url, guard
-        self.prefix = f"{key_prefix}{guard}:"
+        self.where = redacted(url)
+        self.prefix = f"{redis_prefix('latency') if key_prefix is None else key_prefix}{guard}:"
         self.ttl_s = ttl_s
         # bytes in, bytes out (no decode_responses); no retries: an outage fails the flush fast
-        self.client = client or redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.client = client or redis_client(url, timeout=socket_timeout)
         self.corrupt = 0
         self._reported: set[bytes] = set()
 
@@ -242,11 +241,14 @@ class RedisLatencyLog:
     def write(self, version: int, writer: str, samples: Samples) -> None:
         ttl = max(1, round(self.ttl_s))
         index, key = self.index(version), self.key(version, writer)
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(key, encode(version, samples), ex=ttl)
-            pipe.sadd(index, key)
-            pipe.expire(index, ttl)  # refreshed after every blob: the index outlives them all
-            pipe.execute()
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.set(key, encode(version, samples), ex=ttl)
+                pipe.sadd(index, key)
+                pipe.expire(index, ttl)  # refreshed after every blob: the index outlives them all
+                pipe.execute()
+        except self._redis.RedisError as exc:  # said by the recorder: without the URL's password
+            raise LatencyUnavailable(f"latency log {self.where}: {store_error(exc, self.url)}") from None
 
     def read(self, version: int, since: float = 0.0, until: float | None = None) -> Samples:
         index = self.index(version)
@@ -257,7 +259,7 @@ class RedisLatencyLog:
             if expired:
                 self.client.srem(index, *expired)
         except self._redis.RedisError as exc:
-            raise LatencyUnavailable(f"latency log {self.url}: {type(exc).__name__}: {exc}") from None
+            raise LatencyUnavailable(f"latency log {self.where}: {store_error(exc, self.url)}") from None
         parts = []
         for key, blob in zip(keys, blobs, strict=True):
             if blob is None:
@@ -432,5 +434,6 @@ def recorder_for(guard: str, repo: str | os.PathLike) -> LatencyRecorder | None:
     try:
         return LatencyRecorder(open_latency_log(guard, repo))
     except Exception as exc:  # noqa: BLE001 - e.g. a bad TRITONGUARD_STATE_URL: say so, serve on
-        log.warning("guard %s: latency samples not kept (%s: %s)", guard, type(exc).__name__, exc)
+        log.warning("guard %s: latency samples not kept (%s)", guard,
+                    store_error(exc, os.environ.get(ENV_URL, "")))
         return None

@@ -1,6 +1,7 @@
 """Replicas found, not listed: each server's guards register it in the shared store with a heartbeat.
 
-One Redis key per replica (``tritonguard:replica:<host:http-port>``), a hash written by every
+One Redis key per replica (``tritonguard:replica:<host:http-port>``, with a namespace
+``tritonguard:{<namespace>}:replica:<host:http-port>``: :func:`tritonguard.core.store.redis_prefix`), a hash written by every
 guard instance on that replica (idempotent: the same fields, last writer wins) and given a TTL of
 three heartbeat periods, so a replica that stops beating disappears by itself:
 
@@ -14,7 +15,8 @@ The guard cannot know Triton's ports by itself: without ``TRITONGUARD_ADVERTISE_
 launcher sets it from ``--http-port``) or without a Redis state URL, nothing is registered.
 Heartbeats run in a daemon thread per guard instance, never on the serving path; a Redis failure
 is counted (:attr:`Heartbeat.errors`) and logged once, and the next beat tries again.
-The exporter reads the live replicas with :meth:`ReplicaRegistry.live`.
+The exporter reads the live replicas with :meth:`ReplicaRegistry.live`: a SCAN of its own
+namespace's prefix, so a staging fleet on the same Redis is not seen (nor routed, nor counted).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-from tritonguard.core.store import store_url
+from tritonguard.core.store import redacted, redis_client, redis_prefix, store_error, store_url
 
 log = logging.getLogger("tritonguard.replicas")
 
@@ -42,17 +44,7 @@ ENV_STARTED = "TRITONGUARD_ADVERTISE_STARTED"
 ENV_PERIOD = "TRITONGUARD_HEARTBEAT_S"
 DEFAULT_PERIOD_S = 5.0
 TTL_PERIODS = 3  # a key outlives its last beat by three periods
-KEY_PREFIX = "tritonguard:replica:"
-
-
-def redacted(url: str) -> str:
-    """``url`` without its password (for lines an operator reads)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+KEY_PREFIX = "tritonguard:replica:"  # without a namespace; see ReplicaRegistry
 
 
 def is_redis(url: str) -> bool:
@@ -106,21 +98,19 @@ class Replica:
 
 
 class ReplicaRegistry:
-    """The live replicas in Redis; see the module docstring. ``period_s`` sets the TTL."""
+    """The live replicas in Redis; see the module docstring. ``period_s`` sets the TTL;
+    ``key_prefix`` defaults to this process's namespace (``redis_prefix("replica")``)."""
 
-    def __init__(self, url: str, *, period_s: float = DEFAULT_PERIOD_S, key_prefix: str = KEY_PREFIX,
+    def __init__(self, url: str, *, period_s: float = DEFAULT_PERIOD_S, key_prefix: str | None = None,
                  socket_timeout: float = 1.0, clock: Callable[[], float] = time.time, client: Any = None):
         import redis  # noqa: PLC0415 - only with a Redis store
-        from redis.backoff import NoBackoff  # noqa: PLC0415
-        from redis.retry import Retry  # noqa: PLC0415
 
         self._redis = redis
-        self.url, self.prefix, self.clock = url, key_prefix, clock
+        self.url, self.clock = url, clock
+        self.prefix = redis_prefix("replica") if key_prefix is None else key_prefix
         self.period_s = float(period_s)
         self.ttl_s = max(1, int(round(TTL_PERIODS * self.period_s)))
-        self.client = client or redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.client = client or redis_client(url, timeout=socket_timeout)
         self.errors = redis.RedisError
 
     def key(self, rid: str) -> str:
@@ -212,8 +202,9 @@ class Heartbeat:
         except Exception as exc:  # noqa: BLE001 - Redis down: count, say once, try next period
             self.errors += 1
             if not self._failing:
-                log.error("replica heartbeat of %s to %s failed (%s: %s); retrying every %g s",
-                          self.model, redacted(self.registry.url), type(exc).__name__, exc, self.registry.period_s)
+                log.error("replica heartbeat of %s to %s failed (%s); retrying every %g s",
+                          self.model, redacted(self.registry.url), store_error(exc, self.registry.url),
+                          self.registry.period_s)
             self._failing = True
             return False
         if self._failing:
@@ -259,7 +250,7 @@ def start_heartbeat(model: str, versions: Callable[[], list[int]], *, url: str |
     try:
         registry = ReplicaRegistry(url, period_s=period(environ))
     except Exception as exc:  # noqa: BLE001 - e.g. no redis package: serve anyway
-        log.error("guard %s: replica registry unavailable (%s: %s)", model, type(exc).__name__, exc)
+        log.error("guard %s: replica registry unavailable (%s)", model, store_error(exc, url))
         return None
     return Heartbeat(registry, info, model, versions).start()
 

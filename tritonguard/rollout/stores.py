@@ -26,7 +26,14 @@ from filelock import FileLock
 
 from tritonguard.core.files import atomic_write
 from tritonguard.core.outage import Backoff
-from tritonguard.core.store import ENV_URL, file_lock
+from tritonguard.core.store import (
+    ENV_URL,
+    file_lock,
+    redacted,
+    redis_client,
+    redis_prefix,
+    store_error,
+)
 from tritonguard.rollout.state import (
     STATE_FILE,
     RolloutState,
@@ -157,27 +164,26 @@ class FileStateStore:
 
 
 class RedisStateStore:
-    """The state document in a Redis hash (``doc``, ``revision``); see the module docstring."""
+    """The state document in a Redis hash (``doc``, ``revision``) under
+    ``redis_prefix("state")`` (``tritonguard:{<namespace>}:state:<model>``); see the module
+    docstring. Messages name the store by :func:`~tritonguard.core.store.redacted` URL only."""
 
     BACKOFF_START_S = 5.0
     BACKOFF_MAX_S = 60.0
     MAX_CAS_ATTEMPTS = 200
 
-    def __init__(self, url: str, model: str, *, key_prefix: str = "tritonguard:state:",
+    def __init__(self, url: str, model: str, *, key_prefix: str | None = None,
                  socket_timeout: float = 0.1, clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic, client: Any = None):
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         self._redis = redis
         self.url, self.model = url, model
-        self.key = f"{key_prefix}{model}"
+        self.where = redacted(url)
+        self.key = f"{redis_prefix('state') if key_prefix is None else key_prefix}{model}"
         self.clock, self.monotonic = clock, monotonic
         # no client-side retries: a retry loop would hold the serving thread during an outage
-        self.client = client or redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.client = client or redis_client(url, timeout=socket_timeout)
         self.errors = 0
         self._last: RolloutState | None = None
         self._health = Backoff(monotonic, self.BACKOFF_START_S, self.BACKOFF_MAX_S)
@@ -188,12 +194,12 @@ class RedisStateStore:
 
     def _failed(self, exc: Exception) -> None:
         self.errors += 1
-        log.error("rollout state store %s unreachable (%s: %s); retrying in %.0f s", self.url,
-                  type(exc).__name__, exc, self._health.fail())
+        log.error("rollout state store %s unreachable (%s); retrying in %.0f s", self.where,
+                  store_error(exc, self.url), self._health.fail())
 
     def _ok(self) -> None:
         if self._health.recover():
-            log.info("rollout state store %s reachable again", self.url)
+            log.info("rollout state store %s reachable again", self.where)
 
     # -- reads ----------------------------------------------------------------------------
     def _parse(self, raw: bytes | None) -> RolloutState | None:
@@ -240,7 +246,7 @@ class RedisStateStore:
     # -- writes ---------------------------------------------------------------------------
     def update(self, fn: Updater, expected_revision: int | None = None, *, by: str = "") -> RolloutState:
         if not self._available():
-            raise StateUnavailable(f"state store {self.url} is backing off after an error")
+            raise StateUnavailable(f"state store {self.where} is backing off after an error")
         redis = self._redis
         try:
             with self.client.pipeline() as pipe:
@@ -263,7 +269,7 @@ class RedisStateStore:
                     return new
         except redis.RedisError as exc:
             self._failed(exc)
-            raise StateUnavailable(f"state store {self.url}: {type(exc).__name__}: {exc}") from None
+            raise StateUnavailable(f"state store {self.where}: {store_error(exc, self.url)}") from None
         raise StateConflict(f"state of '{self.model}': gave up after {self.MAX_CAS_ATTEMPTS} contended attempts")
 
     def update_breaker(self, version: int | str, fn: BreakerUpdater, *, by: str = "") -> RolloutState:

@@ -24,18 +24,18 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from tritonguard.core.errors import ConfigError, TritonGuardError
 from tritonguard.core.files import atomic_write
 from tritonguard.core.outage import Backoff
-from tritonguard.core.store import ENV_URL
+from tritonguard.core.store import ENV_URL, redacted, redis_client, redis_prefix, store_error
 from tritonguard.privacy.audit.chain import canonical
 
 KEY_ENV = "TRITONGUARD_AUDIT_KEY"
 ANCHOR_SUFFIX = ".anchor"  # the local anchor: <path>.anchor
 ANCHOR_PREFIX = "audit_anchor."  # the file store's: <repo>/<guard>/audit_anchor.<log name>.<id>.json
 ANCHOR_HASH = "tritonguard:audit:anchors"  # the Redis store's anchors: one hash, a field per log
+# (that name without a namespace; with one, ``redis_prefix("audit") + "anchors"``)
 ANCHOR_VERSION = 1
 MIN_KEY_CHARS = 16
 
@@ -170,22 +170,19 @@ class RedisAnchors:
     BACKOFF_START_S = 5.0
     BACKOFF_MAX_S = 60.0
 
-    def __init__(self, url: str, *, key: str = ANCHOR_HASH, socket_timeout: float = 0.5, client: Any = None,
+    def __init__(self, url: str, *, key: str | None = None, socket_timeout: float = 0.5, client: Any = None,
                  monotonic: Any = time.monotonic):
         import redis  # deferred: a heavy import, needed only when the anchors live in Redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         self._redis = redis
-        self.url, self.key, self.monotonic = url, key, monotonic
-        self.client = client or redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        # this fleet's own hash: two fleets on one Redis may both have a log named "digits"
+        self.url, self.monotonic = url, monotonic
+        self.key = f"{redis_prefix('audit')}anchors" if key is None else key
+        self.client = client or redis_client(url, timeout=socket_timeout)
         self._health = Backoff(monotonic, self.BACKOFF_START_S, self.BACKOFF_MAX_S)
 
     def __str__(self) -> str:
-        u = urlsplit(self.url)
-        return f"{u.scheme}://{u.hostname}{f':{u.port}' if u.port else ''}{u.path} {self.key}"
+        return f"{redacted(self.url)} {self.key}"
 
     def where(self, name: str) -> str:
         return f"{self}[{name}]"
@@ -197,7 +194,7 @@ class RedisAnchors:
             out = fn()
         except self._redis.RedisError as exc:
             self._health.fail()
-            raise AnchorError(f"anchor store {self}: {type(exc).__name__}: {exc}") from None
+            raise AnchorError(f"anchor store {self}: {store_error(exc, self.url)}") from None
         self._health.recover()
         return out
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from tritonguard.core.errors import ConfigError
+from tritonguard.core.store import redis_prefix
 
 
 class PrivacyMode(str, enum.Enum):
@@ -42,7 +43,10 @@ class CacheConfig:
     l2_max_rows: int = 100000
     l3_url: str = ""  # redis:// or rediss://; empty = off
     l3_ttl_s: int = 3600
-    l3_prefix: str = "tritonguard:"
+    # "" = this fleet's cache keys, ``tritonguard:cache:`` (``tritonguard:{<namespace>}:cache:`` with
+    # $TRITONGUARD_NAMESPACE): never the prefix of the state, quota or replica keys, which a purge
+    # of every model (a SCAN of ``<prefix>*``) would otherwise delete too
+    l3_prefix: str = ""
     l3_timeout_ms: float = 50  # connect and socket timeout: a slow Redis must not slow serving
     key_env: str = "TRITONGUARD_L2_ENCRYPTION_KEY"  # 32 bytes, hex or base64
     key_file: str = ""  # takes precedence over key_env
@@ -61,6 +65,10 @@ class CacheConfig:
                 raise ValueError(f"cache.{name} must be > 0")
         if self.l3_url and urlsplit(self.l3_url).scheme not in ("redis", "rediss"):
             raise ValueError("cache.l3_url must start with redis:// or rediss://")
+
+    def l3_key_prefix(self) -> str:
+        """The L3's key prefix: ``cache.l3_prefix`` as given, else this fleet's (see the field)."""
+        return self.l3_prefix or redis_prefix("cache")
 
 
 def load_key(config: CacheConfig, environ: Mapping[str, str] | None = None) -> bytes:

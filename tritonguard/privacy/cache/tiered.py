@@ -71,7 +71,7 @@ class TieredCache:
                 raise ConfigError(f"cache.l2_path '{config.l2_path}': {exc}") from None
             self.stats["l2_quarantined"] = self._l2.quarantined
         if config.l3_url:
-            self._l3 = RedisTier(config.l3_url, config.l3_ttl_s, config.l3_prefix, config.l3_timeout_ms / 1000)
+            self._l3 = RedisTier(config.l3_url, config.l3_ttl_s, config.l3_key_prefix(), config.l3_timeout_ms / 1000)
             u = urlsplit(config.l3_url)
             log.info("cache L3: redis at %s:%s (credentials not logged)", u.hostname, u.port or 6379)
 

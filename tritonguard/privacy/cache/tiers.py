@@ -319,12 +319,11 @@ def _glob_escape(s: str) -> str:
 class RedisTier:
     def __init__(self, url: str, ttl: int, prefix: str, timeout_s: float):
         import redis  # deferred: a heavy import, needed only with an L3 (cache.l3_url)
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
+
+        from tritonguard.core.store import redis_client
 
         # no client-side retries: one failure must cost one timeout at most, the backoff does the rest
-        self._r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                       retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._r = redis_client(url, timeout=timeout_s)
         self.ttl, self.prefix = ttl, prefix
         self.errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
 

@@ -44,12 +44,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from tritonguard.core.outage import Backoff
+from tritonguard.core.store import redacted, redis_client, redis_prefix, store_error
 from tritonguard.privacy.tenancy.config import FALLBACK, MAX_TRACKED, Quota, TenancyConfig
 from tritonguard.privacy.tenancy.quotas import QuotaManager
 
 log = logging.getLogger(__name__)
 
-KEY_PREFIX = "tritonguard:quota:"
+KEY_PREFIX = "tritonguard:quota:"  # without a namespace; see FleetQuotaManager
 
 # KEYS[1] bucket hash; ARGV rps, capacity, want (< 0: give tokens back), lease.
 # Returns {granted, seconds until a whole lease has refilled (string)}; time is Redis's own (TIME).
@@ -126,31 +127,30 @@ class _Tenant:
 
 
 class FleetQuotaManager(QuotaManager):
-    """The fleet's quotas, through Redis leases; ``local`` judges while Redis is unreachable."""
+    """The fleet's quotas, through Redis leases; ``local`` judges while Redis is unreachable.
+    Keys under ``key_prefix``, by default this process's namespace (``redis_prefix("quota")``):
+    two fleets on one Redis draw from two buckets."""
 
     lease_s = 0.05  # a rate lease is this many seconds of the tenant's rate
     BACKOFF_START_S = 1.0
     BACKOFF_MAX_S = 30.0
 
     def __init__(self, config: TenancyConfig, url: str, *, guard: str, local: QuotaManager,
-                 ttl_s: float = 5.0, timeout_s: float = 0.05, key_prefix: str = KEY_PREFIX,
+                 ttl_s: float = 5.0, timeout_s: float = 0.05, key_prefix: str | None = None,
                  replica: str | None = None, clock: Any = time.monotonic, client: Any = None,
                  background: bool = True):
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         super().__init__(config, clock)
         self._redis = redis
         self.url, self.guard, self.local = url, guard, local
+        self.where = redacted(url)
         self.ttl_s = ttl_s
         self.replica = replica or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.prefix = f"{key_prefix}{guard}:"
+        self.prefix = f"{redis_prefix('quota') if key_prefix is None else key_prefix}{guard}:"
         self._lease_prefix = f"{self.prefix}replica:"
         # no client-side retries: a retry loop would hold the serving thread during an outage
-        self.client = client or redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.client = client or redis_client(url, timeout=timeout_s)
         self._take = self.client.register_script(_TAKE)
         self._slots = self.client.register_script(_SLOTS)
         self._lease = self.client.register_script(_LEASE)
@@ -177,11 +177,11 @@ class FleetQuotaManager(QuotaManager):
             out = fn(*args, **kwargs)
         except (self._redis.RedisError, OSError) as exc:
             self.errors += 1
-            log.warning("fleet quotas: %s unreachable (%s: %s); judging by this host's quotas for %.0f s",
-                        self.url, type(exc).__name__, exc, self._health.fail())
+            log.warning("fleet quotas: %s unreachable (%s); judging by this host's quotas for %.0f s",
+                        self.where, store_error(exc, self.url), self._health.fail())
             return None
         if self._health.recover():
-            log.info("fleet quotas: %s reachable again", self.url)
+            log.info("fleet quotas: %s reachable again", self.where)
         return out
 
     def _renew(self) -> bool:
