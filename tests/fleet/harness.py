@@ -729,9 +729,14 @@ def find_redis_server() -> str:
     return _find("FLEET_REDIS_SERVER", ["/usr/bin/redis-server", "redis-server"])
 
 
-def _redis_ping(port: int) -> bool:
+def _redis_ping(port: int, password: str = "") -> bool:
     try:
         with socket.create_connection((LOOPBACK, port), timeout=0.5) as s:
+            if password:  # RESP, so that any password (spaces, quotes) goes as one argument
+                pw = password.encode()
+                s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                if not s.recv(16).startswith(b"+OK"):
+                    return False
             s.sendall(b"PING\r\n")
             return s.recv(16).startswith(b"+PONG")
     except OSError:
@@ -741,23 +746,37 @@ def _redis_ping(port: int) -> bool:
 @dataclass
 class Redis:
     """``redis-server`` on a free loopback port, no persistence: the fleet's rollout state,
-    breakers, quotas and replica registry (``TRITONGUARD_STATE_URL``)."""
+    breakers, quotas and replica registry (``TRITONGUARD_STATE_URL``). With ``password`` it
+    requires it (``--requirepass``, given in the config file, never on a command line that
+    ``ps`` shows) and :attr:`url` carries it as the chart's does (``redis://:PASSWORD@…``);
+    ``extra_args`` go to redis-server as they are (e.g. ``--cluster-enabled yes``)."""
 
     workdir: Path
     port: int = field(default_factory=free_port)
+    password: str = ""
+    extra_args: Sequence[str] = ()
+    name: str = "redis"
     child: Child | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{LOOPBACK}:{self.port}/0"
+        auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{LOOPBACK}:{self.port}/0"
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.workdir) / self.name
 
     def start(self, timeout: float = 15.0) -> Redis:
-        d = Path(self.workdir) / "redis"
+        d = self.dir
         d.mkdir(parents=True, exist_ok=True)
-        self.child = Child("redis", [find_redis_server(), "--port", str(self.port), "--bind", LOOPBACK,
-                                     "--save", "", "--appendonly", "no", "--dir", str(d)],
+        conf = d / "redis.conf"
+        conf.write_text(f"requirepass \"{self.password}\"\n" if self.password else "")
+        conf.chmod(0o600)
+        self.child = Child("redis", [find_redis_server(), str(conf), "--port", str(self.port), "--bind", LOOPBACK,
+                                     "--save", "", "--appendonly", "no", "--dir", str(d), *self.extra_args],
                            d / "redis.log").start()
-        wait_until(lambda: _redis_ping(self.port), timeout, "redis-server", interval=0.05,
+        wait_until(lambda: _redis_ping(self.port, self.password), timeout, "redis-server", interval=0.05,
                    proc=self.child.proc, log=d / "redis.log")
         return self
 
@@ -794,7 +813,10 @@ class Fleet:
     The ``models`` of the local repository ``repo`` are published to
     ``s3://http://127.0.0.1:PORT/<bucket>/<prefix>`` with the exporter's publisher; every replica
     serves that URL through the project's launcher, with ``TRITONGUARD_STATE_URL`` (Redis) and
-    ``TRITONGUARD_HEARTBEAT_S`` in its environment, explicit model control loading ``models``."""
+    ``TRITONGUARD_HEARTBEAT_S`` in its environment, explicit model control loading ``models``.
+    ``namespace`` is the fleet's ``TRITONGUARD_NAMESPACE`` (replicas and :meth:`env` alike: every
+    Redis key under ``tritonguard:{<namespace>}:``); ``redis_password`` makes Redis require one,
+    carried in the URL as the chart does (``redis://:PASSWORD@…``)."""
 
     repo: Path
     workdir: Path | None = None
@@ -803,6 +825,8 @@ class Fleet:
     bucket: str = "models"
     prefix: str = "repo"
     heartbeat_s: float = 1.0
+    namespace: str = ""
+    redis_password: str = ""
     server_args: Sequence[str] | None = None
     moto_server: str | None = None
     s3: MotoS3 | None = None
@@ -819,12 +843,15 @@ class Fleet:
 
     def env(self) -> dict[str, str]:
         """What a client of this fleet (``python -m exporter …``) needs: the store's AWS_*
-        variables and the Redis URL."""
-        return {**self.s3.env(), "TRITONGUARD_STATE_URL": self.redis.url}
+        variables, the Redis URL and the fleet's namespace."""
+        return {**self.s3.env(), "TRITONGUARD_STATE_URL": self.redis.url, **self.namespace_env()}
+
+    def namespace_env(self) -> dict[str, str]:
+        return {"TRITONGUARD_NAMESPACE": self.namespace} if self.namespace else {}
 
     def replica_env(self) -> dict[str, str]:
         env = {**FAKE_AWS, "TRITONGUARD_STATE_URL": self.redis.url,
-               "TRITONGUARD_HEARTBEAT_S": str(self.heartbeat_s)}
+               "TRITONGUARD_HEARTBEAT_S": str(self.heartbeat_s), **self.namespace_env()}
         return env
 
     def start(self, timeout: float = 180.0) -> Fleet:
@@ -834,7 +861,7 @@ class Fleet:
         try:
             self.s3 = MotoS3(self.workdir, executable=self.moto_server).start()
             self.s3.create_bucket(self.bucket)
-            self.redis = Redis(self.workdir).start()
+            self.redis = Redis(self.workdir, password=self.redis_password).start()
             self.published = publish_models(self.s3, self.url, self.repo, self.models, self.workdir)
             self.timings["store_s"] = time.monotonic() - t
             args = self.server_args

@@ -13,12 +13,22 @@ object store (moto), one Redis, nginx in front, Prometheus scraping every second
    latency gate read from Prometheus, with no failed client request;
 3. one tenant's quota (40 requests/s, burst 10) holds within 10 % across the three replicas;
 4. with the object store gone, every replica serves on.
+
+Around them (issue 39, items 3 and 5): the fleet is the namespace ``production``
+(``TRITONGUARD_NAMESPACE``) on a Redis that requires a password (in the URL, as the chart has
+it). After the first rollout, a second fleet on the same Redis is simulated cheaply: exporter
+commands with ``TRITONGUARD_NAMESPACE=staging`` see none of production's replicas nor its routing,
+and their route change leaves production's alone. Last, Redis goes away for a few seconds and comes
+back; then every file the fleet wrote (server and launcher logs, nginx, Prometheus, exporter
+outputs) is searched for the password: it is in none, and the outage lines name the store as
+``redis://:***@…``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -29,6 +39,7 @@ import numpy as np
 import pytest
 
 from tests.fleet.harness import Fleet
+from tritonguard.core.store import redis_prefix
 
 pytestmark = [pytest.mark.functional, pytest.mark.fleet]
 
@@ -40,6 +51,10 @@ PROMOTE_GATES = ["--dwell-s", "10", "--interval-s", "1", "--min-requests", "60",
 
 
 MODELS = ("digits_raw", "digits", "digits_quota")
+NAMESPACE = "production"
+# unique per run, so that a match in a log file can only come from this fleet
+REDIS_PASSWORD = f"fleet-{secrets.token_hex(12)}"
+EXPORTER_LOG = "exporter-commands.log"  # every exporter command's output, for the password search
 # digits_quota: the digits guard with one tenant's quota, shared by the three replicas through Redis
 QUOTA = {"rps": 40, "burst": 10}
 QUOTA_S = 6.0
@@ -67,9 +82,10 @@ def fleet(exported_repo, tmp_path_factory):
     if not (Path(sys.executable).parent / "moto_server").exists():
         pytest.skip("moto_server is not installed (pip install 'moto[server]')")
     base = tmp_path_factory.mktemp("fleet")
-    f = Fleet(with_quota_guard(exported_repo, base / "source"), base, replicas=3, models=MODELS)
+    f = Fleet(with_quota_guard(exported_repo, base / "source"), base, replicas=3, models=MODELS,
+              namespace=NAMESPACE, redis_password=REDIS_PASSWORD)
     f.start(timeout=180)
-    print("fleet:", json.dumps(f.urls()))
+    print("fleet:", json.dumps(f.urls()).replace(REDIS_PASSWORD, "***"))  # this output is a log too
     try:
         yield f
     finally:
@@ -94,10 +110,26 @@ def model_file(fleet: Fleet, name: str) -> list[str]:
     return ["--source", str(path), "--inputs", str(samples), "--task", "classifier"]
 
 
-def exporter(fleet: Fleet, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, **fleet.env(), "TRITONGUARD_REPOSITORY": fleet.url}
-    return subprocess.run([sys.executable, "-m", "exporter", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def key(fleet: Fleet, kind: str, name: str) -> str:
+    """A Redis key of the fleet's namespace (``tritonguard:{production}:<kind>:<name>``)."""
+    return redis_prefix(kind, fleet.env()) + name
+
+
+def keep_output(fleet: Fleet, what: str, text: str) -> None:
+    """An exporter command's output, kept in the fleet's folder for the password search. The
+    command line is the test's own (its ``--state-url`` carries the password): written with the
+    URL as a name; the output is kept as the command wrote it."""
+    with open(fleet.workdir / EXPORTER_LOG, "a") as f:
+        f.write(f"$ {what.replace(fleet.redis.url, '$TRITONGUARD_STATE_URL')}\n{text}\n")
+
+
+def exporter(fleet: Fleet, *args: str, timeout: float = 600, env: dict[str, str] | None = None,
+             ) -> subprocess.CompletedProcess:
+    env = {**os.environ, **fleet.env(), "TRITONGUARD_REPOSITORY": fleet.url, **(env or {})}
+    r = subprocess.run([sys.executable, "-m", "exporter", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    keep_output(fleet, " ".join(args), r.stdout + r.stderr)
+    return r
 
 
 class Traffic:
@@ -227,7 +259,7 @@ def test_the_fleet_rolls_out_through_a_replica_crash(fleet):
             if seen_v2 is None:
                 import redis
 
-                state = redis.Redis.from_url(fleet.redis.url).get("tritonguard:rollout:digits")
+                state = redis.Redis.from_url(fleet.redis.url).get(key(fleet, "rollout", "digits"))
                 log_tail = victim.server.log_path.read_text(errors="replace")[-3000:]
                 pytest.fail(f"the restarted replica never served v2 (last: {who}); promote so far:\n{''.join(out)}\n"
                             f"rollout state: {state!r}\nits server log ends:\n{log_tail}")
@@ -243,6 +275,7 @@ def test_the_fleet_rolls_out_through_a_replica_crash(fleet):
             reader.join(timeout=10)
         numbers["promote_s"] = round(time.monotonic() - t_promote, 1)
         text = "".join(out)
+        keep_output(fleet, "promote digits --version 2", text)
         print(text)
         assert rc == 0, text
         assert "promoted" in text
@@ -251,7 +284,7 @@ def test_the_fleet_rolls_out_through_a_replica_crash(fleet):
     # the rollout is done in Redis, v2 is primary, every replica (the restarted one too) serves it
     import redis
 
-    prog = json.loads(redis.Redis.from_url(fleet.redis.url).get("tritonguard:rollout:digits"))
+    prog = json.loads(redis.Redis.from_url(fleet.redis.url).get(key(fleet, "rollout", "digits")))
     assert prog["status"] == "done", prog
     for rep in fleet.servers:
         assert direct_served_by(rep, traffic.images[:8]) == ["digits_raw:2"] * 8
@@ -284,6 +317,48 @@ def test_the_fleet_rolls_out_through_a_replica_crash(fleet):
     assert len(failed) <= HTTP_THREADS + GRPC_THREADS
 
 
+def test_a_staging_fleet_on_the_same_redis_neither_sees_nor_routes_production(fleet):
+    """A second fleet, simulated by its exporter commands alone (no second set of replicas): a
+    staging repository of its own (a local copy of the same models), the same Redis, and
+    ``TRITONGUARD_NAMESPACE=staging``. Its ``status`` lists no replica (production's three are not
+    its own), its ``route`` starts from no state, and its ``route --primary 1`` writes its own
+    state: production's state and progress are untouched and every replica serves on as before."""
+    import shutil
+
+    import redis
+
+    store = redis.Redis.from_url(fleet.redis.url)
+    prod_state, prod_progress = key(fleet, "state", "digits"), key(fleet, "rollout", "digits")
+    before = (store.hgetall(prod_state), store.get(prod_progress))
+    assert before[0], "production has a rollout state (written by its guards and the first test)"
+    serving = {rep.name: direct_served_by(rep, np.zeros((4, 8, 8), np.float32)) for rep in fleet.servers}
+    staging_repo = fleet.workdir / "staging-repo"
+    if not staging_repo.exists():
+        shutil.copytree(fleet.workdir / "publish", staging_repo)
+    staging = {"TRITONGUARD_NAMESPACE": "staging", "TRITONGUARD_REPOSITORY": str(staging_repo)}
+
+    r = exporter(fleet, "status", "--json", "-r", str(staging_repo), env=staging, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 replicas live (from redis://:***@" in r.stderr and json.loads(r.stdout)["replicas"] == [], r.stderr
+    r = exporter(fleet, "route", "digits", "--json", "-r", str(staging_repo), env=staging, timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["state"] is None, r.stdout + r.stderr
+    r = exporter(fleet, "route", "digits", "--primary", "1", "--json", "-r", str(staging_repo), env=staging,
+                 timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["primary"]["version"] == 1, r.stdout + r.stderr
+    from tritonguard.rollout.stores import RedisStateStore
+
+    staged = RedisStateStore(fleet.redis.url, "digits", key_prefix="tritonguard:{staging}:state:").load()
+    assert staged.primary == 1, staged
+
+    time.sleep(3)  # the guards poll their state every second: long enough to follow a wrong write
+    assert (store.hgetall(prod_state), store.get(prod_progress)) == before
+    after = {rep.name: direct_served_by(rep, np.zeros((4, 8, 8), np.float32)) for rep in fleet.servers}
+    assert after == serving, (serving, after)
+    # and production's own view is as before: its three replicas, in its namespace
+    doc, err = listed_replicas(fleet)
+    assert len(doc["replicas"]) == 3 and "3 replicas live (from redis://:***@" in err, err
+
+
 def test_a_slower_version_is_rolled_back_across_the_fleet(fleet):
     """After the first test (or from v1 alone): the primary stays, every replica serves it, no
     client request fails."""
@@ -292,7 +367,7 @@ def test_a_slower_version_is_rolled_back_across_the_fleet(fleet):
     from tritonguard.rollout.stores import RedisStateStore
 
     store = redis.Redis.from_url(fleet.redis.url)
-    primary = RedisStateStore(fleet.redis.url, "digits").load().primary
+    primary = RedisStateStore(fleet.redis.url, "digits", key_prefix=redis_prefix("state", fleet.env())).load().primary
     slow_args = model_file(fleet, "slow")
     with Traffic(fleet) as traffic:
         r = exporter(fleet, "export", *slow_args, "--name", "digits", "--no-register", "-r", fleet.url)
@@ -308,9 +383,9 @@ def test_a_slower_version_is_rolled_back_across_the_fleet(fleet):
                                              "served_slow_rows": sum(w.count(f"digits_raw:{slow}") for *_, w in traffic.log)}))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "rolled_back" in r.stdout and "latency FAIL" in r.stdout, r.stdout
-    prog = json.loads(store.get("tritonguard:rollout:digits"))
+    prog = json.loads(store.get(key(fleet, "rollout", "digits")))
     assert prog["status"] == "rolled_back", prog
-    state = RedisStateStore(fleet.redis.url, "digits").load()
+    state = RedisStateStore(fleet.redis.url, "digits", key_prefix=redis_prefix("state", fleet.env())).load()
     assert state.primary == primary and state.candidate is None, state
     for rep in fleet.servers:
         assert direct_served_by(rep, traffic.images[:8]) == [f"digits_raw:{primary}"] * 8
@@ -403,8 +478,54 @@ def test_replicas_serve_on_when_the_object_store_goes_away(fleet):
         assert len(direct_served_by(rep, traffic.images[:4])) == 4
     from tritonguard.rollout.replicas import ReplicaRegistry
 
-    registry = ReplicaRegistry(fleet.redis.url)
+    registry = ReplicaRegistry(fleet.redis.url, key_prefix=redis_prefix("replica", fleet.env()))
     try:
         assert len(registry.live()) == 3
     finally:
         registry.close()
+
+
+def test_a_redis_outage_is_logged_without_the_password(fleet):
+    """Last (Redis restarts empty): Redis goes away for a few seconds under traffic and comes
+    back. The guards say so (state store, heartbeat, latency samples) naming the store as
+    ``redis://:***@…``; the replicas register again. Then every file this fleet wrote (each
+    replica's server and launcher log, Redis, nginx, Prometheus, moto, every exporter command's
+    output) is searched for the password, as written and URL-encoded: it is in none of them but
+    the Redis config that sets it."""
+    import urllib.parse
+
+    from tritonguard.rollout.replicas import ReplicaRegistry
+
+    fleet.redis.stop()
+    with Traffic(fleet) as traffic:
+        time.sleep(5)  # every guard polls its state, beats and flushes its samples meanwhile
+        fleet.redis.start()
+        time.sleep(4)  # the heartbeats come back (period 1 s)
+    assert len(traffic.log) > 20
+    registry = ReplicaRegistry(fleet.redis.url, key_prefix=redis_prefix("replica", fleet.env()))
+    try:
+        deadline = time.monotonic() + 30
+        while len(registry.live()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(registry.live()) == 3
+    finally:
+        registry.close()
+
+    redacted_url = f"redis://:***@127.0.0.1:{fleet.redis.port}/0"
+    for rep in fleet.servers:  # the outage was logged (the search below is not vacuous)
+        lines = rep.server.log_path.read_text(errors="replace").splitlines()
+        said = [ln for ln in lines if redacted_url in ln and ("unreachable" in ln or "failed" in ln)]
+        assert said, f"{rep.name} logged no store error naming {redacted_url}"
+
+    needles = {REDIS_PASSWORD.encode(), urllib.parse.quote(REDIS_PASSWORD, safe="").encode()}
+    config = fleet.redis.dir / "redis.conf"  # the one place the password must be
+    searched, leaks = 0, []
+    for path in sorted(p for p in Path(fleet.workdir).rglob("*") if p.is_file() and not p.is_symlink()):
+        if path == config:
+            continue
+        searched += 1
+        data = path.read_bytes()
+        leaks += [f"{path}: {ln[:200]!r}" for ln in data.splitlines() if any(n in ln for n in needles)]
+    print("fleet password search:", json.dumps({"files": searched, "leaks": len(leaks)}))
+    assert (fleet.workdir / EXPORTER_LOG).exists() and searched > 10
+    assert not leaks, leaks[:10]
