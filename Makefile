@@ -87,8 +87,11 @@ fleet-test: setup ## the fleet scenario (tests/functional/test_fleet.py): a roll
 test: setup deploy-venv ## the whole test suite (unit + functional against a real tritonserver)
 	$(PY) -m pytest tests --durations=40
 
-unit: $(STAMP) ## unit tests only (no server)
+unit: $(STAMP) ## unit tests only (no tritonserver; real Redis, moto, Prometheus, MLflow where a test needs one)
 	$(PY) -m pytest tests/unit
+
+functional: setup deploy-venv ## the tests that start a real tritonserver (tests/functional), and the chart and image checks (tests/deploy)
+	$(PY) -m pytest tests/functional tests/deploy --durations=20
 
 bench: setup ## perf_analyzer: guarded vs raw vs in-process ceiling; writes perf/results/
 	$(PY) -m perf.bench --repository $(REPO)
@@ -104,7 +107,7 @@ clean: ## remove the venv and the generated model repository contents
 	rm -rf $(VENV) $(REPO)/*/
 
 .PHONY: check-image
-check-image: ## resolve the Docker image's pinned packages for Python 3.10 (PyPI; no container engine)
+check-image: ## resolve the Docker image's pinned packages of each NGC release for its Python and CUDA (PyPI; no container engine)
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) .ci/check_image_deps.py
 
 # tests/deploy renders the Helm chart with Helm's own engine, validates it (Kubernetes schemas,
