@@ -221,8 +221,10 @@ class GuardModel:
                 self.privacy.close()
                 raise ConfigError(f"model '{self.name}': primary {tcfg.target} v{primary} failed its goldens "
                                   f"on this server: {figures}")
-        log.info("guard %s v%s -> %s primary v%d (%s)", self.name, self.version, tcfg.target,
-                 self.router.primary(), tcfg.placement)
+        # the load above (engines, goldens) ran on the serving thread: no tenant's request pays it
+        load_s = self.cost.loaded()
+        log.info("guard %s v%s -> %s primary v%d (%s); load took %.2f CPU s, charged to no tenant", self.name,
+                 self.version, tcfg.target, self.router.primary(), tcfg.placement, load_s)
 
     def _inprocess_targets(self, repo: Path, tcfg: TargetConfig, target_config: dict[str, Any],
                            overrides: dict[str, str]) -> tuple[Any, dict[str, Any]]:

@@ -139,6 +139,29 @@ def test_the_gauge_is_a_decaying_average_of_what_was_charged_between_updates():
     assert key not in metrics.gauges
 
 
+def test_load_work_is_charged_to_no_tenant_so_the_first_request_costs_what_a_later_one_does():
+    """Issue 45: the guard makes its meter, then loads its engines and runs the start-up goldens
+    on the serving thread; the first request paid all of it (3.57 s of guard time for two
+    requests to a fresh text guard). ``loaded()`` at the end of the load starts the charging."""
+    m, metrics, clock = meter(inprocess=True)
+    clock.cpu_ns += 3_570_000_000  # engine loads and goldens, after the meter was made
+    # a batch that answered nothing (its time would be carried to the next answered one)
+    m.record(PrivacyBatch(tenants=["a"], route=[0], sizes=[1]), Routed({}, [""], [RuntimeError("x")]), [])
+    clock.cpu_ns += 120_000_000  # more load work after it
+    assert m.loaded() == pytest.approx(0.12)  # what the serving thread did since its last batch
+    charged = []
+    for _ in range(3):
+        before = totals(metrics, "compute_seconds").get(("1", "default", "guard"), 0.0)
+        clock.cpu_ns += 2_000_000  # each request: 2 ms of the guard, 1 ms of it in the target call
+        m.record(PrivacyBatch(tenants=["default"], route=[0], sizes=[1]), Routed({}, ["t:1"], [None]),
+                 [(1, [0], 0, 1_000_000, True)])
+        charged.append(totals(metrics, "compute_seconds")[("1", "default", "guard")] - before)
+    assert charged == pytest.approx([0.001, 0.001, 0.001])
+    fresh, _, clock = meter()
+    clock.cpu_ns += 2_500_000_000
+    assert fresh.loaded() == pytest.approx(2.5)  # returned for the guard's log line
+
+
 def test_the_publisher_thread_sets_the_gauge(monkeypatch):
     monkeypatch.setattr(CostMeter, "PUBLISH_S", 0.05)
     metrics = Metrics()
