@@ -45,7 +45,7 @@ from pathlib import Path
 from exporter.errors import ExporterError
 from tritonguard.core import objectstore, repository
 from tritonguard.core.files import file_digest
-from tritonguard.core.store import ENV_URL, NamespaceError, redis_prefix
+from tritonguard.core.store import ENV_URL, NamespaceError, redis_client, redis_prefix, store_error
 from tritonguard.rollout.replicas import is_redis, redacted
 
 log = logging.getLogger(__name__)
@@ -438,7 +438,7 @@ def publish_lock(store: objectstore.StoreSpec, environ: Mapping[str, str], *, le
     except NamespaceError as exc:
         raise RemoteRepositoryError(str(exc)) from None
     where = redacted(url)
-    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    client = redis_client(url, timeout=5, retries=True)  # refuses a Redis Cluster node, as every store does
     token = uuid.uuid4().hex
     deadline = time.monotonic() + wait_s
     try:
@@ -449,7 +449,7 @@ def publish_lock(store: objectstore.StoreSpec, environ: Mapping[str, str], *, le
             time.sleep(0.2)
     except redis.RedisError as exc:
         client.close()
-        raise RemoteRepositoryError(f"cannot take the publish lock in {where}: {type(exc).__name__}: {exc}") from None
+        raise RemoteRepositoryError(f"cannot take the publish lock in {where}: {store_error(exc, url)}") from None
     lease = PublishLease(client, key, token, lease_s, renew_s, where, store.url)
     lease.start()
     try:

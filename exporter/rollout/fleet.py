@@ -34,7 +34,7 @@ from typing import Any
 from exporter.errors import ExporterError
 from exporter.rollout.gates.readings import GuardReadings, Series, scrape
 from tritonguard.core import catalogue
-from tritonguard.core.store import store_url
+from tritonguard.core.store import store_error, store_url
 from tritonguard.rollout.replicas import Replica, ReplicaRegistry, is_redis, period, redacted
 from tritonguard.triton import http as triton_http
 
@@ -59,7 +59,7 @@ class Fleet:
             self.last = self.registry.live()
             return self.last
         except Exception as exc:  # noqa: BLE001 - redis errors, whatever the client raises
-            raise FleetError(f"replica registry {redacted(self.url)} unreadable: {type(exc).__name__}: {exc}") from None
+            raise FleetError(f"replica registry {redacted(self.url)} unreadable: {store_error(exc, self.url)}") from None
 
     def line(self, replicas: list[Replica]) -> str:
         n = len(replicas)
