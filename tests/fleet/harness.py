@@ -18,7 +18,8 @@ bounded readiness check, and stopped by its PID (its process group for tritonser
 - :class:`Prometheus` Debian's Prometheus scraping every replica's metrics port every second, with
                       the project's recording rules and alerts loaded;
 - :class:`Fleet`      all of them together (``python -m tests.fleet.harness`` = ``make fleet``
-                      serves one until Ctrl-C / SIGTERM and prints the URLs as JSON).
+                      serves one until SIGINT (Ctrl-C) or SIGTERM and prints the URLs as JSON;
+                      its work folder is removed at the end unless ``--keep``).
 
 Dependencies, and exactly what is used from the project:
 
@@ -816,7 +817,11 @@ class Fleet:
     ``TRITONGUARD_HEARTBEAT_S`` in its environment, explicit model control loading ``models``.
     ``namespace`` is the fleet's ``TRITONGUARD_NAMESPACE`` (replicas and :meth:`env` alike: every
     Redis key under ``tritonguard:{<namespace>}:``); ``redis_password`` makes Redis require one,
-    carried in the URL as the chart does (``redis://:PASSWORD@…``)."""
+    carried in the URL as the chart does (``redis://:PASSWORD@…``).
+
+    Without ``workdir`` the fleet makes its own (``/tmp/fleet-XXXX``: logs, Redis and replica
+    homes, the published copy, a few MB) and :meth:`stop` removes it unless ``keep``; a
+    ``workdir`` given is the caller's and is never removed."""
 
     repo: Path
     workdir: Path | None = None
@@ -836,10 +841,19 @@ class Fleet:
     prom: Prometheus | None = None
     published: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    keep: bool = False
+    made_workdir: bool = False  # the folder is this fleet's own (mkdtemp), removed by stop()
 
     @property
     def url(self) -> str:
         return self.s3.triton_url(self.bucket, self.prefix)
+
+    def make_workdir(self) -> Path:
+        """The work folder: the one given, or a new ``/tmp/fleet-XXXX`` of this fleet's own."""
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="fleet-"))
+            self.made_workdir = True
+        return self.workdir
 
     def env(self) -> dict[str, str]:
         """What a client of this fleet (``python -m exporter …``) needs: the store's AWS_*
@@ -855,8 +869,7 @@ class Fleet:
         return env
 
     def start(self, timeout: float = 180.0) -> Fleet:
-        if self.workdir is None:
-            self.workdir = Path(tempfile.mkdtemp(prefix="fleet-"))
+        self.make_workdir()
         t = time.monotonic()
         try:
             self.s3 = MotoS3(self.workdir, executable=self.moto_server).start()
@@ -897,11 +910,22 @@ class Fleet:
         }
 
     def stop(self) -> None:
-        """Everything this fleet started, in reverse order, each by its PID."""
+        """Everything this fleet started, in reverse order, each by its PID; then its own work
+        folder, unless ``keep``. An interrupt (a second Ctrl-C) while one part stops does not
+        skip the others: it is raised once every part is stopped."""
+        interrupted: BaseException | None = None
         for part in (self.prom, self.lb, *reversed(self.servers), self.redis, self.s3):
             if part is not None:
-                with contextlib.suppress(Exception):
+                try:
                     part.stop()
+                except Exception:  # noqa: BLE001, S110 - the next part must be stopped all the same
+                    pass
+                except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: finish first
+                    interrupted = interrupted or exc
+        if self.made_workdir and not self.keep and self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        if interrupted is not None:
+            raise interrupted
 
     def __enter__(self) -> Fleet:
         return self.start()
@@ -910,9 +934,63 @@ class Fleet:
         self.stop()
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached :func:`serve`: leave what is running (a start in progress
+    too); the ``with`` around the fleet stops what was started."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM alike, for as long as the ``with`` lasts. Python's own SIGINT handler
+    is not enough: a process started with ``&`` from a script inherits SIGINT ignored, and
+    Python then installs none (the fleet ran on after ``kill -INT``). The first signal raises
+    :class:`Stopped` in the main thread; later ones are only recorded, so the stop they
+    interrupt (children by PID, the work folder) runs to its end. The previous handlers come
+    back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.received.append(signum)
+        if len(self.received) == 1:
+            raise Stopped(signal.Signals(signum).name)
+
+    def __enter__(self) -> StopSignals:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def serve(fleet: Fleet, out=sys.stdout, err=sys.stderr, poll_s: float = 0.5) -> list[int]:
+    """Start ``fleet``, print its URLs as JSON, serve until SIGINT or SIGTERM, stop it (every
+    child by its PID, its own work folder unless ``keep``). Returns the signals received."""
+    with StopSignals() as signals:
+        try:
+            with fleet as f:
+                print(json.dumps(f.urls(), indent=2), file=out, flush=True)
+                print("serving; Ctrl-C (SIGINT) or SIGTERM stops every process above by its PID",
+                      file=err, flush=True)
+                while True:
+                    time.sleep(poll_s)
+        except Stopped:
+            pass
+    if fleet.workdir is not None and fleet.workdir.exists():
+        print(f"fleet stopped; its work folder (logs, replica homes) is kept: {fleet.workdir}", file=err, flush=True)
+    else:
+        print("fleet stopped; its work folder is removed (--keep keeps it)", file=err, flush=True)
+    return signals.received
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tests.fleet.harness [--repository REPO] [--replicas N]``: serve a fleet until
-    Ctrl-C / SIGTERM, printing its URLs as JSON once it is up."""
+    """``python -m tests.fleet.harness [--repository REPO] [--replicas N] [--keep]``: serve a
+    fleet until SIGINT (Ctrl-C) or SIGTERM, printing its URLs as JSON once it is up."""
     import argparse  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(description="A Triton fleet on loopback: moto S3, Redis, N replicas, nginx, Prometheus")
@@ -921,26 +999,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--model", action="append", dest="models", help="model to publish and load (repeat); "
                     "default digits_raw and digits")
-    ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--workdir", type=Path, help="work folder (kept); default a new /tmp/fleet-XXXX, "
+                    "removed on exit")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, replica homes) on exit")
     ap.add_argument("--moto-server", help="moto_server executable (default: $FLEET_MOTO_SERVER, beside python, PATH)")
     ns = ap.parse_args(argv)
-    stop: list[int] = []
-
-    def on_signal(signum, _frame):
-        stop.append(signum)
-        raise KeyboardInterrupt  # leave a start in progress too; the `with` stops what was started
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        with Fleet(ns.repository, ns.workdir, ns.replicas, tuple(ns.models or ("digits_raw", "digits")),
-                   moto_server=ns.moto_server) as f:
-            print(json.dumps(f.urls(), indent=2), flush=True)  # noqa: T201 - the URLs are the command's output
-            print("serving; Ctrl-C or SIGTERM stops every process above by its PID", file=sys.stderr, flush=True)  # noqa: T201
-            while not stop:
-                time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    print("fleet stopped", file=sys.stderr, flush=True)  # noqa: T201
+    serve(Fleet(ns.repository, ns.workdir, ns.replicas, tuple(ns.models or ("digits_raw", "digits")),
+                moto_server=ns.moto_server, keep=ns.keep))
     return 0
 
 
