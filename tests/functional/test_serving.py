@@ -327,3 +327,124 @@ def test_the_text_ensemble_returns_only_the_named_output(http):
     r = http.infer("minilm", [http_input("TEXT", text)], outputs=[httpclient.InferRequestedOutput("EMBEDDING")])
     assert [o["name"] for o in r.get_response()["outputs"]] == ["EMBEDDING"]
     assert r.as_numpy("EMBEDDING").shape == (1, 384)
+
+
+# -- strict JSON: no duplicate keys in any HTTP answer (issue 45 item 1) ------------------------
+# Triton 2.51's ensemble scheduler (core src/ensemble_scheduler/ensemble_scheduler.cc, unchanged
+# up to 2.73) marks every step output "parameter override" and, building the ensemble's response,
+# adds sequence_id / sequence_start / sequence_end once per output it returns; the HTTP frontend
+# writes each one (gRPC's map keeps one). Nothing a step answers can prevent it: the text guards'
+# intake -> guard ensemble lists them once per output returned. That is the one duplicate allowed.
+TRITON_ENSEMBLE_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end"}
+
+
+class DuplicateKeys(ValueError):
+    def __init__(self, keys: set[str], pairs: list[tuple[str, object]]):
+        super().__init__(f"duplicate JSON keys {sorted(keys)}")
+        self.keys, self.pairs = keys, pairs
+
+
+def strict_object(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook`` of a parser that refuses duplicate keys, as strict parsers do."""
+    keys = [k for k, _ in pairs]
+    dup = {k for k in keys if keys.count(k) > 1}
+    if dup:
+        raise DuplicateKeys(dup, pairs)
+    return dict(pairs)
+
+
+def _get(server, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    import urllib.error  # noqa: PLC0415
+
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=body, method="POST" if body is not None else "GET",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _request_for(meta: dict) -> dict:
+    """One row of plausible input for every input the model's metadata names."""
+    inputs = []
+    for i in meta["inputs"]:
+        shape = [1 if k == 0 and d == -1 else (4 if d == -1 else d) for k, d in enumerate(i["shape"])]
+        n = int(np.prod(shape))
+        data = ["hello world"] * n if i["datatype"] == "BYTES" else [1] * n
+        inputs.append({"name": i["name"], "shape": shape, "datatype": i["datatype"], "data": data})
+    return {"inputs": inputs}
+
+
+def test_every_served_model_answers_json_a_strict_parser_accepts(server):
+    status, body = _get(server, "/v2/repository/index", b"{}")
+    index = json.loads(body, object_pairs_hook=strict_object)
+    # (digits_fresh: digits again, kept free of traffic for the cost check below)
+    served = sorted(m["name"] for m in index if m.get("state") == "READY" and m["name"] != "digits_fresh")
+    assert {"digits", "digits_raw", "minilm", "minilm_raw"} <= set(served), index
+    known: dict[str, list] = {}
+    for model in served:
+        status, body = _get(server, f"/v2/models/{model}")
+        meta = json.loads(body, object_pairs_hook=strict_object)
+        _, cfg = _get(server, f"/v2/models/{model}/config")
+        ensemble = json.loads(cfg, object_pairs_hook=strict_object).get("platform") == "ensemble"
+        status, body = _get(server, f"/v2/models/{model}/infer", json.dumps(_request_for(meta)).encode())
+        try:
+            json.loads(body, object_pairs_hook=strict_object)  # answers and errors alike
+        except DuplicateKeys as exc:
+            # only Triton's own ensemble parameters, with one value each, once per output returned
+            assert ensemble and exc.keys == TRITON_ENSEMBLE_PARAMETERS, (model, status, body[:300])
+            assert len(exc.pairs) == 3 * len(meta["outputs"]), (model, body[:300])
+            assert len({(k, json.dumps(v)) for k, v in exc.pairs}) == 3, (model, exc.pairs)
+            known[model] = exc.pairs
+            # naming one output gets one copy: a client with a strict parser has that way (or gRPC)
+            one = {**_request_for(meta), "outputs": [{"name": meta["outputs"][0]["name"]}]}
+            status, body = _get(server, f"/v2/models/{model}/infer", json.dumps(one).encode())
+            assert status == 200, body[:300]
+            assert json.loads(body, object_pairs_hook=strict_object)["parameters"]["sequence_id"] == 0
+    multi_output_ensembles = []
+    for model in served:
+        meta = json.loads(_get(server, f"/v2/models/{model}")[1])
+        if json.loads(_get(server, f"/v2/models/{model}/config")[1]).get("platform") == "ensemble" \
+                and len(meta["outputs"]) > 1:
+            multi_output_ensembles.append(model)
+    # when Triton adds them once, this fails: then drop the allowance and the README's note
+    assert sorted(known) == multi_output_ensembles == ["minilm"], known
+
+
+# -- cost: load work is nobody's request (issue 45 item 2) -------------------------------------
+def _guard_seconds(server, model: str) -> tuple[float, float]:
+    """``(guard compute seconds, requests charged)`` of ``model``, summed over its series."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    seconds = requests = 0.0
+    for ln in text.splitlines():
+        if f'model="{model}"' not in ln:
+            continue
+        if ln.startswith("tritonguard_compute_seconds_total{") and 'part="guard"' in ln:
+            seconds += float(ln.split()[-1])
+        elif ln.startswith("tritonguard_cost_requests_total{"):
+            requests += float(ln.split()[-1])
+    return seconds, requests
+
+
+def test_a_fresh_guards_first_request_costs_what_a_later_one_does(http, server, digits_data):
+    """``digits_fresh`` (no other test sends it anything) loaded its engine and ran its goldens
+    on the serving thread at start-up; that was charged to its first request's tenant."""
+    deadline = time.monotonic() + 120
+    while not http.is_model_ready("digits_fresh") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _guard_seconds(server, "digits_fresh") == (0.0, 0.0), "digits_fresh had traffic before this test"
+    charged = []
+    seconds = 0.0
+    for n in range(1, 5):
+        http.infer("digits_fresh", [http_input("IMAGE", digits_data[0][n:n + 1])])
+        deadline = time.monotonic() + 10  # pushed right after the request; bounded
+        while (got := _guard_seconds(server, "digits_fresh"))[1] < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got[1] == n, got
+        charged.append(got[0] - seconds)
+        seconds = got[0]
+    log = server.log_path.read_text(errors="replace")
+    assert "guard digits_fresh v1 -> digits_raw primary v1 (inprocess); load took" in log
+    # within noise: the first request's guard time against the later ones' (each ~1 ms here)
+    assert charged[0] <= 3 * max(charged[1:]) + 0.005, charged
