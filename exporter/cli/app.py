@@ -372,3 +372,8 @@ app.command("tune")(tune_command)
 from exporter.cli.batch_cmd import batch_command  # noqa: E402
 
 app.command("batch")(batch_command)
+
+# events from a Kafka topic scored through a guard, results to a topic: at-least-once
+from exporter.cli.stream_cmd import stream_command  # noqa: E402
+
+app.command("stream")(stream_command)

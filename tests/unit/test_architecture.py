@@ -18,7 +18,8 @@ PACKAGES = ("tritonguard", "exporter")
 # plane -> rank; a module may import its own plane and planes of a lower rank only
 TRITONGUARD = {"core": 0, "triton": 1, "rollout": 1, "privacy": 1, "observe": 1,
                "generation": 2, "models": 2, "ops": 2, "guard": 3}
-EXPORTER = {"errors": 0, "records": 1, "build": 2, "rollout": 3, "tune": 3, "batch": 3, "cli": 4, "__main__": 5}
+EXPORTER = {"errors": 0, "records": 1, "build": 2, "rollout": 3, "tune": 3, "batch": 3, "stream": 3, "cli": 4,
+            "__main__": 5}
 # what the exporter may take from tritonguard: every plane under the serving stack, and of the
 # guard its contract only (its parameters and signature rules)
 EXPORTER_MAY_IMPORT_GUARD = ("tritonguard.guard.config",)

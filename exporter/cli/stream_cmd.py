@@ -1,0 +1,84 @@
+"""``python -m exporter stream --bootstrap HOST:PORT --topic IN --output OUT --model NAME``:
+score a Kafka topic through a guarded model on Triton gRPC (:mod:`exporter.stream.run`).
+
+Runs until SIGTERM or Ctrl-C (then it finishes what it read, commits and leaves the group:
+exit 0); exit 1 when a result was not acknowledged by the broker (nothing committed past it:
+start it again), 2 on bad arguments or when the model or a topic is missing at start. Start as
+many as the input topic has partitions, on any machines, with the same --group."""
+
+from __future__ import annotations
+
+import signal
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from exporter.cli.consoles import console
+from exporter.errors import EXIT_BAD_INPUT, ExporterError
+
+err = console(stderr=True)
+
+
+def _kafka_settings(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{item!r}: expected KEY=VALUE (a librdkafka setting)")
+        out[key.strip()] = value
+    return out
+
+
+def stream_command(
+    bootstrap: Annotated[str, typer.Option(help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT].")],
+    topic: Annotated[str, typer.Option(help="Input topic of events (JSON: {\"inputs\": {NAME: nested list}}).")],
+    output: Annotated[str, typer.Option(help="Output topic: one result per event, the event's key.")],
+    model: Annotated[str, typer.Option(help="Guarded model name, e.g. digits.")],
+    url: Annotated[str, typer.Option(help="Triton gRPC address.")] = "127.0.0.1:8001",
+    group: Annotated[str, typer.Option(help="Consumer group id (every process of one stream shares it).")] = "tritonguard-stream",
+    dlq: Annotated[str | None, typer.Option(help="Dead-letter topic (default: OUTPUT.dlq).")] = None,
+    max_batch: Annotated[int, typer.Option(min=1, help="Events read and sent to Triton together at most.")] = 32,
+    max_wait_ms: Annotated[float, typer.Option(min=0, help="Time a micro-batch waits to fill.")] = 5.0,
+    max_inflight: Annotated[int, typer.Option(min=1, help="Events read and not yet acknowledged, at most.")] = 256,
+    partition_by: Annotated[str, typer.Option(help="Output partition: 'input' (the event's partition number, "
+                                               "order kept per input partition) or 'key' (hash of the key).")] = "input",
+    session_timeout_ms: Annotated[int, typer.Option(min=1000, help="Group session timeout: a consumer that died "
+                                                     "loses its partitions after this long.")] = 10000,
+    offset_reset: Annotated[str, typer.Option(help="Where a group without a committed offset starts: earliest "
+                                               "or latest.")] = "earliest",
+    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port.")] = None,
+    metrics_address: Annotated[str, typer.Option(help="Address of the metrics endpoint.")] = "127.0.0.1",
+    kafka: Annotated[list[str] | None, typer.Option("--kafka", help="Extra librdkafka setting KEY=VALUE (repeat), "
+                                                    "e.g. security.protocol=SASL_SSL.")] = None,
+) -> None:
+    """Score every event of TOPIC through MODEL on Triton: results to OUTPUT in input order per
+    partition, refused events to the dead-letter topic, offsets committed only behind results the
+    broker acknowledged (at-least-once; results carry the id topic/partition/offset)."""
+
+    from exporter.stream.metrics import StreamMetrics  # noqa: PLC0415 - Kafka and gRPC only for this command
+    from exporter.stream.run import Stream, StreamConfig  # noqa: PLC0415
+
+    if partition_by not in ("input", "key"):
+        err.print("[bold red]✗ stream failed:[/] --partition-by is 'input' or 'key'")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    if offset_reset not in ("earliest", "latest"):
+        err.print("[bold red]✗ stream failed:[/] --offset-reset is 'earliest' or 'latest'")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    cfg = StreamConfig(bootstrap=bootstrap, topic=topic, output=output, model=model, url=url, group=group, dlq=dlq,
+                       max_batch=max_batch, max_wait_ms=max_wait_ms, max_inflight=max_inflight,
+                       partition_by=partition_by, session_timeout_ms=session_timeout_ms, offset_reset=offset_reset,
+                       kafka=_kafka_settings(kafka or []))
+    metrics = StreamMetrics()
+    try:
+        stream = Stream(cfg, metrics)
+    except ExporterError as exc:
+        err.print(f"[bold red]✗ stream failed:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    if metrics_port is not None:
+        metrics.serve(metrics_port, metrics_address)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stream.stop.set())
+    err.print(f"streaming {escape(topic)} → {escape(model)} → {escape(output)} (dead letters: "
+              f"{escape(cfg.dead_letters)}), group {escape(group)}", soft_wrap=True)
+    raise typer.Exit(stream.run())

@@ -1,0 +1,450 @@
+"""The stream's one loop: consume a micro-batch (``--max-batch`` events or ``--max-wait-ms``),
+send each event as its own request to the guard over gRPC (async, all of the batch at once, so
+Triton's dynamic batcher merges them and a refused event fails only itself), and produce the
+outputs of every partition in input order as they complete. Offsets are committed only behind
+outputs the broker acknowledged (:mod:`exporter.stream.offsets`).
+
+Errors: a refusal by the guard (INVALID_ARGUMENT, PERMISSION_DENIED, UNAUTHENTICATED,
+FAILED_PRECONDITION, OUT_OF_RANGE) or an event that does not decode is a dead letter; Triton
+unavailable (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, NOT_FOUND while a model
+reloads...) pauses every assigned partition and retries with a growing backoff until an answer
+comes, then resumes; any other error is retried ``max_attempts`` times, then dead-lettered, so
+no event stalls its partition for ever. A result the broker refuses for good stops the process
+(exit 1) without committing past it: restarted, it redoes the events from the last commit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from tritonclient.utils import InferenceServerException
+
+from exporter.errors import ExporterError
+from exporter.stream.events import (
+    EventError,
+    InputSpec,
+    decode,
+    forwarded_headers,
+    specs_from_metadata,
+)
+from exporter.stream.metrics import StreamMetrics
+from exporter.stream.offsets import TP, OffsetTracker
+
+log = logging.getLogger("exporter.stream")
+
+REFUSED = frozenset({"INVALID_ARGUMENT", "PERMISSION_DENIED", "UNAUTHENTICATED", "FAILED_PRECONDITION", "OUT_OF_RANGE"})
+TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "CANCELLED", "ABORTED", "NOT_FOUND",
+                       "CLIENT"})
+BAD_EVENT = "BAD_EVENT"  # the error code of an event that does not decode or fit the model
+MAX_MESSAGE = 1000  # characters of an error message kept in a dead letter's header
+H = "tritonguard-"  # header prefix
+
+
+class StreamError(ExporterError):
+    """Cannot start: the model or a topic is missing, Triton cannot be reached."""
+
+
+@dataclass
+class StreamConfig:
+    bootstrap: str
+    topic: str
+    output: str
+    model: str
+    url: str = "127.0.0.1:8001"
+    group: str = "tritonguard-stream"
+    dlq: str | None = None  # default: <output>.dlq
+    max_batch: int = 32
+    max_wait_ms: float = 5.0
+    max_inflight: int = 256  # events read and not yet acknowledged (a bound on memory and redo work)
+    request_timeout_s: float = 30.0
+    max_attempts: int = 3
+    partition_by: str = "input"  # the output partition: the event's own partition number, or "key"
+    session_timeout_ms: int = 10000
+    offset_reset: str = "earliest"
+    startup_timeout_s: float = 60.0
+    commit_interval_s: float = 0.2
+    progress_interval_s: float = 10.0
+    kafka: dict[str, str] = field(default_factory=dict)  # extra librdkafka settings, both clients
+
+    @property
+    def dead_letters(self) -> str:
+        return self.dlq or f"{self.output}.dlq"
+
+
+@dataclass(eq=False)
+class Pending:
+    tp: TP
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]]
+    timestamp: float | None  # seconds, the event's own
+    arrays: dict[str, np.ndarray] | None = None
+    result: bytes | None = None
+    served_by: str = ""
+    code: str | None = None
+    message: str = ""
+    done: bool = False
+    dropped: bool = False  # its partition was revoked: the next owner redoes it
+    attempts: int = 0
+
+    @property
+    def rid(self) -> str:
+        return f"{self.tp[0]}/{self.tp[1]}/{self.offset}"
+
+    def fail(self, code: str, message: str) -> None:
+        self.code, self.message, self.done = code, message[:MAX_MESSAGE], True
+
+
+def _code(exc: Exception) -> str:
+    status = exc.status() if isinstance(exc, InferenceServerException) else None
+    return status.removeprefix("StatusCode.") if status else "CLIENT"
+
+
+def _message(exc: Exception) -> str:
+    return exc.message() if isinstance(exc, InferenceServerException) else str(exc)
+
+
+class Stream:
+    def __init__(self, cfg: StreamConfig, metrics: StreamMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or StreamMetrics()
+        self.session = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.stop = threading.Event()
+        self.client = grpcclient.InferenceServerClient(cfg.url)
+        self.specs, self.batched, self.outputs = self._model()
+        common = {"bootstrap.servers": cfg.bootstrap, **cfg.kafka}
+        self.consumer = Consumer({**common, "group.id": cfg.group, "enable.auto.commit": False,
+                                  "enable.auto.offset.store": False, "auto.offset.reset": cfg.offset_reset,
+                                  "session.timeout.ms": cfg.session_timeout_ms,
+                                  "heartbeat.interval.ms": max(100, cfg.session_timeout_ms // 4),
+                                  "on_commit": self._on_commit})
+        # idempotent: the broker drops the producer's own retried duplicates and keeps its order
+        self.producer = Producer({**common, "enable.idempotence": True, "acks": "all", "linger.ms": 2})
+        self.partitions = {t: self._partitions(t) for t in (cfg.topic, cfg.output, cfg.dead_letters)}
+        self.tracker = OffsetTracker()
+        self.queues: dict[TP, deque[Pending]] = {}
+        self.answers: queue.SimpleQueue = queue.SimpleQueue()  # (pending, result, error) from gRPC threads
+        self.retry: list[Pending] = []
+        self.retry_at = 0.0
+        self.backoff = 0.0
+        self.paused = False
+        self.fatal: str | None = None
+        self.counts = {"consumed": 0, "results": 0, "dead": 0}
+
+    # -- start ------------------------------------------------------------------------------
+    def _model(self) -> tuple[list[InputSpec], bool, list[str]]:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while True:
+            try:
+                meta = self.client.get_model_metadata(self.cfg.model, as_json=True)
+                config = self.client.get_model_config(self.cfg.model, as_json=True)["config"]
+                break
+            except InferenceServerException as exc:
+                code = _code(exc)
+                if code not in TRANSIENT:
+                    raise StreamError(f"model {self.cfg.model!r} on {self.cfg.url}: {_message(exc)}") from None
+                if time.monotonic() > deadline:
+                    raise StreamError(f"Triton at {self.cfg.url} did not answer in {self.cfg.startup_timeout_s:g} s: "
+                                      f"{_message(exc)}") from None
+                time.sleep(1.0)
+        batched = int(config.get("max_batch_size", 0) or 0) > 0
+        try:
+            specs = specs_from_metadata(meta, int(config.get("max_batch_size", 0) or 0))
+        except EventError as exc:
+            raise StreamError(f"model {self.cfg.model!r}: {exc}") from None
+        return specs, batched, [o["name"] for o in meta.get("outputs", [])]
+
+    def _partitions(self, topic: str) -> int:
+        md = self.producer.list_topics(topic, timeout=10)
+        t = md.topics.get(topic)
+        if t is None or t.error is not None or not t.partitions:
+            raise StreamError(f"topic {topic!r} does not exist on {self.cfg.bootstrap} (create it first)")
+        return len(t.partitions)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        """Until :attr:`stop` is set (SIGTERM, SIGINT) or an output is lost; 0 or 1."""
+        self.consumer.subscribe([self.cfg.topic], on_assign=self._assigned, on_revoke=self._revoked,
+                                on_lost=self._lost)
+        last_commit = last_lag = last_progress = time.monotonic()
+        try:
+            while not self.stop.is_set() and self.fatal is None:
+                self._step()
+                now = time.monotonic()
+                if now - last_commit >= self.cfg.commit_interval_s:
+                    self._commit(asynchronous=True)
+                    last_commit = now
+                if now - last_lag >= 1.0:
+                    self._lag()
+                    last_lag = now
+                if now - last_progress >= self.cfg.progress_interval_s:
+                    self._progress()
+                    last_progress = now
+            if self.fatal is None:  # a stop: finish what was read, commit it, leave the group
+                self._drain(set(self.queues), deadline=time.monotonic() + 30.0)
+                self._commit(asynchronous=False)
+        finally:
+            self._progress()
+            self.consumer.close()  # leaves the group: its partitions move at once
+            self.producer.flush(10)
+            self.client.close()
+        if self.fatal is not None:
+            log.error("stream stopped: %s (offsets committed only up to the last acknowledged result)", self.fatal)
+            return 1
+        return 0
+
+    def _step(self) -> None:
+        room = self.cfg.max_inflight - self.tracker.pending()
+        if room > 0:
+            wait = 0.05 if self.paused else self.cfg.max_wait_ms / 1000
+            for msg in self.consumer.consume(num_messages=min(room, self.cfg.max_batch), timeout=wait):
+                self._take(msg)
+        else:  # full: wait for answers (the group's poll interval is minutes)
+            self._settle(timeout=0.005)
+        self._settle()
+        if self.retry and time.monotonic() >= self.retry_at:
+            again, self.retry = self.retry, []
+            for p in again:
+                self.metrics.retries.labels(p.code or "UNAVAILABLE").inc()
+                p.code = None
+                self._send(p)
+        self._emit()
+        self.producer.poll(0)
+        self.metrics.inflight.set(self.tracker.pending())
+
+    def _take(self, msg: Any) -> None:
+        if msg.error() is not None:
+            if msg.error().code() != KafkaError._PARTITION_EOF:
+                log.warning("consumer: %s", msg.error())
+                if msg.error().fatal():
+                    self.fatal = f"consumer: {msg.error()}"
+            return
+        tp = (msg.topic(), msg.partition())
+        if tp not in self.queues:
+            return  # a message of a partition revoked meanwhile
+        kind, ms = msg.timestamp()
+        p = Pending(tp, msg.offset(), msg.key(), msg.value(), msg.headers() or [], ms / 1000 if kind and ms > 0 else None)
+        self.tracker.take(tp, p.offset)
+        self.queues[tp].append(p)
+        self.counts["consumed"] += 1
+        self.metrics.consumed.labels(tp[0]).inc()
+        try:
+            p.arrays = decode(p.value, self.specs, self.batched)
+        except EventError as exc:
+            p.fail(BAD_EVENT, str(exc))
+            return
+        self._send(p)
+
+    def _send(self, p: Pending) -> None:
+        assert p.arrays is not None
+        dtypes = {s.name: s.datatype for s in self.specs}
+        inputs = []
+        for name, arr in p.arrays.items():
+            i = grpcclient.InferInput(name, list(arr.shape), dtypes[name])
+            i.set_data_from_numpy(arr)
+            inputs.append(i)
+        try:
+            self.client.async_infer(self.cfg.model, inputs, partial(self._answered, p),
+                                    outputs=[grpcclient.InferRequestedOutput(n) for n in self.outputs],
+                                    request_id=p.rid, headers=forwarded_headers(p.headers) or None,
+                                    client_timeout=self.cfg.request_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a channel that cannot send: retried like UNAVAILABLE
+            self.answers.put((p, None, exc))
+
+    def _answered(self, p: Pending, result: Any, error: Exception | None) -> None:
+        self.answers.put((p, result, error))  # gRPC's thread: the loop does the rest
+
+    def _settle(self, timeout: float = 0.0) -> None:
+        """Take every answer that arrived (waiting up to ``timeout`` for the first)."""
+        try:
+            item = self.answers.get(timeout=timeout) if timeout > 0 else self.answers.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._answer(*item)
+            try:
+                item = self.answers.get_nowait()
+            except queue.Empty:
+                return
+
+    def _answer(self, p: Pending, result: Any, error: Exception | None) -> None:
+        if p.dropped:
+            return
+        if error is None:
+            outs = {n: result.as_numpy(n) for n in self.outputs}
+            served = outs.pop("SERVED_BY", None)
+            p.served_by = served.reshape(-1)[0].decode() if served is not None and served.size else ""
+            body = {n: (v[0] if self.batched else v).tolist() for n, v in outs.items() if v is not None}
+            p.result = json.dumps({"outputs": body, "served_by": p.served_by}, separators=(",", ":")).encode()
+            p.done = True
+            if self.paused:
+                self._resume()
+            return
+        code, message = _code(error), _message(error)
+        if code in REFUSED:
+            p.fail(code, message)
+            return
+        p.code = code
+        if code in TRANSIENT:
+            self._pause(code, message)
+        else:
+            p.attempts += 1
+            if p.attempts >= self.cfg.max_attempts:
+                p.fail(code, message)
+                return
+            self.retry_at = max(self.retry_at, time.monotonic() + 0.2)
+        self.retry.append(p)
+
+    def _pause(self, code: str, message: str) -> None:
+        now = time.monotonic()
+        if now >= self.retry_at:  # the scheduled retry failed too: wait longer
+            self.backoff = min(max(0.2, self.backoff * 2), 5.0)
+            self.retry_at = now + self.backoff
+        if not self.paused:
+            self.paused = True
+            self.consumer.pause(self.consumer.assignment())
+            self.metrics.pauses.inc()
+            self.metrics.paused.set(1)
+            log.warning("Triton unavailable (%s: %s): partitions paused, retrying", code, message[:200])
+
+    def _resume(self) -> None:
+        self.paused, self.backoff, self.retry_at = False, 0.0, 0.0
+        self.consumer.resume(self.consumer.assignment())
+        self.metrics.paused.set(0)
+        log.warning("Triton answers again: partitions resumed")
+
+    # -- outputs, acknowledgements, commits --------------------------------------------------
+    def _emit(self) -> None:
+        for dq in self.queues.values():
+            while dq and dq[0].done:
+                self._produce(dq.popleft())
+
+    def _produce(self, p: Pending) -> None:
+        topic, part, off = p.tp[0], p.tp[1], p.offset
+        headers: list[tuple[str, str | bytes]] = [
+            (H + "result-id", p.rid), (H + "source-topic", topic), (H + "source-partition", str(part)),
+            (H + "source-offset", str(off)), (H + "session", self.session)]
+        trace = forwarded_headers(p.headers).get("traceparent")
+        if trace:
+            headers.append(("traceparent", trace))
+            if len(bits := trace.split("-")) >= 2:
+                headers.append((H + "trace-id", bits[1]))
+        if p.code is None:
+            out, value = self.cfg.output, p.result
+            headers.append((H + "served-by", p.served_by))
+        else:
+            out, value = self.cfg.dead_letters, p.value
+            headers += [(H + "error-code", p.code), (H + "error-message", p.message)]
+        kwargs = {"partition": part} if self.cfg.partition_by == "input" and part < self.partitions[out] else {}
+        for _ in range(1000):  # the producer's queue full: serve its callbacks and try again
+            try:
+                self.producer.produce(out, value=value, key=p.key, headers=headers,
+                                      on_delivery=partial(self._delivered, p, out), **kwargs)
+                return
+            except BufferError:
+                self.producer.poll(0.05)
+        self.fatal = f"the producer's queue stayed full; {p.rid} not produced"
+
+    def _delivered(self, p: Pending, out: str, err: Any, _msg: Any) -> None:
+        if err is not None:
+            self.fatal = f"{p.rid} not acknowledged on {out}: {err}"
+            return
+        if self.fatal is not None:
+            return  # never commit past a lost output
+        self.tracker.ack(p.tp, p.offset)
+        if p.code is None:
+            self.counts["results"] += 1
+            self.metrics.produced.labels(out).inc()
+        else:
+            self.counts["dead"] += 1
+            self.metrics.dead.labels(out, p.code).inc()
+        if p.timestamp is not None:
+            self.metrics.latency.observe(max(0.0, time.time() - p.timestamp))
+
+    def _commit(self, asynchronous: bool, only: set[TP] | None = None) -> None:
+        if self.fatal is not None:
+            return
+        offsets = {tp: o for tp, o in self.tracker.committable().items() if only is None or tp in only}
+        if not offsets:
+            return
+        try:
+            self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                                 asynchronous=asynchronous)
+        except Exception as exc:  # noqa: BLE001 - a failed commit is redone by the next one (or by the new owner)
+            log.warning("commit failed: %s", exc)
+            return
+        self.tracker.committed(offsets)
+
+    def _on_commit(self, err: Any, partitions: list[TopicPartition]) -> None:
+        if err is not None:
+            log.warning("commit failed: %s", err)
+
+    # -- rebalances --------------------------------------------------------------------------
+    def _assigned(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+        for tp in parts:
+            self.queues[(tp.topic, tp.partition)] = deque()
+        log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in parts) or "nothing")
+
+    def _revoked(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+        """Finish the revoked partitions' events (bounded), commit them, let them go."""
+        tps = {(tp.topic, tp.partition) for tp in parts}
+        if self.fatal is None:
+            self._drain(tps, deadline=time.monotonic() + min(10.0, self.cfg.session_timeout_ms / 2000))
+            self._commit(asynchronous=False, only=tps)
+        self._forget(tps)
+
+    def _lost(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+        self._forget({(tp.topic, tp.partition) for tp in parts})  # already someone else's: no commit
+
+    def _drain(self, tps: set[TP], deadline: float) -> None:
+        while self.fatal is None and any(self.tracker.pending(tp) for tp in tps) and time.monotonic() < deadline:
+            self._settle(timeout=0.01)
+            if self.retry and time.monotonic() >= self.retry_at:
+                again, self.retry = self.retry, []
+                for p in again:
+                    self._send(p)
+            self._emit()
+            self.producer.poll(0.01)
+
+    def _forget(self, tps: set[TP]) -> None:
+        for tp in tps:
+            for p in self.queues.pop(tp, ()):
+                p.dropped = True
+            self.tracker.forget(tp)
+            try:
+                self.metrics.lag.remove(tp[0], str(tp[1]))
+            except KeyError:
+                pass
+        self.retry = [p for p in self.retry if p.tp not in tps]
+
+    # -- observability -----------------------------------------------------------------------
+    def _lag(self) -> None:
+        """From the watermarks the fetches already brought (no request to the broker)."""
+        for t, part in list(self.queues):
+            try:
+                _, high = self.consumer.get_watermark_offsets(TopicPartition(t, part), cached=True)
+                pos = self.consumer.position([TopicPartition(t, part)])[0].offset
+            except Exception:  # noqa: BLE001 - no figure yet
+                continue
+            if high >= 0 and pos >= 0:
+                self.metrics.lag.labels(t, str(part)).set(max(0, high - pos))
+
+    def _progress(self) -> None:
+        c = self.counts
+        log.info("stream %s: %d consumed, %d results, %d dead letters, %d in flight%s", self.cfg.topic,
+                 c["consumed"], c["results"], c["dead"], self.tracker.pending(), ", PAUSED (Triton unavailable)"
+                 if self.paused else "")
