@@ -32,6 +32,7 @@ pytestmark = pytest.mark.functional
 
 N_EVENTS = 3000
 POISON_EVERY = 500
+STEADY = 900  # events produced at a steady pace, then the rest in a burst
 PARTITIONS = 4
 IN, OUT, DLQ = "events", "scores", "scores.dlq"
 
@@ -100,6 +101,16 @@ def _metric(port: int, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+def _backlog(port: int) -> float:
+    """Events a consumer read and has not yet written, from counters the offset logic does not feed."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    value = {name: sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name))
+             for name in ("tritonguard_stream_events_consumed_total", "tritonguard_stream_results_produced_total",
+                          "tritonguard_stream_dead_letters_total")}
+    return value["tritonguard_stream_events_consumed_total"] - value["tritonguard_stream_results_produced_total"] \
+        - value["tritonguard_stream_dead_letters_total"]
+
+
 def _up(port: int) -> bool:
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
@@ -137,15 +148,35 @@ def test_a_stream_through_the_guard_loses_no_event_when_a_consumer_is_killed(ser
         assert err is None, err
         offsets[i] = (msg.partition(), msg.offset())
 
-    def produce():  # a steady producer: ~300 events/s, one in 100 with a trace context
+    burst = threading.Event()
+
+    def produce():  # steady (~300 events/s) until told, then the rest at once; one in 100 with a trace context
         for i, (key, value, _) in enumerate(events):
             headers = [("traceparent", f"00-{i + 1:032x}-{7:016x}-01")] if i % 100 == 0 else None
             producer.produce(IN, value=value, key=key, headers=headers, on_delivery=lambda e, m, i=i: deliver(i, e, m))
-            if i % 60 == 59:
+            if i == STEADY:
+                producer.flush(10)
+                burst.wait(60)
+            if i % 60 == 59 and i < STEADY:
                 producer.poll(0)
                 time.sleep(0.2)
         producer.flush(30)
 
+    commits: list[tuple[float, dict[int, int]]] = []  # (wall time read, committed offset per partition)
+    watching = threading.Event()
+
+    def watch():  # the group's committed offsets, read from outside the group all along
+        reader = Consumer({"bootstrap.servers": broker, "group.id": "scorers", "enable.auto.commit": False})
+        try:
+            while not watching.is_set():
+                got = reader.committed([TopicPartition(IN, p) for p in range(PARTITIONS)], timeout=5)
+                commits.append((time.time(), {tp.partition: tp.offset for tp in got if tp.offset >= 0}))
+                time.sleep(0.005)
+        finally:
+            reader.close()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     feeder = threading.Thread(target=produce, daemon=True)
     t0 = time.monotonic()
     try:
@@ -155,13 +186,19 @@ def test_a_stream_through_the_guard_loses_no_event_when_a_consumer_is_killed(ser
                 "a consumer did not start in 60 s:\n" + (tmp_path / "consumer0.log").read_text()[-3000:]
             time.sleep(0.2)
         feeder.start()
-        # mid-stream: the first consumer has written some results and the producer is not done
+        # mid-stream: the first consumer has written some results, then, in the burst, it holds
+        # events it read and has not written yet (uncommitted: the next owner must redo them)
         deadline = time.monotonic() + 45
         while _metric(ports[0], "tritonguard_stream_results_produced_total") < 300:
             assert consumers[0].poll() is None, (tmp_path / "consumer0.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "consumer 0 wrote no 300 results in 45 s:\n" + \
                 (tmp_path / "consumer0.log").read_text()[-3000:]
             time.sleep(0.1)
+        burst.set()
+        deadline = time.monotonic() + 30
+        while _backlog(ports[0]) < 64:
+            assert time.monotonic() < deadline, "consumer 0 never held 64 events unwritten in the burst"
+            time.sleep(0.005)
         killed_at = len(offsets)
         consumers[0].send_signal(signal.SIGKILL)
         consumers[0].wait(5)
@@ -179,8 +216,10 @@ def test_a_stream_through_the_guard_loses_no_event_when_a_consumer_is_killed(ser
         consumers[1].send_signal(signal.SIGTERM)
         assert consumers[1].wait(30) == 0, (tmp_path / "consumer1.log").read_text()[-3000:]
     finally:
+        watching.set()
         for c in consumers:
             stop_process(c)
+    watcher.join(10)
     logs = "\n".join((tmp_path / f"consumer{i}.log").read_text(errors="replace")[-2000:] for i in range(2))
 
     seen = Counter(_headers(m)["tritonguard-result-id"] for m in results)
@@ -193,6 +232,25 @@ def test_a_stream_through_the_guard_loses_no_event_when_a_consumer_is_killed(ser
     print(f"\n{N_EVENTS} events ({len(poison)} poison) through 2 consumers, one SIGKILLed after {killed_at} "
           f"were produced: 0 lost, {duplicates} duplicate results, {sum(dead_ids.values()) - len(poison)} duplicate "
           f"dead letters, {took:.1f} s")
+
+    # no commit ever passed an event before its first output was produced (a commit taken when the
+    # event is read, not when its output is acknowledged, fails here: the output comes later)
+    first: dict[str, int] = {}
+    for m in (*results, *dead):
+        kind, ms = m.timestamp()
+        assert kind == 1, "the broker must keep the producer's CreateTime"
+        rid = _headers(m)["tritonguard-result-id"]
+        first[rid] = min(first.get(rid, ms), ms)
+    for part in range(PARTITIONS):
+        made, latest = [], 0  # made[o]: the latest first output among offsets 0..o of the partition
+        for off in range(1 + max(o for q, o in offsets.values() if q == part)):
+            latest = max(latest, first.get(f"{IN}/{part}/{off}", 2**62))
+            made.append(latest)
+        for t, committed in commits:
+            if committed.get(part, 0) > 0:
+                assert made[committed[part] - 1] <= t * 1000 + 2, \
+                    f"partition {part}: offset {committed[part]} committed before the outputs before it were written"
+    assert len(commits) > 50, f"the group's commits were read {len(commits)} times only"
 
     # each result: the event's key, the version that answered, a real answer; trace ids carried over
     order = defaultdict(list)
