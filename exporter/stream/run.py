@@ -124,7 +124,11 @@ class Stream:
         self.metrics = metrics or StreamMetrics()
         self.session = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.stop = threading.Event()
-        self.client = grpcclient.InferenceServerClient(cfg.url)
+        # gRPC's own reconnect backoff grows to 2 minutes: a Triton back after an outage would
+        # wait for it; the stream's backoff (0.2..5 s) paces the retries instead
+        self.client = grpcclient.InferenceServerClient(cfg.url, channel_args=[
+            ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+            ("grpc.max_reconnect_backoff_ms", 1000)])
         self.specs, self.batched, self.outputs = self._model()
         common = {"bootstrap.servers": cfg.bootstrap, **cfg.kafka}
         self.consumer = Consumer({**common, "group.id": cfg.group, "enable.auto.commit": False,

@@ -24,7 +24,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.processes import stop_process
-from tritonguard.ops.server import free_port
+from tritonguard.core.repository import mirror
+from tritonguard.ops.server import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,11 +85,12 @@ def _events() -> list[tuple[bytes, bytes, bool]]:
     return out
 
 
-def _consumer(server, bootstrap: str, metrics_port: int, log: Path) -> subprocess.Popen:
+def _consumer(server, bootstrap: str, metrics_port: int, log: Path, topic: str = IN, output: str = OUT,
+              group: str = "scorers") -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "exporter", "stream", "--bootstrap", bootstrap, "--topic", IN, "--output", OUT,
-             "--model", "digits", "--url", server.grpc_url, "--group", "scorers", "--session-timeout-ms", "6000",
+            [sys.executable, "-m", "exporter", "stream", "--bootstrap", bootstrap, "--topic", topic, "--output", output,
+             "--model", "digits", "--url", server.grpc_url, "--group", group, "--session-timeout-ms", "6000",
              "--max-batch", "32", "--max-wait-ms", "5", "--metrics-port", str(metrics_port)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -119,11 +121,11 @@ def _up(port: int) -> bool:
     return True
 
 
-def _read(bootstrap: str, topic: str, enough, timeout: float) -> list:
+def _read(bootstrap: str, topic: str, enough, timeout: float, partitions: int = PARTITIONS) -> list:
     """Every message of ``topic`` from the start, until ``enough(messages)`` (bounded)."""
     reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{topic}-{time.monotonic_ns()}",
                        "enable.auto.commit": False})
-    reader.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+    reader.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
     messages, deadline = [], time.monotonic() + timeout
     try:
         while not enough(messages) and time.monotonic() < deadline:
@@ -286,3 +288,68 @@ def test_a_stream_through_the_guard_loses_no_event_when_a_consumer_is_killed(ser
     finally:
         group.close()
     assert committed == ends, f"committed {committed}, topic ends {ends}"
+
+
+def _wait(what: str, condition, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {timeout:g} s:\n{log.read_text(errors='replace')[-3000:]}"
+        time.sleep(0.1)
+
+
+def test_a_stream_pauses_while_triton_is_down_and_resumes_by_itself(exported_repo, broker, tmp_path):
+    """Triton stopped for 10 s under a stream: the consumer pauses (a gauge says so), writes no
+    dead letter and commits nothing past the waiting events, and resumes by itself when a
+    tritonserver answers on the same address again; no event is lost."""
+    topic, output = "outage", "outage-scores"
+    admin = AdminClient({"bootstrap.servers": broker})  # kept until the futures resolve
+    futures = admin.create_topics([NewTopic(t, 2, 1) for t in (topic, output, f"{output}.dlq")])
+    for f in futures.values():
+        f.result(10)
+    repo = mirror(exported_repo, tmp_path / "repo")
+    args = ["--model-control-mode=explicit", "--load-model=digits_raw", "--load-model=digits"]
+    first = Server(repository=repo, log_path=tmp_path / "triton1.log", extra_args=args).start(wait_models=("digits",))
+    second = None
+    port, log = free_port(), tmp_path / "consumer.log"
+    consumer = _consumer(first, broker, port, log, topic=topic, output=output, group="outage")
+    events = _events()[:600]
+    good = [e for e in events if not e[2]][:500]
+    producer = Producer({"bootstrap.servers": broker, "enable.idempotence": True})
+    sent: set[str] = set()
+    note = lambda err, m: sent.add(f"{topic}/{m.partition()}/{m.offset()}")  # noqa: E731
+    try:
+        for key, value, _ in good[:200]:
+            producer.produce(topic, value=value, key=key, on_delivery=note)
+        producer.flush(10)
+        _wait("200 results before the outage", lambda: _metric(port, "tritonguard_stream_results_produced_total") >= 200,
+              60, log)
+        first.stop()
+        down = time.monotonic()
+        for key, value, _ in good[200:]:
+            producer.produce(topic, value=value, key=key, on_delivery=note)
+        producer.flush(10)
+        _wait("the paused gauge", lambda: _metric(port, "tritonguard_stream_paused") == 1, 20, log)
+        time.sleep(max(0.0, 10 - (time.monotonic() - down)))
+        assert _metric(port, "tritonguard_stream_results_produced_total") == 200
+        assert _metric(port, "tritonguard_stream_dead_letters_total") == 0, "an outage is no reason for a dead letter"
+        assert _metric(port, "tritonguard_stream_retries_total") > 0 and consumer.poll() is None
+        second = Server(repository=repo, log_path=tmp_path / "triton2.log", extra_args=args, http_port=first.http_port,
+                        grpc_port=first.grpc_port, metrics_port=first.metrics_port).start(wait_models=("digits",))
+        back = time.monotonic()
+        _wait("every result after the outage", lambda: _metric(port, "tritonguard_stream_results_produced_total") >= 500,
+              30, log)
+        resumed = time.monotonic() - back
+        assert _metric(port, "tritonguard_stream_paused") == 0 and _metric(port, "tritonguard_stream_pauses_total") >= 1
+        consumer.send_signal(signal.SIGTERM)
+        assert consumer.wait(30) == 0, log.read_text()[-3000:]
+    finally:
+        stop_process(consumer)
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert len(sent) == 500
+    results = _read(broker, output, lambda ms: sent <= {_headers(m)["tritonguard-result-id"] for m in ms}, timeout=20,
+                    partitions=2)
+    assert sent <= {_headers(m)["tritonguard-result-id"] for m in results}, "an event lost across the outage"
+    assert not _read(broker, f"{output}.dlq", lambda ms: False, timeout=2, partitions=2)
+    print(f"\nTriton down 10 s under a stream: paused, 0 dead letters, resumed {resumed:.1f} s after it was back")
