@@ -145,7 +145,8 @@ class Stream:
         self.retry: list[Pending] = []
         self.retry_at = 0.0
         self.backoff = 0.0
-        self.paused = False
+        self.paused = False  # Triton unavailable: every assigned partition paused
+        self.full = False  # --max-inflight events wait: every assigned partition paused
         self.fatal: str | None = None
         self.counts = {"consumed": 0, "results": 0, "dead": 0}
 
@@ -213,13 +214,16 @@ class Stream:
 
     def _step(self) -> None:
         room = self.cfg.max_inflight - self.tracker.pending()
-        if room > 0:
-            wait = 0.05 if self.paused else self.cfg.max_wait_ms / 1000
-            for msg in self.consumer.consume(num_messages=min(room, self.cfg.max_batch), timeout=wait):
-                self._take(msg)
-        else:  # full: wait for answers (the group's poll interval is minutes)
-            self._settle(timeout=0.005)
-        self._settle()
+        if (room <= 0) != self.full:  # backpressure: paused while --max-inflight events wait
+            self.full = room <= 0
+            self._hold()
+        # consume() is called on every turn, paused or not: it serves the group's callbacks and
+        # keeps max.poll.interval.ms from expelling a consumer that waits for Triton
+        held = self.full or self.paused
+        for msg in self.consumer.consume(num_messages=max(1, min(room, self.cfg.max_batch)),
+                                         timeout=0 if held else self.cfg.max_wait_ms / 1000):
+            self._take(msg)  # (a paused partition may still hand over what was fetched before)
+        self._settle(timeout=0.005 if held else 0.0)
         if self.retry and time.monotonic() >= self.retry_at:
             again, self.retry = self.retry, []
             for p in again:
@@ -320,16 +324,22 @@ class Stream:
             self.retry_at = now + self.backoff
         if not self.paused:
             self.paused = True
-            self.consumer.pause(self.consumer.assignment())
+            self._hold()
             self.metrics.pauses.inc()
             self.metrics.paused.set(1)
             log.warning("Triton unavailable (%s: %s): partitions paused, retrying", code, message[:200])
 
     def _resume(self) -> None:
         self.paused, self.backoff, self.retry_at = False, 0.0, 0.0
-        self.consumer.resume(self.consumer.assignment())
+        self._hold()
         self.metrics.paused.set(0)
         log.warning("Triton answers again: partitions resumed")
+
+    def _hold(self) -> None:
+        """Pause every assigned partition while Triton is unavailable or the stream is full."""
+        assigned = self.consumer.assignment()
+        if assigned:
+            (self.consumer.pause if self.paused or self.full else self.consumer.resume)(assigned)
 
     # -- outputs, acknowledgements, commits --------------------------------------------------
     def _emit(self) -> None:
@@ -401,6 +411,9 @@ class Stream:
     def _assigned(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         for tp in parts:
             self.queues[(tp.topic, tp.partition)] = deque()
+        consumer.assign(parts)  # here, so that a stream paused now pauses them too
+        if parts and (self.paused or self.full):
+            consumer.pause(parts)
         log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in parts) or "nothing")
 
     def _revoked(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
