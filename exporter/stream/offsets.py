@@ -52,6 +52,10 @@ class OffsetTracker:
     def committed(self, offsets: dict[TP, int]) -> None:
         self._committed.update(offsets)
 
+    def commit_failed(self, tp: TP) -> None:
+        """An asynchronous commit the broker refused: the partition's offset is handed out again."""
+        self._committed.pop(tp, None)
+
     def forget(self, tp: TP) -> None:
         """A revoked partition: its in-flight events are redone by whoever gets it next."""
         for table in (self._taken, self._acked, self._next, self._committed):

@@ -130,6 +130,7 @@ class Stream:
             ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
             ("grpc.max_reconnect_backoff_ms", 1000)])
         self.specs, self.batched, self.outputs = self._model()
+        self.dtypes = {s.name: s.datatype for s in self.specs}
         common = {"bootstrap.servers": cfg.bootstrap, **cfg.kafka}
         self.consumer = Consumer({**common, "group.id": cfg.group, "enable.auto.commit": False,
                                   "enable.auto.offset.store": False, "auto.offset.reset": cfg.offset_reset,
@@ -259,10 +260,9 @@ class Stream:
 
     def _send(self, p: Pending) -> None:
         assert p.arrays is not None
-        dtypes = {s.name: s.datatype for s in self.specs}
         inputs = []
         for name, arr in p.arrays.items():
-            i = grpcclient.InferInput(name, list(arr.shape), dtypes[name])
+            i = grpcclient.InferInput(name, list(arr.shape), self.dtypes[name])
             i.set_data_from_numpy(arr)
             inputs.append(i)
         try:
@@ -404,8 +404,11 @@ class Stream:
         self.tracker.committed(offsets)
 
     def _on_commit(self, err: Any, partitions: list[TopicPartition]) -> None:
-        if err is not None:
-            log.warning("commit failed: %s", err)
+        failed = [tp for tp in partitions if err is not None or tp.error is not None]
+        for tp in failed:  # (runs in consume() or commit(): the loop's thread)
+            self.tracker.commit_failed((tp.topic, tp.partition))
+        if failed:
+            log.warning("commit failed, done again at the next one: %s", err or failed[0].error)
 
     # -- rebalances --------------------------------------------------------------------------
     def _assigned(self, consumer: Consumer, parts: list[TopicPartition]) -> None:

@@ -40,6 +40,16 @@ def test_partitions_advance_on_their_own_and_a_commit_is_handed_out_once():
     assert t.committable() == {A: 11, B: 12}
 
 
+def test_a_refused_commit_is_handed_out_again():
+    t = OffsetTracker()
+    t.take(A, 0)
+    t.ack(A, 0)
+    t.committed(t.committable())
+    assert t.committable() == {}
+    t.commit_failed(A)  # the broker refused it: the next commit must carry it again
+    assert t.committable() == {A: 1}
+
+
 def test_gaps_in_the_offsets_are_contiguous_in_consume_order():
     """A compacted topic (or transaction markers) leaves offsets out: contiguity is by what was read."""
     t = OffsetTracker()
