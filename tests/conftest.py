@@ -23,10 +23,22 @@ def _root_log_handlers():
     (matplotlib's first-run "generated new fontManager" in test_tune) then printed a logging
     traceback. Each test gets the root handlers it started with."""
     root = logging.getLogger()
+    _drop_closed_stream_handlers(root)
     handlers, level = list(root.handlers), root.level
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+def _drop_closed_stream_handlers(root: logging.Logger) -> None:
+    """A module- or session-scoped fixture that ran the CLI through CliRunner did so before the
+    snapshot above (wider fixtures set up first), so its handler, on a stream CliRunner has since
+    closed, was in every later test's snapshot and put back after it: test_tune's `tune` (no
+    logging setup of its own) then logged matplotlib's first-run line into it, on a fresh machine
+    only (CI, 2026-11-28). Such a handler can never write again: it goes."""
+    for h in list(root.handlers):
+        if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False):
+            root.removeHandler(h)
 
 
 REDIS_SERVER = "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else shutil.which("redis-server")
