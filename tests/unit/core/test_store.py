@@ -225,14 +225,34 @@ def test_a_cache_purge_of_every_model_leaves_the_fleets_state_alone(locked_redis
 
 
 # -- Redis Cluster: refused --------------------------------------------------------------------------
+def _cluster_port() -> int:
+    """A free loopback port a cluster node can take: its bus listens on the port + 10000, so the
+    port must be 55535 or less and that one free too. A free port from the kernel's ephemeral
+    range (32768-60999) is above 55535 about one time in five (redis-server then exits 1: "Redis
+    port number too high", CI 2026-11-28)."""
+    import socket  # noqa: PLC0415
+
+    for _ in range(200):
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free loopback port at or below 55535 whose cluster bus port is free")
+
+
 def test_a_redis_cluster_node_is_refused_with_one_clear_line(tmp_path):
     """redis.Redis does not follow MOVED/ASK and a SCAN sees one node: a cluster node is refused
     at connect, by every store, with the same sentence."""
     from tritonguard.rollout.state import StateUnavailable
     from tritonguard.rollout.stores import RedisStateStore
 
-    node = Redis(tmp_path, extra_args=["--cluster-enabled", "yes", "--cluster-config-file",
-                                       str(tmp_path / "nodes.conf")]).start()
+    node = Redis(tmp_path, port=_cluster_port(), extra_args=["--cluster-enabled", "yes", "--cluster-config-file",
+                                                            str(tmp_path / "nodes.conf")]).start()
     try:
         st = RedisStateStore(node.url, "digits")
         with pytest.raises(StateUnavailable) as exc:
