@@ -392,6 +392,23 @@ def test_a_slower_version_is_rolled_back_across_the_fleet(fleet):
     failed = [x for x in traffic.log if x[3] is not None]
     assert len(traffic.log) > 200 and not failed, failed[:5]
 
+    # issue 39 item 1: the promote failed (exit 1) just after it recorded ARCHIVED; its record and
+    # every earlier one are in the store, and a second machine (a TRITONGUARD_HOME that has never
+    # seen this repository) reads the same history, chain intact
+    r = exporter(fleet, "status", "--json", "--state-url", fleet.redis.url, "-r", fleet.url, timeout=120,
+                 env={"TRITONGUARD_HOME": str(fleet.workdir / "second-machine")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    (guard,) = [g for g in json.loads(r.stdout)["guards"] if g["model"] == "digits"]
+    history = guard["history"]
+    assert history["ok"], history
+    assert history["where"].startswith(f"s3://{fleet.bucket}/"), history
+    records = history["records"]
+    assert [x["seq"] for x in records] == list(range(len(records))), records
+    slow_records = [(x["type"], x.get("to")) for x in records if x.get("version") == slow]
+    assert ("transition", "ARCHIVED") in slow_records, records
+    print("fleet history from a second machine:", json.dumps({
+        "records": len(records), "slow_version": slow_records, "where": history["where"]}))
+
 
 def test_one_tenant_quota_holds_across_the_fleet(fleet):
     """A tenant at ``rps`` 40, ``burst`` 10, sending as fast as 4 clients can through nginx for
