@@ -51,8 +51,6 @@ def test_repo(exported_repo, tmp_path_factory) -> Path:
     guard_variant("orphan", target="no_such_model", placement="bls")
     # an unknown parameter must fail the load, naming the key
     guard_variant("misspelt", target="digits_raw", placement="inprocess", **{"validation.max_paylod_bytes": "10"})
-    # a guard no test but test_serving's cost check sends anything: its first request is a fresh one's
-    guard_variant("digits_fresh", target="digits_raw", placement="inprocess")
     # the BLS placement of the digits guard, to test both placements of one pipeline
     guard_variant("digits_bls", target="digits_raw", placement="bls", **{"validation.range.IMAGE": "0,16"})
     # in process, a text guard runs a tokenizer -> runtime ensemble itself; the public minilm
