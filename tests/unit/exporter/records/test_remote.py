@@ -38,6 +38,26 @@ def _seed(s3, bucket: str) -> None:
                                b'parameters { key: "target" value { string_value: "digits_raw" } }\n')
 
 
+def _locked_store(aws_env, tmp_path, monkeypatch, redis_server, bucket: str, **periods: float):
+    """A seeded store whose publishes take the Redis publish lock: ``(s3 client, bucket, spec,
+    redis client, lock key)``, the key as the code names it (:func:`tritonguard.core.store.redis_prefix`);
+    ``periods`` set the module's ``PUBLISH_*_S`` (``LOCK``, ``RENEW``, ``WAIT``)."""
+    import redis
+
+    from exporter.records import remote
+    from tritonguard.core.store import redis_prefix
+
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)
+    for name, seconds in periods.items():
+        monkeypatch.setattr(remote, f"PUBLISH_{name}_S", seconds)
+    s3 = aws_env.client()
+    _seed(s3, aws_env.bucket(bucket))
+    spec = f"s3://{bucket}/repo"
+    key = redis_prefix("publish", dict(os.environ)) + remote.objectstore.parse(spec, dict(os.environ)).cache_key
+    return s3, bucket, spec, redis.Redis.from_url(redis_server.url), key
+
+
 def test_a_new_version_is_published_files_then_manifest_then_configs(aws_env, tmp_path, monkeypatch):
     import boto3
 
@@ -161,19 +181,7 @@ def test_a_publish_over_another_writers_objects_is_refused_and_nothing_goes_up(a
 def test_publishers_take_turns_through_redis(aws_env, tmp_path, monkeypatch, redis_server):
     """With a Redis state store a publish holds ``tritonguard:publish:<store>`` while it checks and
     uploads; one that cannot get it in time publishes nothing and says who holds it."""
-    import redis
-
-    from exporter.records import remote
-
-    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)
-    monkeypatch.setattr(remote, "PUBLISH_WAIT_S", 0.5)
-    s3 = aws_env.client()
-    bucket = aws_env.bucket("turns")
-    _seed(s3, bucket)
-    spec = f"s3://{bucket}/repo"
-    client = redis.Redis.from_url(redis_server.url)
-    key = f"tritonguard:publish:{remote.objectstore.parse(spec, dict(os.environ)).cache_key}"
+    s3, bucket, spec, client, key = _locked_store(aws_env, tmp_path, monkeypatch, redis_server, "turns", WAIT=0.5)
     client.set(key, "someone else", px=60_000)
     with pytest.raises(RemoteRepositoryError, match="another exporter has been publishing"), \
             working_copy(spec) as local:
@@ -257,20 +265,9 @@ def test_a_publish_whose_lock_lapsed_stops_before_the_configs(aws_env, tmp_path,
     """The lease lapses mid-publish (renewal stalled past it) and another exporter takes the lock
     and publishes its config: this publish refuses before its own configs, so the other's config
     stays, and says why (issue 39 item 4)."""
-    import redis
-
-    from exporter.records import remote
-
-    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)
-    monkeypatch.setattr(remote, "PUBLISH_LOCK_S", 0.4)
-    monkeypatch.setattr(remote, "PUBLISH_RENEW_S", 30.0)  # a renewal that never comes in time
-    s3 = aws_env.client()
-    bucket = aws_env.bucket("lapsed-lease")
-    _seed(s3, bucket)
-    spec = f"s3://{bucket}/repo"
-    client = redis.Redis.from_url(redis_server.url)
-    key = f"tritonguard:publish:{remote.objectstore.parse(spec, dict(os.environ)).cache_key}"
+    # a renewal that never comes in time
+    s3, bucket, spec, client, key = _locked_store(aws_env, tmp_path, monkeypatch, redis_server, "lapsed-lease",
+                                                  LOCK=0.4, RENEW=30.0)
     theirs = b'name: "digits_raw"\nbackend: "runtime"\n# theirs\n'
 
     def other_exporter(rel: str) -> None:  # once our lease has lapsed, the other one publishes
@@ -289,20 +286,8 @@ def test_a_publish_whose_lock_lapsed_stops_before_the_configs(aws_env, tmp_path,
 def test_a_slow_publish_keeps_its_lock_by_renewing_it(aws_env, tmp_path, monkeypatch, redis_server):
     """A publish that takes several leases long keeps the lock (renewed in the background):
     another exporter cannot take it meanwhile, and every file goes up."""
-    import redis
-
-    from exporter.records import remote
-
-    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("TRITONGUARD_STATE_URL", redis_server.url)
-    monkeypatch.setattr(remote, "PUBLISH_LOCK_S", 0.5)
-    monkeypatch.setattr(remote, "PUBLISH_RENEW_S", 0.1)
-    s3 = aws_env.client()
-    bucket = aws_env.bucket("renewed-lease")
-    _seed(s3, bucket)
-    spec = f"s3://{bucket}/repo"
-    client = redis.Redis.from_url(redis_server.url)
-    key = f"tritonguard:publish:{remote.objectstore.parse(spec, dict(os.environ)).cache_key}"
+    s3, bucket, spec, client, key = _locked_store(aws_env, tmp_path, monkeypatch, redis_server, "renewed-lease",
+                                                  LOCK=0.5, RENEW=0.1)
     taken = []
     done = _slow_uploads(monkeypatch, 0.3, during=lambda rel: taken.append(client.set(key, "other", nx=True, px=60_000)))
     with working_copy(spec) as local:
