@@ -42,6 +42,7 @@ from exporter.stream.events import (
 )
 from exporter.stream.metrics import StreamMetrics
 from exporter.stream.offsets import TP, OffsetTracker
+from tritonguard.core.outage import Backoff
 
 log = logging.getLogger("exporter.stream")
 
@@ -145,7 +146,8 @@ class Stream:
         self.answers: queue.SimpleQueue = queue.SimpleQueue()  # (pending, result, error) from gRPC threads
         self.retry: list[Pending] = []
         self.retry_at = 0.0
-        self.backoff = 0.0
+        # Triton unavailable: a retry after 0.2 s, doubling up to 5 s (the stores' pause rule)
+        self.outage = Backoff(start_s=0.2, max_s=5.0)
         self.paused = False  # Triton unavailable: every assigned partition paused
         self.full = False  # --max-inflight events wait: every assigned partition paused
         self.fatal: str | None = None
@@ -318,10 +320,8 @@ class Stream:
         self.retry.append(p)
 
     def _pause(self, code: str, message: str) -> None:
-        now = time.monotonic()
-        if now >= self.retry_at:  # the scheduled retry failed too: wait longer
-            self.backoff = min(max(0.2, self.backoff * 2), 5.0)
-            self.retry_at = now + self.backoff
+        if self.outage.available():  # the scheduled retry failed too: wait longer
+            self.retry_at = time.monotonic() + self.outage.fail()
         if not self.paused:
             self.paused = True
             self._hold()
@@ -330,7 +330,8 @@ class Stream:
             log.warning("Triton unavailable (%s: %s): partitions paused, retrying", code, message[:200])
 
     def _resume(self) -> None:
-        self.paused, self.backoff, self.retry_at = False, 0.0, 0.0
+        self.paused, self.retry_at = False, 0.0
+        self.outage.recover()
         self._hold()
         self.metrics.paused.set(0)
         log.warning("Triton answers again: partitions resumed")
