@@ -17,7 +17,10 @@ PACKAGES = ("tritonguard", "exporter")
 
 # plane -> rank; a module may import its own plane and planes of a lower rank only
 TRITONGUARD = {"core": 0, "triton": 1, "rollout": 1, "privacy": 1, "observe": 1,
-               "generation": 2, "models": 2, "ops": 2, "guard": 3}
+               "generation": 2, "models": 2, "ops": 2, "guard": 3,
+               # hosts beside Triton (ASGI middleware, Ray Serve) and the OpenAI-compatible front:
+               # adapters over the guard's pipeline, never imported by it
+               "hosts": 4, "llm": 4}
 EXPORTER = {"errors": 0, "records": 1, "build": 2, "rollout": 3, "tune": 3, "batch": 3, "stream": 3, "cli": 4,
             "__main__": 5}
 # what the exporter may take from tritonguard: every plane under the serving stack, and of the
