@@ -192,3 +192,55 @@ def test_unit_tests_mirror_the_packages():
         if not any(stem == n or stem.startswith(n + "_") for n in names):
             lost.append(str(rel))
     assert not lost, f"test modules that name no module of their folder: {lost}"
+
+
+def test_only_the_triton_plane_touches_python_backend_and_nothing_below_imports_a_host(tmp_path):
+    """Issue 44's seam: python_backend (``triton_python_backend_utils``, ``c_python_backend_utils``)
+    is imported only by ``tritonguard/triton/`` (and the ``backends/`` shims Triton loads), so the
+    guard's pipeline runs in other hosts (ASGI, Ray Serve); and no plane under the hosts and the
+    OpenAI front imports them. Also checked on a copy of the tree with one of each added, so the
+    check can fail."""
+    backend_utils = {"triton_python_backend_utils", "c_python_backend_utils"}
+    hosts = ("tritonguard.hosts", "tritonguard.llm")
+
+    def python_backend_users(root: Path) -> list[str]:
+        out = []
+        for top in (*PACKAGES, "backends"):
+            for p in sorted((root / top).rglob("*.py")):
+                rel = p.relative_to(root).as_posix()
+                if rel.startswith(("tritonguard/triton/", "backends/")):
+                    continue
+                for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+                    names = []
+                    if isinstance(node, ast.Import):
+                        names = [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                        names = [node.module]
+                    elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                          and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")):
+                        names = [str(node.args[0].value)]
+                    if any(n.split(".")[0] in backend_utils for n in names):
+                        out.append(f"{rel}:{node.lineno}")
+        return out
+
+    def host_importers(g: dict[str, set[str]]) -> list[str]:
+        return [f"{src} -> {dst}" for src, deps in sorted(g.items()) for dst in sorted(deps)
+                if src.startswith("tritonguard.") and not src.startswith(hosts)
+                and dst.startswith(hosts)]
+
+    assert python_backend_users(ROOT) == []
+    assert host_importers(graph()) == []
+
+    for pkg in (*PACKAGES, "backends"):
+        for p in (ROOT / pkg).rglob("*.py"):
+            dest = tmp_path / p.relative_to(ROOT)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(p.read_text(encoding="utf-8"), encoding="utf-8")
+    stage = tmp_path / "tritonguard" / "guard" / "stages" / "respond.py"
+    stage.write_text(stage.read_text(encoding="utf-8") + "\nimport triton_python_backend_utils as pb_utils\n"
+                     "from tritonguard.hosts.asgi import GuardMiddleware\n", encoding="utf-8")
+    (tmp_path / "tritonguard" / "hosts").mkdir(exist_ok=True)
+    (tmp_path / "tritonguard" / "hosts" / "asgi.py").write_text("GuardMiddleware = None\n", encoding="utf-8")
+    assert python_backend_users(tmp_path) == ["tritonguard/guard/stages/respond.py:" +
+                                              str(stage.read_text(encoding="utf-8").count("\n") - 1)]
+    assert host_importers(graph(tmp_path)) == ["tritonguard.guard.stages.respond -> tritonguard.hosts.asgi"]
