@@ -7,8 +7,9 @@ reads from the store come back at :data:`RATE` bytes/s). A v2 of the target is p
 large extra file (:data:`PAD` bytes, generated here, never committed), then the rollout state
 (Redis) names it as the candidate. Before the fix the guard's state hook downloaded v2 on the
 thread that read the new state, ``execute()``'s included: requests waited for the whole download.
-Now the guard's fetcher thread downloads it, and v2 gets its share only once it is in the cache,
-whole and checked. The test measures the client's latency before and while v2 is downloading and
+Now the guard's fetcher thread has it downloaded (by a child process for a file this large: see
+:func:`tritonguard.core.objectstore.download_in_child`), and v2 gets its share only once it is in
+the cache, whole and checked. The test measures the client's latency before and while v2 is downloading and
 checks that no request waited for the download and no target error was counted."""
 
 from __future__ import annotations
@@ -201,11 +202,13 @@ def test_a_large_version_is_fetched_while_the_guard_keeps_serving(exported_repo,
         assert fetched_s > 0.5 * PAD / RATE, figures
         # no request waited for the download: the slowest one during it took a small fraction
         assert max(during) < fetched_s / 10, figures
-        # and the tail stays where it was. The bound: the fetch shares the 2 cores with serving
-        # (the proxy, moto, the fetcher's writes), so a few ms, or 3x a sub-ms p99, is noise;
-        # a request that waits for the download would be seconds.
+        # and the tail stays within a few ms of where it was. The download runs in a child
+        # process (its Python code no longer takes the GIL from execute(): in process, p99 rose
+        # from 7 to 20 ms in a full run); it still shares the 2 cores with serving (the proxy,
+        # moto, the child's writes), which is what the 5 ms (or one p99, when the machine's own
+        # noise already puts it above 5 ms) allow.
         p99_before = _p(before, 99)
-        assert _p(during, 99) < p99_before + max(0.005, 3 * p99_before), figures
+        assert _p(during, 99) < p99_before + max(0.005, p99_before), figures
         # v2 got its share once it was here; meanwhile its share was v1's, and nothing was counted
         assert served.get("digits_raw:2", 0) > 0 and served.get("digits_raw:1", 0) > 0
         assert _metric_sum(srv.metrics_url, "tritonguard_target_errors_total") == 0

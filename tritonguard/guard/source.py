@@ -162,7 +162,7 @@ def resolve(name: str, model_dir: Path, environ: Mapping[str, str]) -> Repositor
         if not environ.get(ENV_URL):
             raise ConfigError(f"model '{name}': the repository is in an object store ({objectstore.ENV_REPOSITORY}); "
                               f"set {ENV_URL}=redis://… for the rollout state")
-        cache = objectstore.RepositoryCache(spec, environ=environ)
+        cache = objectstore.RepositoryCache(spec, environ=environ, child_min_bytes=objectstore.CHILD_MIN_BYTES)
         return RepositorySource(cache.root, cache)
     if spec:
         return RepositorySource(Path(spec))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 
 import pytest
 
@@ -194,3 +195,37 @@ def test_a_version_gone_from_the_store_is_dropped_unless_still_routed(aws_env, t
         s3.delete_object(Bucket=bucket, Key=key)
     cache.sync("t")
     assert (t / "3" / "model.onnx").read_bytes() == b"v3"
+
+
+def test_large_files_come_through_a_child_process_checked_like_the_others(aws_env, tmp_path, monkeypatch):
+    """Issue 39 item 2: a guard's cache downloads files of ``child_min_bytes`` or more in a child
+    Python process (its serving thread keeps the GIL), small ones on the calling thread; the
+    artifact is checked against its manifest either way, and a child's failure is one line."""
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("child-test")
+    _put(s3, bucket, "repo/t/config.pbtxt", b'name: "t"\n')
+    big = os.urandom(64 << 10)
+    _publish_version(s3, bucket, "t", 1, big, extra={"goldens.npz": b"g1"})
+    in_child: list[str] = []
+    real = objectstore.download_in_child
+
+    def counting(spec, rel, dest, timeout=None):
+        in_child.append(rel)
+        return real(spec, rel, dest, timeout)
+
+    monkeypatch.setattr(objectstore, "download_in_child", counting)
+    cache = RepositoryCache(f"s3://{bucket}/repo", cache_dir=tmp_path / "cache", child_min_bytes=32 << 10)
+    model_dir = cache.sync("t")
+    assert in_child == ["t/1/model.onnx"]  # only the large file; the small ones stayed in process
+    assert (model_dir / "1" / "model.onnx").read_bytes() == big
+    # a tampered large artifact fetched by the child still fails its checksum and is not cached
+    _publish_version(s3, bucket, "t", 2, os.urandom(64 << 10), sha="0" * 64)
+    with pytest.raises(ObjectStoreError, match="does not match the sha256"):
+        cache.sync("t")
+    assert not (model_dir / "2").exists()
+    # the child cannot reach the store: one line naming the store, no traceback
+    spec = objectstore.parse(f"s3://http://127.0.0.1:1/{bucket}/repo")
+    with pytest.raises(ObjectStoreError, match="Could not connect") as exc:
+        objectstore.download_in_child(spec, "t/1/model.onnx", tmp_path / "x" / "model.onnx")
+    assert "\n" not in str(exc.value) and "Traceback" not in str(exc.value)
+    assert not (tmp_path / "x" / "model.onnx").exists()
