@@ -171,6 +171,15 @@ def check_regression(ref: np.ndarray, got: np.ndarray) -> GoldenReport:
     return GoldenReport(verdict, metrics, len(ref))
 
 
+def check_labels(ref: np.ndarray, got: np.ndarray) -> GoldenReport:
+    """Class labels (an integer output of a classifier, e.g. a scikit-learn model's LABEL):
+    exactly equal, row by row; one differing label fails the check."""
+    if (bad := _shape_fail(ref, got)) is not None:
+        return bad
+    agreement = float(np.mean(np.asarray(ref).reshape(len(ref), -1) == np.asarray(got).reshape(len(got), -1)))
+    return GoldenReport(PASS if agreement == 1.0 else FAIL, {"label_agreement": agreement}, len(ref))
+
+
 CHECKS = {"classifier": check_classifier, "embedding": check_embedding, "regression": check_regression}
 
 
@@ -189,7 +198,10 @@ def check(task: str, reference: Mapping[str, np.ndarray], actual: Mapping[str, n
                             len(next(iter(reference.values()))))
     reports = {}
     for name, ref in reference.items():
-        reports[name] = CHECKS[task](np.asarray(ref), np.asarray(actual[name]))
+        ref = np.asarray(ref)
+        # a classifier's integer output holds labels, not scores: compared exactly
+        checker = check_labels if task == "classifier" and ref.dtype.kind in "iub" else CHECKS[task]
+        reports[name] = checker(ref, np.asarray(actual[name]))
     verdict = max((r.verdict for r in reports.values()), key=_ORDER.__getitem__)
     if len(reports) == 1:
         metrics = next(iter(reports.values())).metrics

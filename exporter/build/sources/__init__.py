@@ -3,8 +3,11 @@
 A source is one of
 - ``package.module:function``: a callable returning an :class:`ExportSpec` (the examples);
 - a local ``.onnx`` or ``.pt`` (TorchScript) file, with golden inputs from ``--inputs FILE.npz``;
+- a fitted scikit-learn estimator or Pipeline saved with joblib (``.joblib``; a pickle: it must
+  be trusted) or an XGBoost model saved as ``.json`` / ``.ubj``, converted to ONNX (skl2onnx,
+  onnxmltools) and checked against the model's own predictions on ``--inputs FILE.npz``;
 - an MLflow model URI (``models:/name@alias``, ``models:/name/version``, ``runs:/id/path``) of the
-  ``pytorch`` or ``onnx`` flavor, with ``--inputs`` (or the input example logged with the model);
+  ``pytorch``, ``onnx``, ``sklearn`` or ``xgboost`` flavor, with ``--inputs`` (or the input example logged with the model);
   the run's params, metrics, dataset inputs and git commit become the version's lineage;
 - a local Hugging Face model folder (``config.json`` + tokenizer; loaded offline): a sequence
   classifier (``*ForSequenceClassification``) or else a sentence encoder, exported behind its
@@ -13,7 +16,8 @@ A source is one of
 
 One module per kind, behind :func:`load_source` (here, with the callable kind):
 :mod:`.spec` (ExportSpec, TensorDef, TextFront, SourceError: what every kind becomes),
-:mod:`.files` (``.onnx``, ``.pt``, ``.npz``), :mod:`.mlflow_models` and :mod:`.hf_folders`.
+:mod:`.files` (``.onnx``, ``.pt``, ``.npz``), :mod:`.classical` (scikit-learn, XGBoost),
+:mod:`.mlflow_models` and :mod:`.hf_folders`.
 They import :mod:`exporter.errors` and :mod:`tritonguard.rollout.state` only; torch, onnx, MLflow
 and transformers are imported inside the functions that load such a source.
 """
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from exporter.build.sources.classical import CLASSICAL_SUFFIXES, from_file
 from exporter.build.sources.files import from_module, from_onnx, read_npz
 from exporter.build.sources.hf_folders import HF_CONFIG, from_hf_dir, read_texts
 from exporter.build.sources.mlflow_models import MLFLOW_SCHEMES, from_mlflow
@@ -39,13 +44,17 @@ def load_source(source: str, *, inputs: Path | None = None, task: str | None = N
     ``mlflow_uri``: the tracking/registry URI MLflow sources are read from (default
     ``$MLFLOW_TRACKING_URI``, else MLflow's own default)."""
     if source.startswith(MLFLOW_SCHEMES):
-        return from_mlflow(source, inputs, _need_task(source, task), input_names, output_names,
-                            tracking_uri=mlflow_uri)
+        # the flavor decides whether --task is needed (a classical model knows its own)
+        return from_mlflow(source, inputs, task, input_names, output_names, tracking_uri=mlflow_uri)
     path = Path(source)
     if path.is_dir():
         if not (path / HF_CONFIG).is_file():
             raise SourceError(f"{path} is a folder without {HF_CONFIG}: not a Hugging Face model folder")
         return from_hf_dir(path, texts=read_texts(inputs) if inputs is not None else None, task=task)
+    if path.suffix in CLASSICAL_SUFFIXES:
+        if not path.is_file():
+            raise SourceError(f"{path} does not exist")
+        return from_file(path, _need_inputs(source, inputs), task, input_names)
     if path.suffix in (".onnx", ".pt"):
         if not path.is_file():
             raise SourceError(f"{path} does not exist")
@@ -60,7 +69,7 @@ def load_source(source: str, *, inputs: Path | None = None, task: str | None = N
     if ":" in source:
         return _from_callable(source)
     raise SourceError(f"unrecognised source {source!r}: expected package.module:function, "
-                      "a .onnx/.pt file, a Hugging Face model folder, or an MLflow models:/ or runs:/ URI")
+                      "a .onnx/.pt/.joblib/.json/.ubj file, a Hugging Face model folder, or an MLflow models:/ or runs:/ URI")
 
 
 def _need_inputs(source: str, inputs: Path | None) -> dict[str, np.ndarray]:

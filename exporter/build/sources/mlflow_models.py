@@ -1,5 +1,7 @@
 """MLflow sources: a model URI (``models:/name@alias``, ``models:/name/version``,
-``runs:/id/path``) of the ``pytorch`` or ``onnx`` flavor, downloaded once into a private
+``runs:/id/path``) of the ``pytorch`` or ``onnx`` flavor, or the ``sklearn`` / ``xgboost``
+flavor (converted like a ``.joblib`` / XGBoost file by :mod:`.classical`; the sklearn flavor
+unpickles, so the store must be trusted), downloaded once into a private
 folder; golden inputs from ``--inputs`` or the input example logged with the model; the
 producing run's params, metrics, datasets and commit become the version's lineage. MLflow is
 imported only when such a source is loaded.
@@ -19,16 +21,21 @@ from typing import Any
 
 import numpy as np
 
+from exporter.build.sources.classical import from_estimator
 from exporter.build.sources.files import from_module, from_onnx, read_npz
-from exporter.build.sources.spec import ExportSpec, SourceError, eval_mode, first_line
+from exporter.build.sources.spec import TASKS, ExportSpec, SourceError, eval_mode, first_line
 
 log = logging.getLogger(__name__)
 MLFLOW_SCHEMES = ("models:/", "runs:/")
 
 
-def from_mlflow(uri: str, inputs: Path | None, task: str, input_names: Sequence[str],
+CLASSICAL_FLAVORS = ("sklearn", "xgboost")
+
+
+def from_mlflow(uri: str, inputs: Path | None, task: str | None, input_names: Sequence[str],
                  output_names: Sequence[str], *, tracking_uri: str | None = None) -> ExportSpec:
-    """An MLflow model (pytorch or onnx flavor), downloaded once into a private temp folder."""
+    """An MLflow model (pytorch, onnx, sklearn or xgboost flavor), downloaded once into a private
+    temp folder. ``task`` is required for pytorch and onnx; a classical model knows its own."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # stderr noise
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
@@ -56,6 +63,9 @@ def from_mlflow(uri: str, inputs: Path | None, task: str, input_names: Sequence[
         raise
     except Exception as exc:  # noqa: BLE001 - MLflow raises many types; the message is what matters
         raise SourceError(f"cannot load {uri} from MLflow ({store}): {first_line(exc)}") from None
+    classical = next((f for f in CLASSICAL_FLAVORS if f in meta.flavors), None)
+    if classical is None and task is None:
+        raise SourceError(f"source {uri} needs --task ({'|'.join(TASKS)})")
     arrays = read_npz(inputs) if inputs is not None else _input_example(uri, meta, local, input_names)
     if "onnx" in meta.flavors:
         spec = from_onnx(_single_file_onnx(local / meta.flavors["onnx"]["data"]), arrays, task,
@@ -72,11 +82,27 @@ def from_mlflow(uri: str, inputs: Path | None, task: str, input_names: Sequence[
         except Exception as exc:  # noqa: BLE001
             raise SourceError(f"cannot load the PyTorch model of {uri}: {first_line(exc)}") from None
         spec = from_module(eval_mode(module), arrays, task, input_names, output_names)
+    elif classical is not None:
+        spec = from_estimator(_load_classical(uri, classical, local), arrays, task, input_names, source=uri)
     else:
         raise SourceError(f"{uri} has the flavors {', '.join(sorted(meta.flavors))}; "
-                          "MLflow sources must be `pytorch` or `onnx` models")
+                          "MLflow sources must be `pytorch`, `onnx`, `sklearn` or `xgboost` models")
     _mlflow_lineage(spec, meta, store)
     return spec
+
+
+def _load_classical(uri: str, flavor: str, local: Path) -> Any:
+    """The fitted estimator (sklearn flavor: unpickled) or XGBoost model of an MLflow model."""
+    try:
+        if flavor == "sklearn":
+            import mlflow.sklearn  # noqa: PLC0415 - defers a heavy import
+
+            return mlflow.sklearn.load_model(str(local))
+        import mlflow.xgboost  # noqa: PLC0415 - defers a heavy import
+
+        return mlflow.xgboost.load_model(str(local))
+    except Exception as exc:  # noqa: BLE001 - MLflow and the unpickler raise anything
+        raise SourceError(f"cannot load the {flavor} model of {uri}: {first_line(exc)}") from None
 
 
 @contextlib.contextmanager
@@ -117,6 +143,8 @@ def _input_example(uri: str, meta: Any, local: Path, input_names: Sequence[str])
         example = meta.load_input_example(str(local)) if meta.saved_input_example_info else None
     except Exception:  # noqa: BLE001
         example = None
+    if hasattr(example, "to_numpy") and not isinstance(example, np.ndarray):  # a DataFrame (sklearn)
+        example = np.asarray(example.to_numpy())
     if isinstance(example, np.ndarray):
         example = {(input_names[0] if input_names else "INPUT__0"): example}
     if not isinstance(example, dict) or not example or \
