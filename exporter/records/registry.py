@@ -2,9 +2,15 @@
 
 Every exported version is an MLflow model version (its ``source`` is the version folder in the
 model repository, so MLflow copies no artifact and nothing lands in ``./mlruns``) tagged with
-the artifact's SHA-256, the golden verdict and figures, and its lineage. Stages are modelled with
-the tag ``tritonguard.stage`` (DRAFT -> STAGING -> PRODUCTION -> ARCHIVED) plus the aliases
-``production`` and ``staging``: MLflow deprecated its own stages.
+the artifact's SHA-256, the golden verdict and figures, and its lineage. MLflow deprecated its own
+stages; its convention is registered-model aliases and tags, so the version PRODUCTION serves has
+the alias ``champion`` and the version under test (STAGING) ``challenger``, and each version's tag
+``tritonguard.role`` says ``draft``, ``challenger``, ``champion`` or ``archived``. During a
+deprecation period the old vocabulary is written too, so existing queries keep working: the tag
+``tritonguard.stage`` (DRAFT -> STAGING -> PRODUCTION -> ARCHIVED) and the aliases ``production``
+and ``staging`` beside ``champion`` and ``challenger``; a registry written before ``champion``
+existed is read through its ``production`` alias. Users may add aliases of their own
+(:meth:`Registry.set_aliases`, ``promote --alias``).
 
 MLflow has no compare-and-set, so :meth:`Registry.transition` adds one:
 
@@ -66,7 +72,15 @@ from tritonguard.privacy.audit.verify import VerifyResult
 log = logging.getLogger(__name__)
 
 STAGES = ("DRAFT", "STAGING", "PRODUCTION", "ARCHIVED")
-ALIASES = {"PRODUCTION": "production", "STAGING": "staging"}
+CHAMPION, CHALLENGER = "champion", "challenger"
+# the aliases a stage puts on its version: MLflow's convention first, then the deprecated
+# stage-named alias, still written so that `models:/name@production` keeps working
+ALIASES = {"PRODUCTION": (CHAMPION, "production"), "STAGING": (CHALLENGER, "staging")}
+MANAGED_ALIASES = frozenset(a for names in ALIASES.values() for a in names)
+# the tag ``tritonguard.role`` per stage (``tritonguard.stage`` keeps the stage itself)
+ROLES = {"DRAFT": "draft", "STAGING": CHALLENGER, "PRODUCTION": CHAMPION, "ARCHIVED": "archived"}
+# words accepted wherever a stage is named: the stage (old vocabulary) or its role
+STAGE_WORDS = {**{s.lower(): s for s in STAGES}, **{r: s for s, r in ROLES.items()}}
 T = "tritonguard."  # tag prefix
 Approver = str | Callable[[dict[str, Any]], Any]
 _CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -202,9 +216,7 @@ class Registry:
         self.lock_path = Path(lock_path) if lock_path else (db.with_name(db.name + ".lock") if db else None)
         # a remote registry: a Redis lease when there is a Redis, else the optimistic tag token
         self.lock_url = (lock_url if lock_url is not None else os.environ.get("TRITONGUARD_STATE_URL", "")) or None
-        self.approvers = {k: list(v) for k, v in (approvers or {}).items()}
-        for stage in self.approvers:
-            _check_stage(stage)
+        self.approvers = {stage_of(k): list(v) for k, v in (approvers or {}).items()}
         self.settle_s, self.clock = settle_s, clock
         self.lock_wait_s = 30.0
         self._client: Any = None
@@ -251,8 +263,24 @@ class Registry:
                       key=lambda i: i.version)
 
     def production(self, name: str) -> int | None:
-        """The version behind the ``production`` alias, None if there is none."""
-        return self._alias(name, ALIASES["PRODUCTION"])
+        """The version behind the ``champion`` alias (in a registry written before it existed,
+        the ``production`` alias), None if there is none."""
+        for alias in ALIASES["PRODUCTION"]:
+            found = self._alias(name, alias)
+            if found is not None:
+                return found
+        return None
+
+    def aliases(self, name: str) -> dict[str, int]:
+        """Every alias of ``name`` and the repository version behind it (managed and the user's)."""
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 - defers a heavy import
+
+        try:
+            held = {k: str(v) for k, v in self.client.get_registered_model(name).aliases.items()}
+        except MlflowException:
+            return {}
+        by_mlflow = {i.mlflow_version: i.version for i in self.versions(name)}
+        return {alias: by_mlflow[mlv] for alias, mlv in sorted(held.items()) if mlv in by_mlflow}
 
     def _alias(self, name: str, alias: str) -> int | None:
         from mlflow.exceptions import MlflowException  # noqa: PLC0415 - defers a heavy import
@@ -285,6 +313,7 @@ class Registry:
             lineage.setdefault("parent_version", self.production(name))
             golden = manifest.get("golden") or {}
             tags = {f"{T}version": str(int(version)), f"{T}sha256": sha, f"{T}stage": "DRAFT",
+                    f"{T}role": ROLES["DRAFT"],
                     f"{T}golden.verdict": str(golden.get("verdict", "")),
                     f"{T}golden.figures": json.dumps(golden.get("metrics", {}), sort_keys=True),
                     f"{T}golden.n": str(golden.get("n", "")),
@@ -319,9 +348,9 @@ class Registry:
     def transition(self, name: str, version: int, to: str, expected_current: str,
                    approver: str | None = None, *, reason: str = "",
                    rollback: bool = False) -> ModelVersionInfo:
-        """Move ``version`` to ``to`` if it is still in ``expected_current`` (else StageConflict)."""
-        _check_stage(to)
-        _check_stage(expected_current)
+        """Move ``version`` to ``to`` if it is still in ``expected_current`` (else StageConflict).
+        Stages may be named in either vocabulary (``PRODUCTION`` or ``champion``, :func:`stage_of`)."""
+        to, expected_current = stage_of(to), stage_of(expected_current)
         if to == expected_current:
             raise StageConflict(f"'{name}' v{version}: already {to}")
         info = self.get(name, version)
@@ -345,7 +374,7 @@ class Registry:
                           "rollback": rollback})
         log.info("'%s' v%d: %s -> %s%s", name, version, current, to,
                  f" (archived {archived})" if archived else "")
-        info.stage, info.tags[f"{T}stage"] = to, to
+        info.stage, info.tags[f"{T}stage"], info.tags[f"{T}role"] = to, to, ROLES[to]
         return info
 
     def _apply(self, name: str, mv: Any, to: str, current: str, rollback: bool) -> tuple[list[int], int | None]:
@@ -354,23 +383,31 @@ class Registry:
         version = int(mv.tags[f"{T}version"])
         aliases = {k: str(v) for k, v in c.get_registered_model(name).aliases.items()}
         if to == "PRODUCTION":
-            # the new version first, then the alias, then the old ones: a crash in between leaves
-            # the alias on the new version and a stale tag that the next promotion archives
-            c.set_model_version_tag(name, mlv, f"{T}stage", "PRODUCTION")
-            c.set_registered_model_alias(name, ALIASES["PRODUCTION"], mlv)
+            # the new version first, then the aliases, then the old ones: a crash in between leaves
+            # the aliases on the new version and a stale tag that the next promotion archives
+            # (an alias names one version: setting it takes it from the old champion)
+            self._tag_stage(name, mlv, "PRODUCTION")
+            for alias in ALIASES["PRODUCTION"]:
+                c.set_registered_model_alias(name, alias, mlv)
+            for alias in _split(mv.tags.get(f"{T}pending_aliases", "")):
+                c.set_registered_model_alias(name, alias, mlv)
+            if f"{T}pending_aliases" in mv.tags:
+                c.delete_model_version_tag(name, mlv, f"{T}pending_aliases")
             for other in self.versions(name):
                 if other.mlflow_version != mlv and other.stage == "PRODUCTION":
-                    c.set_model_version_tag(name, other.mlflow_version, f"{T}stage", "ARCHIVED")
+                    self._tag_stage(name, other.mlflow_version, "ARCHIVED")
                     if rollback:
                         c.set_model_version_tag(name, other.mlflow_version, f"{T}rolled_back", "true")
                     archived.append(other.version)
         else:
-            c.set_model_version_tag(name, mlv, f"{T}stage", to)
+            self._tag_stage(name, mlv, to)
             if to == "STAGING":
-                c.set_registered_model_alias(name, ALIASES["STAGING"], mlv)
-        for stage, alias in ALIASES.items():
-            if stage != to and aliases.get(alias) == mlv:
-                c.delete_registered_model_alias(name, alias)
+                for alias in ALIASES["STAGING"]:
+                    c.set_registered_model_alias(name, alias, mlv)
+        for stage, names in ALIASES.items():
+            for alias in names:
+                if stage != to and aliases.get(alias) == mlv:
+                    c.delete_registered_model_alias(name, alias)
         if to == "PRODUCTION":
             return archived, version
         return archived, None if current == "PRODUCTION" else self.production(name)
@@ -393,6 +430,10 @@ class Registry:
             others = [o.version for o in self.versions(name)
                       if o.stage == "PRODUCTION" and o.mlflow_version != str(mv.version)]
             if info.stage == "PRODUCTION" and self.production(name) == version and not others:
+                if info.tags.get(f"{T}role") != CHAMPION or \
+                        any(self._alias(name, alias) != version for alias in ALIASES["PRODUCTION"]):
+                    # written before the champion alias and the role tag: add them; nothing moved
+                    self._apply(name, mv, "PRODUCTION", "PRODUCTION", False)
                 return info, False
             if info.tags.get(f"{T}golden.verdict") == "FAIL":
                 raise RegistryError(f"'{name}' v{version} failed its golden check; it cannot become PRODUCTION")
@@ -404,8 +445,34 @@ class Registry:
                           "rollback": False, "reconcile": True})
         log.info("'%s' v%d: %s -> PRODUCTION (reconciled with the routing)%s", name, version, info.stage,
                  f" (archived {archived})" if archived else "")
-        info.stage, info.tags[f"{T}stage"] = "PRODUCTION", "PRODUCTION"
+        info.stage, info.tags[f"{T}stage"], info.tags[f"{T}role"] = "PRODUCTION", "PRODUCTION", CHAMPION
         return info, True
+
+    def _tag_stage(self, name: str, mlv: str, stage: str) -> None:
+        """The stage in both vocabularies: ``tritonguard.role`` and the deprecated ``tritonguard.stage``."""
+        self.client.set_model_version_tag(name, mlv, f"{T}role", ROLES[stage])
+        self.client.set_model_version_tag(name, mlv, f"{T}stage", stage)
+
+    def set_aliases(self, name: str, version: int, aliases: Sequence[str], *, on_production: bool = False) -> None:
+        """Point the user's ``aliases`` at ``version`` now, or with ``on_production`` when it
+        becomes PRODUCTION (kept in its tag ``tritonguard.pending_aliases`` until then, so that
+        the process that finishes the rollout, a ``rollout resume`` elsewhere, sets them).
+        The managed aliases (champion, challenger and their deprecated synonyms) are refused."""
+        names = [check_alias(a) for a in aliases]
+        if not names:
+            return
+        with self._locked(name):
+            mv = self._find(name, version)
+            if mv is None:
+                raise RegistryError(f"'{name}' v{version} is not registered")
+            if on_production and self._info(name, mv).stage != "PRODUCTION":
+                pending = [*_split(mv.tags.get(f"{T}pending_aliases", "")), *names]
+                self.client.set_model_version_tag(name, str(mv.version), f"{T}pending_aliases",
+                                                  ",".join(dict.fromkeys(pending)))
+                return
+            for alias in names:
+                self.client.set_registered_model_alias(name, alias, str(mv.version))
+        log.info("'%s' v%d: alias %s", name, version, ", ".join(names))
 
     def rollback(self, name: str, *, approver: str | None = None, reason: str = "") -> ModelVersionInfo:
         """Make :meth:`previous_production` PRODUCTION again; the current one is ARCHIVED."""
@@ -508,9 +575,30 @@ def _run_approver(spec: Approver, request: dict[str, Any]) -> bool:
     return proc.returncode == 0
 
 
-def _check_stage(stage: str) -> None:
-    if stage not in STAGES:
-        raise RegistryError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+def stage_of(word: str) -> str:
+    """The stage a word names: a stage in either case (``PRODUCTION``, ``staging``: the deprecated
+    vocabulary, still accepted) or a role (``champion``, ``challenger``, ``draft``, ``archived``)."""
+    stage = STAGE_WORDS.get(str(word).strip().lower())
+    if stage is None:
+        raise RegistryError(f"unknown stage {word!r}; stages are {', '.join(STAGES)} "
+                            f"(or {', '.join(ROLES[s] for s in STAGES)})")
+    return stage
+
+
+def check_alias(alias: str) -> str:
+    """``alias`` if MLflow accepts it as a user's alias (letters, digits, ``_`` and ``-``; not
+    ``latest``, not ``v<N>``) and it is not one this registry manages; else RegistryError."""
+    if not re.fullmatch(r"[\w-]{1,255}", alias or "") or alias.lower() == "latest" \
+            or re.fullmatch(r"[vV]\d+", alias):
+        raise RegistryError(f"alias {alias!r}: letters, digits, '_' and '-' only, not 'latest' or v<N>")
+    if alias.lower() in MANAGED_ALIASES:
+        raise RegistryError(f"alias {alias!r} is managed by the registry (champion: PRODUCTION, "
+                            "challenger: STAGING, and their old names production, staging)")
+    return alias
+
+
+def _split(aliases: str) -> list[str]:
+    return [a for a in aliases.split(",") if a]
 
 
 def _quote(name: str) -> str:

@@ -112,7 +112,8 @@ def test_exactly_one_production_and_history(reg):
     assert stages == {1: "ARCHIVED", 2: "PRODUCTION", 3: "DRAFT"}
     assert reg.production("prod") == 2
     aliases = reg.client.get_registered_model("prod").aliases
-    assert {k: str(v) for k, v in aliases.items()} == {"production": reg.get("prod", 2).mlflow_version}
+    mv2 = reg.get("prod", 2).mlflow_version  # MLflow's champion alias, and the deprecated synonym
+    assert {k: str(v) for k, v in aliases.items()} == {"champion": mv2, "production": mv2}
     hist = [r for r in reg.history("prod") if r["type"] == "transition"]
     assert [(r["version"], r["from"], r["to"], r["live"]) for r in hist] == [
         (1, "DRAFT", "PRODUCTION", 1), (2, "DRAFT", "STAGING", 1), (2, "STAGING", "PRODUCTION", 2)]
