@@ -37,6 +37,7 @@ from tritonguard.guard.routing.comparison import BatchComparator, ComparisonWork
 from tritonguard.guard.routing.config import RoutingConfig
 from tritonguard.guard.routing.goldens import GoldensChecker
 from tritonguard.guard.routing.signals import Alerts, Signals
+from tritonguard.guard.routing.sticky import PRIMARY_PIN
 from tritonguard.guard.routing.view import RolloutView, route_shares
 from tritonguard.rollout.breaker import Breaker, BreakerConfig
 from tritonguard.rollout.state import RolloutState
@@ -204,7 +205,7 @@ class Router:
         """Route one batch. ``draws``: per request, its uniform draw in [0, 1) when an earlier
         stage drew it (the cache, which lets the candidate's band skip it); else drawn here.
         ``pins``: per request, the version it must be answered by (the ``version`` request
-        parameter, e.g. reproducible batch scoring) or None: one the state names and that is
+        parameter, e.g. reproducible batch scoring; ``PRIMARY_PIN``: the primary) or None: one the state names and that is
         routable, with no fallback to another version (UNAVAILABLE instead). ``traced``: request
         -> its guard span, for the requests being traced (their comparisons get spans too)."""
         now = self.clock()
@@ -291,6 +292,8 @@ class Router:
         for i, pin in enumerate(pins):
             if pin is None:
                 continue
+            if pin == PRIMARY_PIN:  # version=primary
+                pin = self.primary()
             if pin <= 0:
                 errors[i] = InvalidInput("version", "version", "request parameter 'version' must be a positive integer")
             elif pin not in named:

@@ -16,6 +16,7 @@ import numpy as np
 from tritonguard.core.tensors import concat
 from tritonguard.generation.contract import OUTPUT
 from tritonguard.guard.pipeline import Batch, Generation, Stage, starts_of
+from tritonguard.guard.routing.sticky import apply_keys
 from tritonguard.guard.stages.validate import target_sampling
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class CacheLookupStage(Stage):
         if state is None or (state.candidate is None and not getattr(state, "arms", ())):
             return set()
         if b.draws is None:
-            b.draws = self._rng.random(len(b.responses))
+            b.draws = apply_keys(b.params, self._rng.random(len(b.responses)))  # routing_key: sticky
         u = b.draws[b.route]
         tested = state.candidate_mask(u) | (state.arm_choice(u) != 0)
         return {b.route[j] for j in np.flatnonzero(tested)}

@@ -8,17 +8,21 @@ from typing import Any
 
 from tritonguard.core.errors import TargetError
 from tritonguard.guard.pipeline import Batch, Stage
+from tritonguard.guard.routing.sticky import PRIMARY_PIN, apply_keys, has_keys
 
 
 def pin_of(params: dict[str, Any]) -> int | None:
-    """The version a request must be answered by (request parameter ``version``), or None; a
-    value that is not a whole number is 0, which the router refuses with INVALID_ARGUMENT."""
+    """The version a request must be answered by (request parameter ``version``), or None;
+    ``primary`` is :data:`PRIMARY_PIN` (whichever version the state names primary); any other
+    value that is not a positive whole number is 0, which the router refuses with INVALID_ARGUMENT."""
     raw = params.get("version")
     if raw is None:
         return None
     if isinstance(raw, int) and not isinstance(raw, bool):
-        return raw
+        return raw if raw > 0 else 0
     text = str(raw).strip()
+    if text == "primary":
+        return PRIMARY_PIN
     return int(text) if text.isascii() and text.isdigit() else 0
 
 
@@ -56,6 +60,8 @@ class RouteStage(Stage):
             tb = b.trace
             traced = ({k: tb.sampled[i] for k, i in enumerate(b.route) if i in tb.sampled}
                       if tb is not None else None)
+            if b.draws is None and has_keys(b.params):  # sticky routing: keys placed by their hash
+                b.draws = apply_keys(b.params, router.rng.random(len(b.responses)))
             b.routed = router.infer(b.fused, b.sizes, pins if any(x is not None for x in pins) else None,
                                     traced=traced or None, draws=None if b.draws is None else b.draws[b.route])
             b.calls = router.calls
