@@ -18,7 +18,7 @@ import numpy as np
 from exporter.build.sources.classical import CLASSICAL_SUFFIXES
 from exporter.build.sources.files import read_npz
 from exporter.build.sources.hf_folders import HF_CONFIG, text_array
-from exporter.build.sources.mlflow_models import MLFLOW_SCHEMES
+from exporter.build.sources.mlflow_models import MLFLOW_SCHEMES, MLMODEL
 from exporter.build.sources.spec import ExportSpec, SourceError
 
 LABELS = "labels"  # the array of an --inputs .npz that holds the evaluation labels
@@ -28,7 +28,7 @@ def _takes_inputs(source: str) -> bool:
     """Whether ``load_source`` reads ``--inputs`` for this source (callables bring their own)."""
     path = Path(source)
     return source.startswith(MLFLOW_SCHEMES) or path.suffix in (".onnx", ".pt", *CLASSICAL_SUFFIXES) \
-        or (path / HF_CONFIG).is_file()
+        or (path / HF_CONFIG).is_file() or (path / MLMODEL).is_file()
 
 
 @contextmanager

@@ -7,7 +7,9 @@ A source is one of
   be trusted) or an XGBoost model saved as ``.json`` / ``.ubj``, converted to ONNX (skl2onnx,
   onnxmltools) and checked against the model's own predictions on ``--inputs FILE.npz``;
 - an MLflow model URI (``models:/name@alias``, ``models:/name/version``, ``runs:/id/path``) of the
-  ``pytorch``, ``onnx``, ``sklearn`` or ``xgboost`` flavor, with ``--inputs`` (or the input example logged with the model);
+  ``pytorch``, ``onnx``, ``sklearn`` or ``xgboost`` flavor, or a local folder such a model was
+  saved to (``mlflow.<flavor>.save_model``: an ``MLmodel`` file inside), with ``--inputs`` (or
+  the input example logged with the model);
   the run's params, metrics, dataset inputs and git commit become the version's lineage;
 - a local Hugging Face model folder (``config.json`` + tokenizer; loaded offline): a sequence
   classifier (``*ForSequenceClassification``) or else a sentence encoder, exported behind its
@@ -33,7 +35,7 @@ import numpy as np
 from exporter.build.sources.classical import CLASSICAL_SUFFIXES, from_file
 from exporter.build.sources.files import from_module, from_onnx, read_npz
 from exporter.build.sources.hf_folders import HF_CONFIG, from_hf_dir, read_texts
-from exporter.build.sources.mlflow_models import MLFLOW_SCHEMES, from_mlflow
+from exporter.build.sources.mlflow_models import MLFLOW_SCHEMES, MLMODEL, from_mlflow
 from exporter.build.sources.spec import TASKS, ExportSpec, SourceError
 
 
@@ -47,6 +49,8 @@ def load_source(source: str, *, inputs: Path | None = None, task: str | None = N
         # the flavor decides whether --task is needed (a classical model knows its own)
         return from_mlflow(source, inputs, task, input_names, output_names, tracking_uri=mlflow_uri)
     path = Path(source)
+    if path.is_dir() and (path / MLMODEL).is_file():  # a model saved with mlflow.<flavor>.save_model
+        return from_mlflow(str(path), inputs, task, input_names, output_names, tracking_uri=mlflow_uri)
     if path.is_dir():
         if not (path / HF_CONFIG).is_file():
             raise SourceError(f"{path} is a folder without {HF_CONFIG}: not a Hugging Face model folder")

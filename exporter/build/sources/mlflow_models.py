@@ -1,5 +1,6 @@
 """MLflow sources: a model URI (``models:/name@alias``, ``models:/name/version``,
-``runs:/id/path``) of the ``pytorch`` or ``onnx`` flavor, or the ``sklearn`` / ``xgboost``
+``runs:/id/path``, or a local folder saved with ``mlflow.<flavor>.save_model``) of the
+``pytorch`` or ``onnx`` flavor, or the ``sklearn`` / ``xgboost``
 flavor (converted like a ``.joblib`` / XGBoost file by :mod:`.classical`; the sklearn flavor
 unpickles, so the store must be trusted), downloaded once into a private
 folder; golden inputs from ``--inputs`` or the input example logged with the model; the
@@ -27,6 +28,7 @@ from exporter.build.sources.spec import TASKS, ExportSpec, SourceError, eval_mod
 
 log = logging.getLogger(__name__)
 MLFLOW_SCHEMES = ("models:/", "runs:/")
+MLMODEL = "MLmodel"  # the file that makes a folder an MLflow model
 
 
 CLASSICAL_FLAVORS = ("sklearn", "xgboost")
@@ -46,16 +48,20 @@ def from_mlflow(uri: str, inputs: Path | None, task: str | None, input_names: Se
     except ImportError:
         raise SourceError("MLflow sources need the `mlflow` package (pip install mlflow)") from None
     store = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+    folder = not uri.startswith(MLFLOW_SCHEMES)  # a model saved with mlflow.<flavor>.save_model: no store
     db = _sqlite_file(store)
-    if db is not None and not db.is_file():  # MLflow would create an empty store and say "not found"
+    if not folder and db is not None and not db.is_file():  # MLflow would create an empty store and say "not found"
         raise SourceError(f"cannot load {uri}: no MLflow store at {db} (pass --mlflow-uri or set "
                           "MLFLOW_TRACKING_URI)")
     local = Path(tempfile.mkdtemp(prefix="tritonguard-mlflow-"))
     atexit.register(shutil.rmtree, local, ignore_errors=True)  # the spec reads files from it later
     try:
-        with _mlflow_store(store):
-            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(local),
-                                                             tracking_uri=store, registry_uri=store))
+        if folder:
+            local = Path(shutil.copytree(uri, local / "model"))
+        else:
+            with _mlflow_store(store):
+                local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(local),
+                                                                 tracking_uri=store, registry_uri=store))
         if not (local / "MLmodel").is_file():
             raise SourceError(f"{uri} is not an MLflow model (no MLmodel file)")
         meta = Model.load(str(local))
@@ -87,7 +93,8 @@ def from_mlflow(uri: str, inputs: Path | None, task: str | None, input_names: Se
     else:
         raise SourceError(f"{uri} has the flavors {', '.join(sorted(meta.flavors))}; "
                           "MLflow sources must be `pytorch`, `onnx`, `sklearn` or `xgboost` models")
-    _mlflow_lineage(spec, meta, store)
+    if not folder:
+        _mlflow_lineage(spec, meta, store)
     return spec
 
 
