@@ -4,18 +4,24 @@ score a Kafka topic through a guarded model on Triton gRPC (:mod:`exporter.strea
 Runs until SIGTERM or Ctrl-C (then it finishes what it read, commits and leaves the group:
 exit 0); exit 1 when a result was not acknowledged by the broker (nothing committed past it:
 start it again), 2 on bad arguments or when the model or a topic is missing at start. Start as
-many as the input topic has partitions, on any machines, with the same --group."""
+many as the input topic has partitions, on any machines, with the same --group.
+
+``--replay FILE|TOPIC:PARTITION:START-END`` (repeat): score those input events again through the
+primary, write their results marked as replays, and exit (0)."""
 
 from __future__ import annotations
 
 import signal
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 
 from exporter.cli.consoles import console
 from exporter.errors import EXIT_BAD_INPUT, ExporterError
+
+if TYPE_CHECKING:
+    from exporter.stream.run import Stream
 
 err = console(stderr=True)
 
@@ -51,11 +57,20 @@ def stream_command(
     metrics_address: Annotated[str, typer.Option(help="Address of the metrics endpoint.")] = "127.0.0.1",
     kafka: Annotated[list[str] | None, typer.Option("--kafka", help="Extra librdkafka setting KEY=VALUE (repeat), "
                                                     "e.g. security.protocol=SASL_SSL.")] = None,
+    record: Annotated[str | None, typer.Option(help="JSON file kept up to date with the input offsets each "
+                                               "version answered (one per process; for --replay).")] = None,
+    replay: Annotated[list[str] | None, typer.Option(help="Score again through the primary the events of a "
+                                                     "--record file (those a version other than the primary "
+                                                     "answered) or of TOPIC:PARTITION:START-END (repeat), "
+                                                     "then exit.")] = None,
+    sticky: Annotated[bool, typer.Option(help="Send the event's key as the guard's routing_key: a key's events "
+                                        "go to one version throughout a rollout step.")] = True,
 ) -> None:
     """Score every event of TOPIC through MODEL on Triton: results to OUTPUT in input order per
     partition, refused events to the dead-letter topic, offsets committed only behind results the
     broker acknowledged (at-least-once; results carry the id topic/partition/offset)."""
 
+    from exporter.stream.answered import RecordError, read_specs  # noqa: PLC0415
     from exporter.stream.metrics import StreamMetrics  # noqa: PLC0415 - Kafka and gRPC only for this command
     from exporter.stream.run import Stream, StreamConfig  # noqa: PLC0415
 
@@ -68,13 +83,22 @@ def stream_command(
     cfg = StreamConfig(bootstrap=bootstrap, topic=topic, output=output, model=model, url=url, group=group, dlq=dlq,
                        max_batch=max_batch, max_wait_ms=max_wait_ms, max_inflight=max_inflight,
                        partition_by=partition_by, session_timeout_ms=session_timeout_ms, offset_reset=offset_reset,
-                       kafka=_kafka_settings(kafka or []))
+                       kafka=_kafka_settings(kafka or []), record=record, sticky=sticky)
+    wanted = None
+    if replay:
+        try:
+            wanted = read_specs(replay, topic)
+        except RecordError as exc:
+            err.print(f"[bold red]✗ stream failed:[/] {escape(str(exc))}", soft_wrap=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
     metrics = StreamMetrics()
     try:
         stream = Stream(cfg, metrics)
     except ExporterError as exc:
         err.print(f"[bold red]✗ stream failed:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
+    if wanted is not None:
+        _replay(stream, wanted)
     if metrics_port is not None:
         metrics.serve(metrics_port, metrics_address)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -82,3 +106,19 @@ def stream_command(
     err.print(f"streaming {escape(topic)} → {escape(model)} → {escape(output)} (dead letters: "
               f"{escape(cfg.dead_letters)}), group {escape(group)}", soft_wrap=True)
     raise typer.Exit(stream.run())
+
+
+def _replay(stream: Stream, wanted: dict) -> None:
+    n = sum(b - a + 1 for spans in wanted.values() for a, b, _ in spans)
+    err.print(f"replaying up to {n} events of {escape(stream.cfg.topic)} through the primary → "
+              f"{escape(stream.cfg.output)}", soft_wrap=True)
+    try:
+        counts = stream.replay(wanted)
+    except ExporterError as exc:
+        err.print(f"[bold red]✗ replay failed:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    finally:
+        stream.close()
+    err.print(f"replayed {counts['replayed']} events through the primary ({counts['skipped']} answered by it "
+              f"already, {counts['dead']} dead letters)")
+    raise typer.Exit(0)

@@ -10,7 +10,12 @@ unavailable (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, NOT_FOUND while
 reloads...) pauses every assigned partition and retries with a growing backoff until an answer
 comes, then resumes; any other error is retried ``max_attempts`` times, then dead-lettered, so
 no event stalls its partition for ever. A result the broker refuses for good stops the process
-(exit 1) without committing past it: restarted, it redoes the events from the last commit."""
+(exit 1) without committing past it: restarted, it redoes the events from the last commit.
+
+Rollouts: each request carries the event's Kafka key as the guard's ``routing_key`` request
+parameter, so a key's events go to one version throughout a rollout step; which version answered
+which offsets is kept (:mod:`exporter.stream.answered`), and :meth:`Stream.replay` scores given
+offsets again through the primary (request parameter ``version=primary``)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +39,7 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from tritonclient.utils import InferenceServerException
 
 from exporter.errors import ExporterError
+from exporter.stream.answered import Answered, Span
 from exporter.stream.events import (
     EventError,
     InputSpec,
@@ -52,6 +59,10 @@ TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED",
 BAD_EVENT = "BAD_EVENT"  # the error code of an event that does not decode or fit the model
 MAX_MESSAGE = 1000  # characters of an error message kept in a dead letter's header
 H = "tritonguard-"  # header prefix
+# the guard's request parameters (tritonguard.guard.routing.sticky; the exporter does not import the guard)
+ROUTING_KEY = "routing_key"
+PIN_PRIMARY = {"version": "primary"}
+QUIET_S = 5.0  # a version silent this long while others answer is reported (rolled back?)
 
 
 class StreamError(ExporterError):
@@ -79,6 +90,8 @@ class StreamConfig:
     commit_interval_s: float = 0.2
     progress_interval_s: float = 10.0
     kafka: dict[str, str] = field(default_factory=dict)  # extra librdkafka settings, both clients
+    record: str | None = None  # JSON file: per version, the input offsets it answered
+    sticky: bool = True  # the event's key as the guard's routing_key
 
     @property
     def dead_letters(self) -> str:
@@ -101,6 +114,7 @@ class Pending:
     done: bool = False
     dropped: bool = False  # its partition was revoked: the next owner redoes it
     attempts: int = 0
+    replay: str | None = None  # a replay: the version that answered it first ("" unknown); None: not one
 
     @property
     def rid(self) -> str:
@@ -117,6 +131,16 @@ def _code(exc: Exception) -> str:
 
 def _message(exc: Exception) -> str:
     return exc.message() if isinstance(exc, InferenceServerException) else str(exc)
+
+
+def routing_key(key: bytes) -> str:
+    """A Kafka key as the guard's ``routing_key`` (a string parameter): its UTF-8 text, so an
+    HTTP or gRPC client naming the same customer lands on the same version; ``hex:...`` for a
+    binary key."""
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError:
+        return "hex:" + key.hex()
 
 
 class Stream:
@@ -152,6 +176,8 @@ class Stream:
         self.full = False  # --max-inflight events wait: every assigned partition paused
         self.fatal: str | None = None
         self.counts = {"consumed": 0, "results": 0, "dead": 0}
+        self.answered = Answered()
+        self.quiet: set[str] = set()  # versions reported silent (rolled back?), until they answer again
 
     # -- start ------------------------------------------------------------------------------
     def _model(self) -> tuple[list[InputSpec], bool, list[str]]:
@@ -198,6 +224,7 @@ class Stream:
                     last_commit = now
                 if now - last_lag >= 1.0:
                     self._lag()
+                    self._record()
                     last_lag = now
                 if now - last_progress >= self.cfg.progress_interval_s:
                     self._progress()
@@ -207,6 +234,7 @@ class Stream:
                 self._commit(asynchronous=False)
         finally:
             self._progress()
+            self._record(final=True)
             self.consumer.close()  # leaves the group: its partitions move at once
             self.producer.flush(10)
             self.client.close()
@@ -267,11 +295,13 @@ class Stream:
             i = grpcclient.InferInput(name, list(arr.shape), self.dtypes[name])
             i.set_data_from_numpy(arr)
             inputs.append(i)
+        params = PIN_PRIMARY if p.replay is not None else (
+            {ROUTING_KEY: routing_key(p.key)} if p.key and self.cfg.sticky else None)
         try:
             self.client.async_infer(self.cfg.model, inputs, partial(self._answered, p),
                                     outputs=[grpcclient.InferRequestedOutput(n) for n in self.outputs],
                                     request_id=p.rid, headers=forwarded_headers(p.headers) or None,
-                                    client_timeout=self.cfg.request_timeout_s)
+                                    client_timeout=self.cfg.request_timeout_s, parameters=params)
         except Exception as exc:  # noqa: BLE001 - a channel that cannot send: retried like UNAVAILABLE
             self.answers.put((p, None, exc))
 
@@ -353,6 +383,10 @@ class Stream:
         headers: list[tuple[str, str | bytes]] = [
             (H + "result-id", p.rid), (H + "source-topic", topic), (H + "source-partition", str(part)),
             (H + "source-offset", str(off)), (H + "session", self.session)]
+        if p.replay is not None:  # the same result-id as the first result: a reader keeps the replay
+            headers.append((H + "replay", "1"))
+            if p.replay:
+                headers.append((H + "replay-of", p.replay))
         trace = forwarded_headers(p.headers).get("traceparent")
         if trace:
             headers.append(("traceparent", trace))
@@ -384,6 +418,8 @@ class Stream:
         if p.code is None:
             self.counts["results"] += 1
             self.metrics.produced.labels(out).inc()
+            if p.replay is None and p.served_by:
+                self.answered.add(p.served_by, p.tp, p.offset)
         else:
             self.counts["dead"] += 1
             self.metrics.dead.labels(out, p.code).inc()
@@ -463,6 +499,118 @@ class Stream:
                 continue
             if high >= 0 and pos >= 0:
                 self.metrics.lag.labels(t, str(part)).set(max(0, high - pos))
+
+    def _record(self, final: bool = False) -> None:
+        """The record file rewritten when it changed; a version that answered nothing for
+        ``QUIET_S`` while others did (a rollback, most likely) reported once with its ranges; at
+        exit, every version's."""
+        a, cfg = self.answered, self.cfg
+        if cfg.record and (a.changed or final):
+            try:
+                a.write(Path(cfg.record), topic=cfg.topic, model=cfg.model, group=cfg.group)
+            except OSError as exc:
+                log.warning("record %s not written: %s", cfg.record, exc)
+        latest = max(a.last.values(), default=0.0)
+        for version, last in a.last.items():
+            if latest - last < QUIET_S:
+                self.quiet.discard(version)
+            elif version not in self.quiet:
+                self.quiet.add(version)
+                log.warning("%s answered no event for %.0f s while others did (rolled back?): %s; score them "
+                            "again through the primary with --replay %s", version, latest - last,
+                            a.summary(version), cfg.record or "TOPIC:PARTITION:START-END")
+        if final:
+            for version in sorted(a.counts):
+                log.info("answered by %s: %s", version, a.summary(version))
+
+    # -- replay ------------------------------------------------------------------------------
+    def replay(self, wanted: dict[TP, list[Span]], timeout_s: float = 120.0) -> dict[str, int]:
+        """Score the events at the offsets ``wanted`` again through the primary (request parameter
+        ``version=primary``) and write their results to the output topic with the header
+        ``tritonguard-replay: 1`` (and ``-replay-of``: the version that answered first). Spans
+        from a record answered by the primary itself are skipped: the first event sent tells which
+        version the primary is. Commits nothing; the group is not joined. Returns counts."""
+        reader = Consumer({"bootstrap.servers": self.cfg.bootstrap, **self.cfg.kafka, "group.id": self.cfg.group,
+                           "enable.auto.commit": False, "enable.partition.eof": True})
+        todo: dict[TP, list[Pending]] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            reader.assign([TopicPartition(t, p, spans[0][0]) for (t, p), spans in wanted.items()])
+            ends = {tp: max(b for _, b, _ in spans) for tp, spans in wanted.items()}
+            open_ = set(ends)
+            while open_ and time.monotonic() < deadline:
+                for msg in reader.consume(500, timeout=0.5):
+                    tp = (msg.topic(), msg.partition())
+                    if msg.error() is not None:
+                        if msg.error().code() == KafkaError._PARTITION_EOF:
+                            open_.discard(tp)
+                        continue
+                    off = msg.offset()
+                    if off > ends[tp]:
+                        open_.discard(tp)
+                        continue
+                    span = next((s for s in wanted[tp] if s[0] <= off <= s[1]), None)
+                    if span is not None:
+                        kind, ms = msg.timestamp()
+                        todo.setdefault(tp, []).append(
+                            Pending(tp, off, msg.key(), msg.value(), msg.headers() or [],
+                                    ms / 1000 if kind and ms > 0 else None, replay=span[2]))
+                    if off >= ends[tp]:
+                        open_.discard(tp)
+        finally:
+            reader.close()
+        if open_:
+            raise StreamError(f"--replay: {', '.join(f'{t}[{p}]' for t, p in sorted(open_))} not read to the "
+                              f"end of the range in {timeout_s:g} s")
+        counts = {"replayed": 0, "skipped": 0, "dead": 0}
+        events = [p for tp in sorted(todo) for p in todo[tp]]
+        for p in events:
+            try:
+                p.arrays = decode(p.value, self.specs, self.batched)
+            except EventError as exc:
+                p.fail(BAD_EVENT, str(exc))
+        primary = ""
+        probe = next((p for p in events if p.replay and not p.done), None)
+        if probe is not None:  # which version is the primary now: the first answer says
+            self._score([probe], deadline)
+            primary = probe.served_by
+        keep = []
+        for p in events:
+            if primary and p.replay == primary:
+                counts["skipped"] += 1  # the primary answered it the first time
+            else:
+                keep.append(p)
+        self._score([p for p in keep if not p.done], deadline)
+        for p in keep:
+            self.tracker.take(p.tp, p.offset)
+            self.queues.setdefault(p.tp, deque()).append(p)
+        self._emit()
+        self.producer.flush(30)
+        if self.fatal is not None or self.tracker.pending():
+            raise StreamError(f"--replay: {self.fatal or 'results not acknowledged by the broker'}")
+        counts["replayed"] = sum(p.code is None for p in keep)
+        counts["dead"] = len(keep) - counts["replayed"]
+        return counts
+
+    def close(self) -> None:
+        """After :meth:`replay` (:meth:`run` closes its own clients)."""
+        self.consumer.close()
+        self.producer.flush(10)
+        self.client.close()
+
+    def _score(self, events: list[Pending], deadline: float) -> None:
+        """Send ``events`` and wait for every answer (retries and Triton outages as the stream)."""
+        for p in events:
+            self._send(p)
+        while not all(p.done for p in events):
+            if time.monotonic() > deadline:
+                raise StreamError(f"--replay: {sum(not p.done for p in events)} events not answered in time")
+            self._settle(timeout=0.01)
+            if self.retry and time.monotonic() >= self.retry_at:
+                again, self.retry = self.retry, []
+                for p in again:
+                    p.code = None
+                    self._send(p)
 
     def _progress(self) -> None:
         c = self.counts

@@ -26,3 +26,13 @@ def test_the_command_is_registered_with_its_options():
     assert res.exit_code == 0
     for option in ("--max-batch", "--max-wait-ms", "--dlq", "--metrics-port", "--group"):
         assert option in res.output
+
+
+def test_a_bad_replay_spec_is_refused_in_one_line(tmp_path):
+    res = CliRunner().invoke(app, [*BASE, "--replay", "in:0:9-3"])
+    assert res.exit_code == 2 and "the range ends before it starts" in res.output
+    res = CliRunner().invoke(app, [*BASE, "--replay", "other:0:1-3"])
+    assert res.exit_code == 2 and "not on the input topic 'in'" in res.output
+    (tmp_path / "r.json").write_text("[]")
+    res = CliRunner().invoke(app, [*BASE, "--replay", str(tmp_path / "r.json")])
+    assert res.exit_code == 2 and "not a stream record" in res.output
