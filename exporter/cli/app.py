@@ -20,6 +20,7 @@ from exporter.build.upgrade import upgrade_layout
 from exporter.cli.consoles import console, log_handler, where
 from exporter.cli.repository_opt import Repository, repository_command
 from exporter.cli.rollout_common import StateUrl, servers_or_fleet
+from exporter.cli.server_opt import HTTP, help_text, servers
 from exporter.cli.status import collect, live, print_live, table, unreachable
 from exporter.cli.watch import watch as watch_view
 from exporter.errors import EXIT_BAD_INPUT, ExporterError
@@ -174,8 +175,9 @@ def _quiet_onnxruntime() -> None:
 @repository_command(read_only=True)
 def status(
     repository: Repository = "model_repository",
-    server: Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of a replica (repeat): "
-                      "live breaker states, drift and answers per version from its metrics port (+2).")] = None,
+    server: Annotated[list[str] | None, typer.Option("--server", callback=servers(HTTP), help=help_text(
+        HTTP, "Triton server of a replica (repeat): live breaker states, drift and answers per version from "
+        "its metrics port (HTTP + 2)."))] = None,
     metrics_url: Annotated[list[str] | None, typer.Option("--metrics-url", help="Metrics URL of a replica (repeat).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="A live view of every guard (routing, rollout gates, "
@@ -377,3 +379,8 @@ app.command("batch")(batch_command)
 from exporter.cli.stream_cmd import stream_command  # noqa: E402
 
 app.command("stream")(stream_command)
+
+# `python -m exporter openai --server HOST:PORT --model GUARD`: the OpenAI-compatible front (issue 42)
+from exporter.cli.openai_cmd import openai_command  # noqa: E402
+
+app.command("openai")(openai_command)

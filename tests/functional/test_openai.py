@@ -1,0 +1,196 @@
+"""The OpenAI-compatible front on a real tritonserver: tinylm behind three stream guards (plain, with
+API keys, with a token budget), the front started by ``python -m exporter openai`` on a free
+loopback port, called with the official ``openai`` client (chat and completion, streamed and not)
+and with curl. Its answers must be the guard's own answers, token for token."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from examples import generator as example
+from tests.functional.test_generator import post
+from tritonguard.core.repository import write_config
+from tritonguard.ops.server import Server, free_port
+from tritonguard.privacy.tenancy.auth import new_api_key
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.functional
+
+PROMPT = "Return the"
+CHAT_PROMPT = "User: Return the\nAssistant:"  # the plain template of [{"role": "user", ...}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """(tritonserver, the front's base URL, the acme tenant's API key)."""
+    repo = tmp_path_factory.mktemp("openairepo")
+    example.build(repo, "tinylm", steps=40)
+    key, digest = new_api_key()
+    keys = repo / "keys.json"
+    keys.write_text(json.dumps({"acme": [digest]}))
+    common = {"placement": "inprocess", "validation__max_tokens": "256"}
+    for name, params in (("tinylm_guard", {}),
+                         ("tinylm_keyed", {"tenancy__auth": "api_key", "tenancy__keys_file": str(keys)}),
+                         ("tinylm_budget", {"tokens__per_minute": "30"})):
+        write_config(repo / name, example.stream_guard_config(name, "tinylm", **common, **params))
+        (repo / name / "1").mkdir()
+    logs = tmp_path_factory.mktemp("openailogs")
+    srv = Server(repository=repo, log_path=logs / "tritonserver.log")
+    srv.start(wait_models=("tinylm", "tinylm_guard", "tinylm_keyed", "tinylm_budget"))
+    port = free_port()
+    front = subprocess.Popen(
+        [sys.executable, "-m", "exporter", "openai", "--server", srv.grpc_url, "--port", str(port),
+         "--model", "tinylm_guard", "--model", "tinylm_keyed", "--model", "tinylm_budget"],
+        cwd=ROOT, stdout=open(logs / "front.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert front.poll() is None, (logs / "front.log").read_text()
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (logs / "front.log").read_text()
+            time.sleep(0.2)
+        yield srv, f"{base}/v1", key
+    finally:
+        front.terminate()
+        try:
+            front.wait(10)
+        except subprocess.TimeoutExpired:
+            front.kill()
+        srv.stop()
+
+
+def client(stack, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack[1], api_key=key, max_retries=0, timeout=30)
+
+
+def guard_text(srv, prompt: str, max_tokens: int, model: str = "tinylm_guard") -> str:
+    """The guard's own greedy answer (Triton's /generate, the prompt excluded)."""
+    status, raw = post(srv, f"/v2/models/{model}/generate", {
+        "text_input": prompt, "exclude_input_in_output": True,
+        "sampling_parameters": json.dumps({"max_tokens": max_tokens, "temperature": 0})})
+    assert status == 200, raw
+    return json.loads(raw)["text_output"]
+
+
+def test_models_lists_the_guards(stack):
+    assert sorted(m.id for m in client(stack).models.list()) == ["tinylm_budget", "tinylm_guard", "tinylm_keyed"]
+    with pytest.raises(openai.NotFoundError):
+        client(stack).completions.create(model="no_such_model", prompt=PROMPT, max_tokens=4)
+
+
+def test_completion_streamed_and_not_is_the_guards_answer(stack):
+    expected = guard_text(stack[0], PROMPT, 24)
+    whole = client(stack).completions.create(model="tinylm_guard", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert whole.choices[0].text == expected and len(expected) == 24
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (10, 24, 34)
+    chunks = list(client(stack).completions.create(model="tinylm_guard", prompt=PROMPT, max_tokens=24,
+                                                   temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == "length" and last.usage.completion_tokens == 24
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 34  # include_usage's own chunk
+
+
+def test_chat_streamed_and_not_uses_the_plain_template(stack):
+    expected = guard_text(stack[0], CHAT_PROMPT, 20)
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client(stack).chat.completions.create(model="tinylm_guard", messages=messages, max_tokens=20,
+                                                  temperature=0)
+    msg = whole.choices[0]
+    assert (msg.message.role, msg.message.content, msg.finish_reason) == ("assistant", expected, "length")
+    assert whole.usage.prompt_tokens == len(CHAT_PROMPT) and whole.usage.completion_tokens == 20
+    chunks = list(client(stack).chat.completions.create(model="tinylm_guard", messages=messages, max_tokens=20,
+                                                        temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 20
+
+
+def test_a_stop_sequence_cuts_the_answer(stack):
+    full = guard_text(stack[0], PROMPT, 40)
+    stop = full[12:14]
+    cut = full[:full.find(stop)]
+    for stream in (False, True):
+        out = client(stack).completions.create(model="tinylm_guard", prompt=PROMPT, max_tokens=40, temperature=0,
+                                               stop=[stop], stream=stream)
+        if stream:
+            chunks = list(out)
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = out.choices[0].text, out.choices[0].finish_reason
+        assert (text, finish) == (cut, "stop"), stream
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"temperature": 5}, "temperature"),  # refused by the front
+    ({"n": 2}, "n"),  # what the guard's contract cannot do
+    ({"max_tokens": 1000}, "max_tokens"),  # refused by the guard (validation.max_tokens 256): mapped
+])
+def test_a_bad_field_is_a_400_naming_it(stack, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client(stack).completions.create(model="tinylm_guard", prompt=PROMPT, **kwargs)
+    err = info.value.body
+    assert info.value.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_bearer_keys_map_to_the_guards_tenants(stack):
+    _srv, _base, key = stack
+    for bad in ("unused", None):
+        c = client(stack, bad or "x")
+        with pytest.raises(openai.AuthenticationError) as info:
+            if bad is None:
+                c.chat.completions.with_raw_response.create(model="tinylm_keyed", max_tokens=4,
+                                                            messages=[{"role": "user", "content": PROMPT}],
+                                                            extra_headers={"Authorization": openai.Omit()})
+            else:
+                c.chat.completions.create(model="tinylm_keyed", max_tokens=4,
+                                          messages=[{"role": "user", "content": PROMPT}])
+        want = "authentication required" if bad is None else "authentication failed"  # the guard's own check
+        assert info.value.status_code == 401 and info.value.body["message"].startswith(want), info.value.body
+        assert key not in str(info.value.body)
+    ok = client(stack, key).chat.completions.create(model="tinylm_keyed", max_tokens=4, temperature=0,
+                                                    messages=[{"role": "user", "content": PROMPT}])
+    assert ok.choices[0].message.content == guard_text(stack[0], CHAT_PROMPT, 4)
+
+
+def test_a_used_token_budget_is_a_429_with_retry_after(stack):
+    c = client(stack)
+    first = c.completions.create(model="tinylm_budget", prompt=PROMPT, max_tokens=40, temperature=0)
+    assert first.usage.completion_tokens == 40  # 30 tokens a minute: the bucket is now below zero
+    with pytest.raises(openai.RateLimitError) as info:
+        c.completions.create(model="tinylm_budget", prompt=PROMPT, max_tokens=4)
+    retry = int(info.value.response.headers["retry-after"])
+    assert info.value.status_code == 429 and 1 <= retry <= 60, info.value.response.headers
+    assert info.value.body["code"] == "rate_limit_exceeded" and "token budget" in info.value.body["message"]
+
+
+def test_curl_reads_the_sse_stream(stack):
+    body = {"model": "tinylm_guard", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12,
+            "temperature": 0, "stream": True}
+    out = subprocess.run(["curl", "-sN", "--max-time", "30", f"{stack[1]}/chat/completions",
+                          "-H", "Content-Type: application/json", "-d", json.dumps(body)],
+                         capture_output=True, check=True, timeout=40).stdout.decode()
+    events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", out
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == guard_text(stack[0], CHAT_PROMPT, 12)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 12

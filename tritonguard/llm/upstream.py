@@ -1,0 +1,189 @@
+"""The stream guard over Triton gRPC streaming: one bidirectional stream per generation.
+
+The guard's inputs are the vLLM backend's contract (``text_input``, ``stream``,
+``sampling_parameters``, ``exclude_input_in_output`` -> ``text_output``); the tenant and its
+credential travel as request parameters, exactly as the guard reads them from any Triton client
+(:mod:`tritonguard.privacy.tenancy.auth`): with ``tenancy.auth=api_key`` the bearer key goes in
+the parameter named by the guard's ``tenancy.key_header``, with ``jwt`` ``"Bearer <token>"`` in
+``tenancy.jwt_header``; with ``none`` the front may resolve the key itself (``--keys-file``, the
+same file format) and name the tenant in ``tenancy.parameter``. The guard's settings are read
+once from its ``config.pbtxt`` over gRPC (``ModelConfig``).
+
+Each generation opens its own stream on one shared channel, sends its one request and reads
+until Triton's final response (``triton_enable_empty_final_response``); leaving early (a stop
+sequence, a client that went away) cancels the stream, which the guard sees as
+``request.is_cancelled()`` and stops the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tritonguard.guard.stream.config import parse_settings
+from tritonguard.llm.errors import OpenAIError, from_guard
+
+OUTPUT = "text_output"
+# a guard that blocks an answer ends its stream with an error naming this reason (issue 42,
+# item 2): the client gets finish_reason "content_filter", not an error
+CONTENT_FILTER = "content_filter"
+
+
+@dataclass(frozen=True)
+class GuardInfo:
+    """What the front needs of a guard's settings (its ``config.pbtxt`` parameters)."""
+
+    name: str
+    auth: str = "none"  # tenancy.auth: none | api_key | jwt
+    credential: str = ""  # the parameter the guard reads the credential from
+    tenant_parameter: str = "tenant"
+    refuse_anonymous: bool = True  # tenancy.unauthenticated == refuse
+    default_max_tokens: int = 16
+    max_tokens: int = 256
+
+    @classmethod
+    def from_config(cls, name: str, config: dict[str, Any]) -> GuardInfo:
+        params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+        try:
+            s = parse_settings(params, model=name)
+        except Exception as exc:  # noqa: BLE001 - not a stream guard's parameters
+            raise ValueError(f"model '{name}' is not a stream guard this front can serve: {exc}") from None
+        t = s.tenancy
+        credential = {"api_key": t.key_header, "jwt": t.jwt_header}.get(t.auth, "") if t.enabled else ""
+        return cls(name=name, auth=t.auth if t.enabled else "none", credential=credential,
+                   tenant_parameter=t.parameter, refuse_anonymous=t.unauthenticated == "refuse",
+                   default_max_tokens=s.validation.default_max_tokens, max_tokens=s.validation.max_tokens)
+
+    def parameters(self, key: str | None, tenant: str | None) -> dict[str, str]:
+        """The request parameters that carry the client's credential (or the tenant the front
+        resolved) the way this guard reads them."""
+        if self.auth == "api_key" and key:
+            return {self.credential: key}
+        if self.auth == "jwt" and key:
+            return {self.credential: f"Bearer {key}"}
+        if self.auth == "none" and tenant:
+            return {self.tenant_parameter: tenant}
+        return {}
+
+
+def _inputs(prompt: str, stream: bool, sampling: dict[str, Any]) -> list[Any]:
+    import tritonclient.grpc as grpcclient  # noqa: PLC0415 - gRPC loads with the front only
+
+    out = []
+    for name, arr, dtype in (
+            ("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
+            ("stream", np.array([stream], dtype=bool), "BOOL"),
+            ("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
+            ("exclude_input_in_output", np.array([True], dtype=bool), "BOOL")):
+        if name == "exclude_input_in_output" and stream:
+            continue  # a streamed answer never repeats the prompt (the contract refuses the flag with stream)
+        t = grpcclient.InferInput(name, [1], dtype)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+class Upstream:
+    """The guard's Triton over gRPC (``tritonclient.grpc.aio``); create inside the event loop."""
+
+    def __init__(self, url: str, *, idle_timeout_s: float = 60.0) -> None:
+        from tritonclient.grpc.aio import InferenceServerClient  # noqa: PLC0415
+
+        self.url = url
+        self.client = InferenceServerClient(url)
+        self.idle_timeout_s = idle_timeout_s
+        self._info: dict[str, GuardInfo] = {}
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def info(self, model: str) -> GuardInfo:
+        """The guard's settings, read once (a failure is retried on the next request)."""
+        hit = self._info.get(model)
+        if hit is not None:
+            return hit
+        from tritonclient.utils import InferenceServerException  # noqa: PLC0415
+
+        try:
+            cfg = await self.client.get_model_config(model, as_json=True)
+        except InferenceServerException as exc:
+            raise _grpc_error(exc) from None
+        try:
+            info = GuardInfo.from_config(model, cfg.get("config", cfg))
+        except ValueError as exc:
+            raise OpenAIError(503, str(exc), "server_error", "model", "model_not_servable") from None
+        self._info[model] = info
+        return info
+
+    async def live(self) -> bool:
+        try:
+            return bool(await self.client.is_server_live())
+        except Exception:  # noqa: BLE001 - anything but a yes is a no
+            return False
+
+    async def generate(self, model: str, prompt: str, stream: bool, sampling: dict[str, Any],
+                       parameters: dict[str, str], *, chat: bool = False) -> AsyncIterator[str]:
+        """The guard's answer in pieces (one piece when not ``stream``). A refusal or failure
+        raises :class:`OpenAIError`; a blocked answer ends with :class:`ContentFiltered`."""
+        from tritonclient.utils import InferenceServerException  # noqa: PLC0415
+
+        done = asyncio.Event()
+        request = {"model_name": model, "inputs": _inputs(prompt, stream, sampling),
+                   "parameters": {**parameters, "triton_enable_empty_final_response": True}}
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield request
+            await done.wait()  # the stream stays open until the final response is read
+
+        call = self.client.stream_infer(requests())
+        finished = False
+        try:
+            while True:
+                try:
+                    result, error = await asyncio.wait_for(call.__anext__(), self.idle_timeout_s)
+                except StopAsyncIteration:
+                    raise OpenAIError(502, f"model '{model}': the stream ended without a final response",
+                                      "server_error") from None
+                except asyncio.TimeoutError:
+                    raise OpenAIError(504, f"model '{model}' sent nothing for {self.idle_timeout_s:g} s",
+                                      "server_error", None, "timeout") from None
+                except InferenceServerException as exc:
+                    raise _grpc_error(exc) from None
+                if error is not None:
+                    finished = True
+                    message = error.message() if hasattr(error, "message") else str(error)
+                    if CONTENT_FILTER in message:
+                        raise ContentFiltered(message)
+                    raise from_guard(message or str(error), chat=chat)
+                out = result.as_numpy(OUTPUT)
+                if out is not None and out.size:
+                    text = b"".join(x if isinstance(x, bytes) else str(x).encode() for x in out.reshape(-1))
+                    if text:
+                        yield text.decode("utf-8", errors="replace")
+                params = result.get_response().parameters
+                if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                    finished = True
+                    return
+        finally:
+            done.set()
+            if not finished:
+                call.cancel()  # a stop sequence or a client gone: the guard stops the target
+
+
+class ContentFiltered(Exception):
+    """The guard blocked the answer (an output rail): finish_reason ``content_filter``."""
+
+
+def _grpc_error(exc: Any) -> OpenAIError:
+    """A gRPC-level failure (the server down, the model unknown or not ready) as an OpenAI error."""
+    status = str(exc.status() or "")
+    message = exc.message() or str(exc)
+    if "UNAVAILABLE" in status and "model" not in message.lower():
+        return OpenAIError(503, "the inference server cannot be reached", "server_error", None,
+                           "service_unavailable", 1.0)
+    return from_guard(message)
