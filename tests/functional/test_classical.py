@@ -1,0 +1,137 @@
+"""scikit-learn and XGBoost models served through the guard by a real tritonserver (issue 44
+item 1): a StandardScaler + LogisticRegression pipeline (breast cancer) and an XGBClassifier
+(iris), trained here, exported with ``python -m exporter export`` into a private repository,
+answer through their guards exactly as the original models do; then a genuine retrain of the
+pipeline (more data, another C) is promoted with ``python -m exporter promote`` under live
+traffic, as tests/functional/test_promote.py does for digits, with no client error.
+
+One tritonserver start for the module."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import joblib
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from sklearn.datasets import load_breast_cancer, load_iris
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import Pipeline
+from sklearn.preprocessing import StandardScaler
+
+from tests.functional.test_promote import GATES, ROOT, cli, server_args
+from tritonguard.core.repository import read_config, write_config
+from tritonguard.ops.server import Server
+
+pytestmark = pytest.mark.functional
+xgb = pytest.importorskip("xgboost")
+
+
+def export_cli(repo, source, name, goldens) -> None:
+    r = subprocess.run([sys.executable, "-m", "exporter", "export", "--source", str(source), "--name", name,
+                        "--repository", str(repo), "--inputs", str(goldens), "--no-register"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    base = tmp_path_factory.mktemp("classical")
+    repo = base / "repo"
+    x, y = load_breast_cancer(return_X_y=True)
+    order = np.random.default_rng(1).permutation(len(x))
+    x, y = x[order], y[order]
+    gold = x[450:].astype(np.float32)  # 119 rows no model was trained on
+    np.savez(base / "cancer.npz", features=gold[:64])
+    v1 = Pipeline([("scale", StandardScaler()), ("clf", LogisticRegression(C=0.05, max_iter=2000))]).fit(x[:200], y[:200])
+    v2 = Pipeline([("scale", StandardScaler()), ("clf", LogisticRegression(C=1.0, max_iter=2000))]).fit(x[:450], y[:450])
+    joblib.dump(v1, base / "v1.joblib")
+    joblib.dump(v2, base / "v2.joblib")
+    xi, yi = load_iris(return_X_y=True)
+    iris = xgb.XGBClassifier(n_estimators=25, max_depth=3).fit(xi[::2], yi[::2])
+    iris.save_model(base / "iris.json")
+    iris_gold = xi[1::2].astype(np.float32)
+    np.savez(base / "iris.npz", features=iris_gold)
+    for source, name, goldens in (("v1.joblib", "cancer", "cancer.npz"), ("iris.json", "iris", "iris.npz")):
+        export_cli(repo, base / source, name, base / goldens)
+    cfg = read_config(repo / "cancer")  # a rollout in seconds, as test_promote's
+    params = {k: v["string_value"] for k, v in cfg["parameters"].items()}
+    params.update({"routing.poll_interval_s": "0.2", "breaker.window": "200", "breaker.min_requests": "20",
+                   "breaker.min_compared": "40", "breaker.max_error_rate": "0.05"})
+    cfg["parameters"] = {k: {"string_value": v} for k, v in params.items()}
+    write_config(repo / "cancer", cfg)
+    server = Server(repository=repo, log_path=base / "logs" / "tritonserver.log", env=dict(os.environ))
+    server.start(wait_models=["cancer", "cancer_raw", "iris", "iris_raw"])
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=8)
+    yield {"repo": repo, "server": server, "client": client, "base": base, "v1": v1, "v2": v2, "gold": gold,
+           "iris": iris, "iris_gold": iris_gold}
+    client.close()
+    server.stop()
+
+
+def infer(client, model: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+    inp = httpclient.InferInput("FEATURES", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    r = client.infer(model, [inp], outputs=[httpclient.InferRequestedOutput(n)
+                                            for n in ("PROBS", "LABEL", "SERVED_BY")])
+    return r.as_numpy("PROBS"), r.as_numpy("LABEL"), r.as_numpy("SERVED_BY")[0, 0].decode()
+
+
+@pytest.mark.parametrize("model", ["cancer", "iris"])
+def test_served_through_the_guard_as_the_original_answers(ctx, model):
+    original, x = (ctx["v1"], ctx["gold"]) if model == "cancer" else (ctx["iris"], ctx["iris_gold"])
+    for rows in (x[:1], x[:7], x[-64:]):  # batch of one, a few, and max_batch_size rows (not all goldens)
+        probs, labels, served_by = infer(ctx["client"], model, rows)
+        np.testing.assert_array_equal(labels, original.predict(rows).reshape(-1, 1))
+        np.testing.assert_allclose(probs, original.predict_proba(rows), atol=1e-5, rtol=0)
+        assert served_by == f"{model}_raw:1"
+
+
+def test_a_retrained_pipeline_is_promoted_with_no_client_error(ctx):
+    export_cli(ctx["repo"], ctx["base"] / "v2.joblib", "cancer", ctx["base"] / "cancer.npz")
+    errors: list[str] = []
+    served: dict[str, int] = {}
+    stop = threading.Event()
+
+    def traffic() -> None:
+        client = httpclient.InferenceServerClient(ctx["server"].http_url)
+        rng = np.random.default_rng(2)
+        deadline = time.monotonic() + 120
+        try:
+            while not stop.is_set() and time.monotonic() < deadline:
+                row = ctx["gold"][rng.integers(0, len(ctx["gold"]), 1)]
+                row = row * rng.uniform(0.98, 1.02, row.shape).astype(np.float32)  # cache misses
+                try:
+                    _, _, who = infer(client, "cancer", row)
+                    served[who] = served.get(who, 0) + 1
+                except Exception as exc:  # noqa: BLE001 - every error is counted and shown
+                    errors.append(str(exc))
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=traffic, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        r = cli(ctx, "promote", "cancer", "--version", "2", "--steps", "50,100", *GATES, "--max-disagreement",
+                "0.2", *server_args(ctx), timeout=150)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    state = json.loads((ctx["repo"] / "cancer" / "rollout_state.json").read_text())
+    assert state["primary"]["version"] == 2 and state["candidate"] is None
+    assert not errors, errors[:3]
+    assert served.get("cancer_raw:2", 0) > 0, served
+    gold = ctx["gold"][-64:]
+    probs, labels, who = infer(ctx["client"], "cancer", gold)
+    assert who == "cancer_raw:2"
+    np.testing.assert_array_equal(labels, ctx["v2"].predict(gold).reshape(-1, 1))
+    np.testing.assert_allclose(probs, ctx["v2"].predict_proba(gold), atol=1e-5, rtol=0)
