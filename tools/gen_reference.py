@@ -819,6 +819,10 @@ def exit_codes_page() -> str:
     per_command, everywhere, _ = exit_table()
     rows = [[f"`{path}`", str(code), EXIT_MEANINGS.get(key, "—")]
             for path, codes in sorted(per_command.items()) for code, key in sorted(codes)]
+    rows += [[f"`{path}`", "—", "no exit code of its own found in the exporter (a command that hands over to "
+              "another program exits with that program's codes)"]
+             for path, codes in sorted(per_command.items()) if not codes]
+    rows.sort(key=lambda r: r[0])
     by_code: dict[int, dict[str, list[str]]] = {}
     for path, codes in sorted(per_command.items()):
         for code, key in sorted(codes):
