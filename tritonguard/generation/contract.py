@@ -20,6 +20,10 @@ INPUTS = ("text_input", "stream", "sampling_parameters", "exclude_input_in_outpu
 OUTPUT = "text_output"
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed")
 SEED_LIMIT = 2**63
+# A request whose id is this prefix and another request's id stops that generation (its stream
+# ends with a plain final response): how a BLS caller on python_backend 24.10, whose response
+# iterator has no cancel(), tells a ``generator`` target to stop (the stream guard's output rails)
+STOP_PREFIX = "tritonguard-stop:"
 
 
 # -- sampling parameters ------------------------------------------------------------------------

@@ -123,6 +123,8 @@ class Sequence:
     first_token_at: float | None = None  # first token sent (stream) / decided (whole text)
     last_token_at: float = 0.0  # last streamed token sent
     ended: bool = False  # counted in the metrics (and answered)
+    request_id: str = ""  # the Triton request's id (a caller's stop request names it)
+    stopped: bool = False  # its caller asked to stop it (contract.STOP_PREFIX)
 
     def __post_init__(self) -> None:
         if self.rng is None:

@@ -20,6 +20,7 @@ from tritonguard.triton.streams import send_safely
 
 
 log = logging.getLogger(__name__)
+STOP_TTL_S = 60.0
 
 
 class MetricsSink(Protocol):
@@ -58,6 +59,9 @@ class Engine:
         self.active: list[Sequence] = []
         self._stop = threading.Event()
         self.tokens = 0
+        # request ids a caller asked to stop -> when (contract.STOP_PREFIX); read by the decode
+        # thread at every step (a dict lookup, no IPC), pruned after STOP_TTL_S
+        self._stops: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name=f"decode-{name}", daemon=True)
         self._thread.start()
 
@@ -67,6 +71,16 @@ class Engine:
         except queue.Full:
             self.metrics.inc("gen_requests", outcome="rejected")
             send_safely(seq.sink.fail, "the generator's queue is full; retry later", "UNAVAILABLE")
+
+    def request_stop(self, request_id: str) -> None:
+        """Stop the generation of request ``request_id`` at the next decode step (queued or in
+        flight; an id that never comes is forgotten after STOP_TTL_S)."""
+        now = time.monotonic()
+        if len(self._stops) > 256:
+            for rid, at in list(self._stops.items()):
+                if now - at > STOP_TTL_S:
+                    self._stops.pop(rid, None)
+        self._stops[request_id] = now
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -114,6 +128,9 @@ class Engine:
             self.active.append(seq)
 
     def _cancelled(self, seq: Sequence, now: float) -> bool:
+        if seq.request_id and self._stops and self._stops.pop(seq.request_id, None) is not None:
+            seq.stopped = True
+            return True
         # a Triton request's is_cancelled() is an IPC round trip: polled every cancel_poll_s. A
         # sink whose check is a flag read (the stream guard's in-process LocalStream) is read at
         # every step: 256 tinylm tokens take less than one 50 ms poll interval
@@ -132,9 +149,16 @@ class Engine:
                 live = []
                 for seq in self.active:
                     if self._cancelled(seq, now):
-                        log.info("request cancelled after %d tokens: decoding stopped", len(seq.pieces))
                         self._ended(seq, "cancelled")
-                        send_safely(seq.sink.fail, "the request was cancelled", "CANCELLED")
+                        if seq.stopped:
+                            # a plain final response: python_backend 24.10 does not hand a
+                            # decoupled target's error to a BLS caller mid-stream
+                            log.info("request %s stopped by its caller after %d tokens: decoding stopped",
+                                     seq.request_id, len(seq.pieces))
+                            send_safely(seq.sink.finish, None)
+                        else:
+                            log.info("request cancelled after %d tokens: decoding stopped", len(seq.pieces))
+                            send_safely(seq.sink.fail, "the request was cancelled", "CANCELLED")
                     else:
                         live.append(seq)
                 for seq, piece in self.decoder.advance(live):

@@ -26,7 +26,13 @@ import numpy as np
 
 from tritonguard.core.config import from_params, model_parameters
 from tritonguard.core.errors import ConfigError, TritonGuardError
-from tritonguard.generation.contract import INPUTS, OUTPUT, parse_sampling, read_contract
+from tritonguard.generation.contract import (
+    INPUTS,
+    OUTPUT,
+    STOP_PREFIX,
+    parse_sampling,
+    read_contract,
+)
 from tritonguard.generation.decoder import CharTokenizer, Decoder, Sequence, StepModel
 from tritonguard.generation.engine import Engine, generation_metrics
 from tritonguard.triton import backend as triton
@@ -67,6 +73,13 @@ def parse_request(inputs: Mapping[str, np.ndarray], cfg: GeneratorConfig) -> Seq
     return Sequence(prompt, params, stream=stream, prepend_prompt=not stream if exclude is None else not exclude)
 
 
+def _request_id(request: Any) -> str:
+    try:
+        return str(request.request_id() or "")
+    except Exception:  # noqa: BLE001 - an id is optional
+        return ""
+
+
 class GeneratorModel:
     def initialize(self, args: dict[str, str]) -> None:
         a = triton.prologue(args)
@@ -93,6 +106,11 @@ class GeneratorModel:
         received = time.perf_counter()
         for request in requests:
             sink = ResponseSink(request, OUTPUT)
+            rid = _request_id(request)
+            if rid.startswith(STOP_PREFIX):  # a caller stops one of its generations: no text
+                self.engine.request_stop(rid[len(STOP_PREFIX):])
+                send_safely(sink.finish, None)
+                continue
             try:
                 seq = parse_request(triton.request_inputs(request, INPUTS), self.config)
             except TritonGuardError as exc:
@@ -104,7 +122,7 @@ class GeneratorModel:
                 self.metrics.inc("gen_requests", outcome="rejected")
                 send_safely(sink.fail, f"model '{self.name}' cannot read the request: {type(exc).__name__}", "INTERNAL")
                 continue
-            seq.sink, seq.received = sink, received
+            seq.sink, seq.received, seq.request_id = sink, received, rid
             self.engine.submit(seq)
         return None
 

@@ -61,14 +61,16 @@ class ResponseSink:
 
 
 def open_stream(model: str, version: int, inputs: Mapping[str, np.ndarray], output: str, *,
-                parent: Any = None) -> Any:
+                parent: Any = None, request_id: str = "") -> Any:
     """A BLS call of decoupled ``model`` v``version``: the iterator of its responses (read with
     :func:`response_text` / :func:`response_failure`). ``parent``: the request whose trace the call
-    joins."""
+    joins; ``request_id``: the id the target sees (how a caller names it later)."""
     p = backend.pb()
     kwargs: dict[str, Any] = {"model_name": model, "model_version": int(version),
                               "inputs": [p.Tensor(n, a) for n, a in inputs.items()],
                               "requested_output_names": [output]}
+    if request_id:
+        kwargs["request_id"] = request_id
     if parent is not None:
         try:
             kwargs["trace"] = parent.trace()

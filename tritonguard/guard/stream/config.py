@@ -1,6 +1,6 @@
 """A decoupled guard's parameters, section by section (top level, ``validation``, ``redaction``,
 ``tenancy``, ``tokens``, ``cache``, ``semantic_cache``, ``routing``, ``breaker``, ``audit``,
-``similarity``); unknown keys are refused naming the key."""
+``similarity``, ``rails``); unknown keys are refused naming the key."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tritonguard.core.config import from_params, split_parameters
 from tritonguard.core.errors import ConfigError
 from tritonguard.guard.routing.config import RoutingConfig
 from tritonguard.guard.stages.validate import StreamValidationConfig
+from tritonguard.guard.stream.rails import RailsConfig
 from tritonguard.privacy.audit.log import AuditConfig
 from tritonguard.privacy.cache.config import CacheConfig
 from tritonguard.privacy.cache.semantic import SemanticCacheConfig
@@ -20,7 +21,7 @@ from tritonguard.privacy.tenancy.config import TenancyConfig
 from tritonguard.rollout.breaker import BreakerConfig
 
 SECTIONS = ("", "validation", "redaction", "tenancy", "tokens", "cache", "semantic_cache", "routing", "breaker",
-            "audit", "similarity")
+            "audit", "similarity", "rails")
 # Long enough for every built-in at its usual length: an IPv6 with an embedded IPv4 (45), an
 # IBAN with spaces (42), an international phone number (<= 40), and e-mails up to 64 characters.
 DEFAULT_HOLDBACK = 64
@@ -93,6 +94,7 @@ class StreamGuardSettings:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     similarity: SimilarityConfig = field(default_factory=SimilarityConfig)
+    rails: RailsConfig = field(default_factory=RailsConfig)
 
 
 def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuardSettings:
@@ -122,6 +124,7 @@ def parse_settings(params: Mapping[str, str], *, model: str = "?") -> StreamGuar
         breaker=from_params(BreakerConfig, groups["breaker"], section="breaker", model=model),
         audit=from_params(AuditConfig, groups["audit"], section="audit", model=model),
         similarity=from_params(SimilarityConfig, groups["similarity"], section="similarity", model=model),
+        rails=from_params(RailsConfig, groups["rails"], section="rails", model=model),
     )
 
 

@@ -5,24 +5,51 @@ A :class:`StreamForwarder` owns one generation's stream: it reads the target's r
 that change text (output redaction holds back what may still grow into PII), paces a streamed
 answer to at most one piece per ``stream_interval_ms`` (what arrives in between goes together),
 polls the client's cancel every ``cancel_poll_ms``, stops a target that ignores ``max_tokens``,
-and sends through the Triton adapter's response sink. A target that fails or stalls before the
+and sends through the Triton adapter's response sink. With output rails
+(:mod:`~tritonguard.guard.stream.rails`) the target's tokens pass the hold-back first: a block
+ends the client's stream (``finish_reason`` ``content_filter``, or a Triton error naming the rail)
+and stops the target. A target that fails or stalls before the
 client got anything raises :class:`~tritonguard.guard.stream.target.TargetFailed`: the guard then
 falls back down the chain. A cache hit is replayed as it was sent the first time.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from tritonguard.core.errors import TritonGuardError
 from tritonguard.guard.pipeline import Generation, StreamPipeline
+from tritonguard.guard.stream.rails import CONTENT_FILTER, Blocked, Rails
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed, TargetStalled, text_of
-from tritonguard.triton.streams import response_failure, send_safely
+from tritonguard.triton.backend import response
+from tritonguard.triton.streams import ResponseSink, response_failure, send_safely
 
 log = logging.getLogger(__name__)
+
+
+class ReasonSink(ResponseSink):
+    """A sink whose final response also carries ``finish_reason`` (BYTES [1]: ``stop``,
+    ``length`` or ``content_filter``), for a guard whose config.pbtxt declares that output (the
+    vLLM backend's optional output of the same name). A blocked answer then ends like any other,
+    with its reason, instead of with an error."""
+
+    reasons = True
+
+    def __init__(self, request: Any, output: str, sender: Any = None) -> None:
+        super().__init__(request, output, sender)
+        self.reason = "stop"
+
+    def finish(self, text: str | None) -> None:
+        self.closed = True
+        self.sender.send(response({self.output: np.array([(text or "").encode("utf-8")], dtype=np.object_),
+                                   "finish_reason": np.array([self.reason.encode()], dtype=np.object_)}),
+                         flags=self.final)
 
 
 def replay_pieces(text: str) -> list[str]:
@@ -40,11 +67,14 @@ def replay_pieces(text: str) -> list[str]:
 class StreamForwarder:
     def __init__(self, gen: Generation, *, calls: TargetCalls, pipeline: StreamPipeline, name: str, target: str,
                  interval_s: float, cancel_poll_s: float, keep: bool,
-                 on_end: Callable[[Generation, str], None]) -> None:
+                 on_end: Callable[[Generation, str], None], rails: Rails | None = None) -> None:
         """``keep``: the generated text is returned (a canary or shadow comparison wants it);
-        ``on_end(gen, outcome)``: the guard's bookkeeping when the generation ends here."""
+        ``on_end(gen, outcome)``: the guard's bookkeeping when the generation ends here;
+        ``rails``: the output rails (None: none)."""
         self.gen, self.calls, self.pipeline, self.name, self.target = gen, calls, pipeline, name, target
         self.interval_s, self.cancel_poll_s, self.keep, self.on_end = interval_s, cancel_poll_s, keep, on_end
+        self.rails = rails if rails is not None and rails.active else None
+        self.blocked_after: tuple[int, int] | None = None  # (target tokens read at a block, tokens after it)
 
     def sent(self, piece: str) -> None:
         """``piece`` reached the client: timings and, where a stage wants it, the text."""
@@ -71,6 +101,26 @@ class StreamForwarder:
             self.sent(text)
         self.on_end(gen, "ok")
 
+    def block(self, exc: Blocked, tokens: int, stop: Callable[[], int] | None = None) -> None:
+        """A rail blocked the answer after ``tokens`` target tokens: the client's stream ends
+        (``finish_reason`` content_filter where the sink carries reasons, else the rail's error),
+        nothing it held back goes out, and ``stop()`` stops the target (returns the tokens it
+        sent after the block)."""
+        gen = self.gen
+        gen.tokens_out += tokens
+        gen.error = exc
+        sender = gen.sender
+        if getattr(sender, "reasons", False):
+            sender.reason = CONTENT_FILTER
+            send_safely(sender.finish, None)
+        else:
+            send_safely(sender.fail, str(exc), exc.code)
+        after = stop() if stop is not None else 0
+        self.blocked_after = (tokens, after)
+        self.on_end(gen, "blocked")
+        log.info("stream guard %s: answer blocked by rail '%s' after %d target tokens (%d pieces sent); the "
+                 "target sent %d more after the block", self.name, exc.rail, tokens, gen.pieces_sent, after)
+
     def fail(self, message: str, code: str) -> None:
         """The client's error (its stream closed); a client gone meanwhile is only logged."""
         send_safely(self.gen.sender.fail, message, code)
@@ -88,6 +138,8 @@ class StreamForwarder:
         interval, held = self.interval_s if gen.stream else 0.0, ""  # text held until the interval since the last piece ends
 
         draining = False  # reading the target's rest to drop it: no wake-ups for held text
+        hold = self.rails.holdback() if self.rails is not None and gen.stream else None
+        blocked: Blocked | None = None
 
         def due() -> float | None:
             """Seconds until the held text is due (None: nothing held): the reader's next wake-up."""
@@ -124,6 +176,11 @@ class StreamForwarder:
                         piece = "".join(texts)
                         if keep:
                             raw.append(piece)
+                        if hold is not None:
+                            try:
+                                piece = hold.feed(texts)
+                            except Blocked as exc:
+                                blocked, piece = exc, ""
                         if filtered and piece:
                             piece = pipeline.piece(gen, piece)
                         if interval and gen.first_sent is not None:
@@ -136,6 +193,11 @@ class StreamForwarder:
                             self.sent(piece)
                     else:
                         whole.extend(texts)
+                    if blocked is not None:
+                        draining = True
+                        why = f"answer blocked by rail '{blocked.rail}'"
+                        self.block(blocked, tokens, functools.partial(self.calls.stop, responses, it, why))
+                        return None
                     if failed is not None:
                         message, code = failed
                         log.warning("stream guard %s: target %s v%d failed after %d tokens: %s", self.name,
@@ -173,6 +235,15 @@ class StreamForwarder:
         call_s = time.perf_counter() - t0  # to the target's last response
         generated: str | None = None
         if gen.stream:
+            if hold is not None:
+                try:
+                    last = hold.finish()
+                except Blocked as exc:
+                    self.block(exc, tokens)  # the target already ended
+                    return None
+                if filtered and last:
+                    last = pipeline.piece(gen, last)
+                held += last
             rest = held + pipeline.finish(gen, "")
             if keep:
                 generated = "".join(raw)
@@ -181,10 +252,18 @@ class StreamForwarder:
             prompt_first = not gen.exclude and text.startswith(gen.prompt)  # the prompt comes first unless excluded
             generated = text[len(gen.prompt):] if prompt_first else text
             tokens = len(generated)  # one token per character: exact for tinylm, an estimate otherwise
+            if self.rails is not None:
+                try:
+                    self.rails.judge(generated, "answer")
+                except Blocked as exc:
+                    self.block(exc, tokens)
+                    return None
             rest = pipeline.finish(gen, text)
             if not keep:
                 generated = None
         gen.tokens_out += tokens
+        if getattr(sender, "reasons", False):
+            sender.reason = "length" if tokens >= max_tokens else "stop"
         sender.finish(rest if rest or not gen.stream else None)  # non-streamed: exactly one response
         if rest:
             self.sent(rest)

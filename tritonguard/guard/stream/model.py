@@ -24,7 +24,12 @@ redacts PII in the answer *across token boundaries*:
   forwarding and cancels the BLS stream where python_backend offers ``ResponseIterator.cancel()``
   (r25.04 and later, python_backend PR #398); on python_backend 24.10 (Triton 2.51) the worker
   reads the target's remaining responses and drops them (bounded by the ``max_tokens`` it
-  forwarded), and logs it.
+  forwarded), and logs it; a ``generator``-backend target is first told to stop (a stop request
+  naming the call: ``tritonguard.generation.contract.STOP_PREFIX``), so little is left to drop.
+- Output rails (``rails.*``, :mod:`~tritonguard.guard.stream.rails`): rules and a classifier
+  model judge the prompt (a block is refused like a bad input) and the answer through a bounded
+  hold-back; a block ends the stream with ``finish_reason`` ``content_filter`` (when the config
+  declares that output) or an INVALID_ARG error naming the rail, and stops the target as above.
 
 Metrics on Triton's /metrics: ``tritonguard_stream_requests_total`` (by outcome and tenant),
 ``tritonguard_stream_tokens_total`` (in/out, by tenant), ``tritonguard_stream_redactions_total``,
@@ -45,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from tritonguard.core import catalogue
+from tritonguard.core import catalogue, repository
 from tritonguard.core.config import model_parameters
 from tritonguard.core.errors import ConfigError, QuotaExceeded, TargetError, TritonGuardError
 from tritonguard.generation.contract import INPUTS, OUTPUT
@@ -55,7 +60,8 @@ from tritonguard.guard.pipeline import Generation
 from tritonguard.guard.routing.stream import NON_FINITE, StreamRouter, embedding_similarity
 from tritonguard.guard.stages.validate import target_sampling
 from tritonguard.guard.stream.config import SimilarityConfig, parse_settings
-from tritonguard.guard.stream.forwarder import StreamForwarder
+from tritonguard.guard.stream.forwarder import ReasonSink, StreamForwarder
+from tritonguard.guard.stream.rails import Blocked, Rails, bls_classifier
 from tritonguard.guard.stream.services import StreamServices
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed
 from tritonguard.privacy.cache.semantic import SemanticCacheConfig
@@ -93,7 +99,7 @@ class StreamGuardModel:
         self._lock = threading.Lock()
         self.in_flight = 0
         self.stats = {"requests": 0, "rejected": 0, "ok": 0, "cancelled": 0, "target_errors": 0,
-                      "errors": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0,
+                      "errors": 0, "blocked": 0, "redacted_in": 0, "redacted_out": 0, "tokens": 0,
                       "cache_hits": 0}
         # the repository itself, never the parent of Triton's temporary copy (tritonguard/guard/source.py)
         self.source = source.resolve(a.name, a.model_dir, os.environ)
@@ -101,7 +107,15 @@ class StreamGuardModel:
         self.source.fetch(self.target)
         self.local = LocalGenerator(repo, self.target, guard=self.name) if s.guard.placement == "inprocess" else None
         self.calls = TargetCalls(name=self.name, target=self.target, local=self.local,
-                                 idle_s=s.guard.target_idle_timeout_s)
+                                 idle_s=s.guard.target_idle_timeout_s, stop_requests=self._stoppable(repo))
+        # output rails; a final response with finish_reason where the config declares that output
+        self.reasons = "finish_reason" in {o["name"] for o in cfg.get("output", [])}
+        self.rails: Rails | None = None
+        if s.rails.active:
+            if s.rails.model in (self.name, self.target):
+                raise ConfigError(f"model '{self.name}': parameter 'rails.model' must name a classifier model, "
+                                  f"not '{s.rails.model}'")
+            self.rails = Rails(s.rails, bls_classifier(s.rails) if s.rails.model else None, name=self.name)
         # counters and histograms go through the in-process Metrics (flushed by its own thread):
         # no IPC on a worker's per-token path. The rollout families are the batch guard's, so the
         # rollout's gates read a stream guard as they read any guard
@@ -136,6 +150,14 @@ class StreamGuardModel:
                  self.name, self.target, s.validation.max_tokens, s.holdback_chars,
                  "on" if self.services.redactor.active else "off", s.guard.max_in_flight)
 
+    def _stoppable(self, repo: Any) -> bool:
+        """Whether the target is served by this project's ``generator`` backend (it honours stop
+        requests); any other target (vLLM, TensorRT-LLM) would take one for a generation."""
+        try:
+            return repository.read_config(repo / self.target).get("backend") == "generator"
+        except Exception:  # noqa: BLE001 - unknown: no stop requests
+            return False
+
     def _embed(self, texts: list[str], cfg: SemanticCacheConfig | SimilarityConfig | None = None) -> np.ndarray:
         """Sentence embeddings of ``texts`` [n, dim] from ``cfg.model`` (its ``cfg.input`` BYTES
         [n, 1] -> ``cfg.output``; BLS, not decoupled); by default ``semantic_cache.model``."""
@@ -147,7 +169,7 @@ class StreamGuardModel:
         self._served = True
         for request in requests:
             try:
-                sender = ResponseSink(request, OUTPUT)
+                sender = ReasonSink(request, OUTPUT) if self.reasons else ResponseSink(request, OUTPUT)
             except Exception:  # noqa: BLE001
                 log.exception("stream guard %s: no response sender", self.name)
                 continue
@@ -176,7 +198,8 @@ class StreamGuardModel:
         """A refusal before the target: the client's error at once (its code and message), and
         the stages' ends (the audit record, the slots of those that admitted it)."""
         gen.error = exc
-        self._end(gen, "target_error" if isinstance(exc, TargetError) else "rejected")
+        self._end(gen, "target_error" if isinstance(exc, TargetError) else
+                  "blocked" if isinstance(exc, Blocked) else "rejected")
         send_safely(gen.sender.fail, str(exc), exc.code)
 
     def _end(self, gen: Generation, outcome: str) -> None:
@@ -197,13 +220,15 @@ class StreamGuardModel:
     def _forwarder(self, gen: Generation) -> StreamForwarder:
         return StreamForwarder(gen, calls=self.calls, pipeline=self.pipeline, name=self.name, target=self.target,
                                interval_s=self.interval_s, cancel_poll_s=self.cancel_poll_s,
-                               keep=self.router.experimenting, on_end=self._end)
+                               keep=self.router.experimenting, on_end=self._end, rails=self.rails)
 
     # -- worker threads: one generation each -----------------------------------------------
     def _run(self, gen: Generation) -> None:
         try:
             try:
                 self.pipeline.admit(gen)
+                if self.rails is not None:  # the prompt as the target would get it
+                    self.rails.prompt(gen.prompt)
             except TritonGuardError as exc:
                 self._refuse(gen, exc)
                 return
@@ -265,7 +290,7 @@ class StreamGuardModel:
                 self.calls.retire(responses)
             break
         if done is None:
-            return  # cancelled by the client
+            return  # cancelled by the client, or blocked by a rail
         text, first_response_s, call_s, tokens = done
         self.router.record(version, ok=True, first_response_s=first_response_s, call_s=call_s, tokens=tokens)
         if text is not None:

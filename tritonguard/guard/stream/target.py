@@ -1,7 +1,8 @@
 """The target of a decoupled guard, one generation at a time: opening the call (a BLS stream
 to the target's version through the Triton adapter, or an in-process one for a ``generator``
 target), reading its responses in lists with an idle limit, stopping it (a cancel where
-python_backend can, else the rest read and dropped), keeping a finished BLS iterator alive a few
+python_backend can; else, for a ``generator`` target, a stop request naming the call, then the
+rest read and dropped), keeping a finished BLS iterator alive a few
 seconds before it is freed (python_backend 24.10), and a whole answer for goldens and comparisons.
 """
 
@@ -12,13 +13,14 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from tritonguard.core.errors import TargetError
-from tritonguard.generation.contract import OUTPUT
+from tritonguard.generation.contract import OUTPUT, STOP_PREFIX
 from tritonguard.generation.local import (
     END,
     LocalGenerator,
@@ -26,6 +28,7 @@ from tritonguard.generation.local import (
     LocalStream,
     queued_batches,
 )
+from tritonguard.triton import backend
 from tritonguard.triton.streams import open_stream, response_failure, response_text
 
 log = logging.getLogger(__name__)
@@ -85,12 +88,25 @@ def text_of(resp: Any) -> str | None:
     return response_text(resp, OUTPUT)
 
 
+def _tokens_in(it: Any) -> int:
+    """Read the rest of a call's batches; the count of responses that carried text."""
+    n = 0
+    for batch in it:
+        n += sum(1 for resp in batch if text_of(resp) is not None)
+    return n
+
+
 class TargetCalls:
     """Calls of one guard's target: ``name`` (log lines), ``target``, ``local`` (in process, or
-    None for BLS) and the idle limit of a call."""
+    None for BLS) and the idle limit of a call. ``stop_requests``: the target honours
+    :data:`~tritonguard.generation.contract.STOP_PREFIX` requests (this project's ``generator``
+    backend): each BLS call gets an id, and :meth:`stop` names it in a stop request."""
 
-    def __init__(self, *, name: str, target: str, local: LocalGenerator | None, idle_s: float) -> None:
+    def __init__(self, *, name: str, target: str, local: LocalGenerator | None, idle_s: float,
+                 stop_requests: bool = False) -> None:
         self.name, self.target, self.local, self.idle_s = name, target, local, idle_s
+        self.stop_requests = stop_requests and local is None
+        self._ids: dict[int, tuple[int, str]] = {}  # id(responses) -> (version, request id) of open BLS calls
         self._retired: collections.deque = collections.deque(maxlen=65536)
         self._retired_lock = threading.Lock()
 
@@ -104,7 +120,12 @@ class TargetCalls:
                   "sampling_parameters": np.array([sampling.encode()], dtype=np.object_)}
         if exclude is not None:
             inputs["exclude_input_in_output"] = np.array([exclude], dtype=bool)
-        return open_stream(self.target, version, inputs, OUTPUT, parent=request)
+        if not self.stop_requests:
+            return open_stream(self.target, version, inputs, OUTPUT, parent=request)
+        rid = f"tg-{uuid.uuid4().hex}"
+        responses = open_stream(self.target, version, inputs, OUTPUT, parent=request, request_id=rid)
+        self._ids[id(responses)] = (version, rid)
+        return responses
 
     def batches(self, responses: Any, due: Callable[[], float | None] | None = None) -> Any:
         """The responses in lists (:func:`watched`)."""
@@ -121,6 +142,7 @@ class TargetCalls:
         retired iterators kept a few seconds, none did in 60 s runs of the same traffic."""
         if isinstance(responses, LocalStream):
             return  # nothing of python_backend's in it
+        self._ids.pop(id(responses), None)
         now = time.monotonic()
         freed = []
         with self._retired_lock:
@@ -131,30 +153,59 @@ class TargetCalls:
                 freed.append(self._retired.popleft())
         del freed  # the native frees happen here, outside the lock
 
-    def stop(self, responses: Any, it: Any, why: str) -> None:
-        """Cancel the BLS stream where python_backend can; else read and drop the rest."""
+    def _send_stop(self, responses: Any) -> bool:
+        """Ask the target to stop the BLS call ``responses`` (a request whose id names it; the
+        target ends that stream with a plain final response at its next decode step)."""
+        call = self._ids.pop(id(responses), None)
+        if call is None:
+            return False
+        version, rid = call
+        try:
+            p = backend.pb()
+            req = p.InferenceRequest(model_name=self.target, model_version=int(version),
+                                     inputs=[p.Tensor("text_input", np.array([b""], dtype=np.object_))],
+                                     requested_output_names=[OUTPUT], request_id=STOP_PREFIX + rid)
+            for _ in req.exec(decoupled=True):  # one final response
+                pass
+            return True
+        except Exception:  # noqa: BLE001 - then the rest is only drained
+            log.warning("stream guard %s: the stop request to %s failed", self.name, self.target, exc_info=True)
+            return False
+
+    def stop(self, responses: Any, it: Any, why: str) -> int:
+        """Stop the target's stream: cancel it where python_backend can (r25.04+), else tell a
+        ``generator`` target to stop it (a stop request), then read and drop the rest. Returns
+        the responses read after the stop began (what the target sent that nobody got)."""
         if isinstance(responses, LocalStream):
             responses.cancel()  # the engine stops decoding it at its next step
             log.debug("stream guard %s: %s; in-process generation stopped", self.name, why)
-            return
+            try:
+                return _tokens_in(it)
+            except TargetStalled:
+                return 0
         cancel = getattr(responses, "cancel", None)
         if cancel is not None:
             try:
                 cancel()
                 log.info("stream guard %s: %s; target stream cancelled", self.name, why)
-                return
+                self._ids.pop(id(responses), None)
+                return 0
             except Exception:  # noqa: BLE001
                 log.warning("stream guard %s: cancelling the target stream failed", self.name, exc_info=True)
         t0, dropped = time.perf_counter(), 0
+        told = self.stop_requests and self._send_stop(responses)
         try:
-            for _ in it:
-                dropped += 1
+            dropped = _tokens_in(it)
         except TargetStalled:
             log.warning("stream guard %s: %s; the target then stalled while its rest was drained", self.name, why)
-            return
-        if dropped:
+            return dropped
+        if told:
+            log.info("stream guard %s: %s; target told to stop, %d target responses after it dropped in %.0f ms",
+                     self.name, why, dropped, (time.perf_counter() - t0) * 1000)
+        elif dropped:
             log.info("stream guard %s: %s; this python_backend cannot cancel a BLS stream, drained %d target "
                      "responses in %.0f ms", self.name, why, dropped, (time.perf_counter() - t0) * 1000)
+        return dropped
 
     def run_text(self, version: int, prompt: str, sampling: str) -> str:
         """``version``'s whole answer, prompt excluded (goldens, canary and shadow runs)."""
