@@ -533,6 +533,7 @@ class Stream:
         reader = Consumer({"bootstrap.servers": self.cfg.bootstrap, **self.cfg.kafka, "group.id": self.cfg.group,
                            "enable.auto.commit": False, "enable.partition.eof": True})
         todo: dict[TP, list[Pending]] = {}
+        forced: set[Pending] = set()  # asked for by a range: replayed whoever answered it first
         deadline = time.monotonic() + timeout_s
         try:
             reader.assign([TopicPartition(t, p, spans[0][0]) for (t, p), spans in wanted.items()])
@@ -549,12 +550,15 @@ class Stream:
                     if off > ends[tp]:
                         open_.discard(tp)
                         continue
-                    span = next((s for s in wanted[tp] if s[0] <= off <= s[1]), None)
-                    if span is not None:
+                    covering = [s for s in wanted[tp] if s[0] <= off <= s[1]]
+                    if covering:
                         kind, ms = msg.timestamp()
-                        todo.setdefault(tp, []).append(
-                            Pending(tp, off, msg.key(), msg.value(), msg.headers() or [],
-                                    ms / 1000 if kind and ms > 0 else None, replay=span[2]))
+                        p = Pending(tp, off, msg.key(), msg.value(), msg.headers() or [],
+                                    ms / 1000 if kind and ms > 0 else None,
+                                    replay=next((s[2] for s in covering if s[2]), ""))
+                        todo.setdefault(tp, []).append(p)
+                        if any(not s[2] for s in covering):
+                            forced.add(p)
                     if off >= ends[tp]:
                         open_.discard(tp)
         finally:
@@ -576,7 +580,7 @@ class Stream:
             primary = probe.served_by
         keep = []
         for p in events:
-            if primary and p.replay == primary:
+            if primary and p.replay == primary and p not in forced:
                 counts["skipped"] += 1  # the primary answered it the first time
             else:
                 keep.append(p)
