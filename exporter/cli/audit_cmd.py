@@ -63,7 +63,7 @@ def verify(
                                                  "(default: a warning, exit 0).")] = False,
     state_url: Annotated[str, typer.Option("--state-url", envvar="TRITONGUARD_STATE_URL",
                                            help="Redis holding the guards' anchors.")] = "",
-    repository: Annotated[Path | None, typer.Option("--repository", "-r", help="Model repository (or one guard's "
+    repository: Annotated[Path | None, typer.Option("--repository", "--model-repository", "-r", help="Model repository (or one guard's "
                                                     "folder) holding the file store's anchors.")] = None,
     model: Annotated[str | None, typer.Option("--model", help="The guard whose file-store anchors to read "
                                               "(default: any guard of --repository).")] = None,

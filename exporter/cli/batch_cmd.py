@@ -37,6 +37,7 @@ from exporter.batch.encode import read_block
 from exporter.batch.run import run_job, summary
 from exporter.batch.scorer import Scorer
 from exporter.cli.consoles import console
+from exporter.cli.server_opt import GRPC, help_text, servers
 from exporter.errors import EXIT_BAD_INPUT
 
 out = console()
@@ -53,7 +54,8 @@ def batch_command(
     model: Annotated[str, typer.Argument(help="Guarded model, e.g. digits or minilm.")],
     input_path: Annotated[Path, typer.Option("--input", help="A Parquet, JSONL or CSV file, or a folder of one format.")],
     output: Annotated[Path, typer.Option("--output", help="Output folder: part-NNNNNN.parquet per input block.")],
-    server: Annotated[list[str] | None, typer.Option("--server", help="Triton gRPC address (repeat: round-robin).")] = None,
+    server: Annotated[list[str] | None, typer.Option("--server", callback=servers(GRPC), help=help_text(
+        GRPC, "Triton server to score on (repeat: round-robin; default 127.0.0.1:8001)."))] = None,
     mapping: Annotated[list[str] | None, typer.Option("--map", help="INPUT=COLUMN (repeat); an unmapped input "
                                                        "reads the column of its own name.")] = None,
     tenant: Annotated[str | None, typer.Option(help="Tenant the rows are scored as (request parameter 'tenant').")] = None,

@@ -91,7 +91,7 @@ def feedback_command(
     tenant: Annotated[str | None, typer.Option(help="Tenant of rows that name none. Default: the one tenant "
                                                "whose request carried the id (an id several tenants used is "
                                                "skipped as ambiguous).")] = None,
-    repository: Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")] = Path("model_repository"),
+    repository: Annotated[Path, typer.Option("--repository", "--model-repository", "-r", help="Model repository folder.")] = Path("model_repository"),
     as_json: Annotated[bool, typer.Option("--json", help="The counts as JSON on stdout.")] = False,
 ) -> None:
     """Join LABELS to what each version of MODEL answered, for the rollout's labels gate."""

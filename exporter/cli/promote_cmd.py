@@ -2,7 +2,9 @@
 
 ``promote`` registers the version in the MLflow registry (idempotent), stages it, and walks it
 through the traffic steps with the statistical gates between them; PRODUCTION comes from the
-rollout's last passing gate (through the approvers, if any), ARCHIVED from a failing one.
+rollout's last passing gate (through the approvers, if any), ARCHIVED from a failing one. In
+MLflow's words (:mod:`exporter.records.registry`): the staged version is the ``challenger``, the
+promoted one the ``champion``; ``--to`` takes either word or the old stage name.
 Exit codes: 0 promoted/done, 1 rolled back or aborted, 2 bad input, 3 paused/holding.
 """
 
@@ -31,7 +33,7 @@ from exporter.cli.rollout_common import (
     servers_or_fleet,
 )
 from exporter.errors import EXIT_BAD_INPUT, BadInput, ExporterError
-from exporter.records.registry import RegistryError
+from exporter.records.registry import RegistryError, check_alias
 from exporter.rollout.gates.config import GateConfig, parse_increase
 from exporter.rollout.generation import MAX_REGRESSION, judge_generation
 from exporter.rollout.guards import guard_target, judge_limits
@@ -47,7 +49,9 @@ from tritonguard.rollout.stores import open_store
 def promote(
     model: Model,
     version: Annotated[int | None, typer.Option("--version", help="Version of the guard's target to promote.")] = None,
-    to: Annotated[str, typer.Option("--to", help="staging (registered, loaded, no traffic) or production.")] = "production",
+    to: Annotated[str, typer.Option("--to", help="staging (registered, loaded, no traffic: MLflow alias "
+                  "challenger) or production (served: alias champion); 'challenger' and 'champion' are "
+                  "accepted as the same.")] = "production",
     rollout: Annotated[bool, typer.Option("--rollout/--no-rollout", help="production: walk the traffic steps "
                                           "with gates (default), or switch at once (goldens still apply).")] = True,
     server: Servers = None,
@@ -94,6 +98,9 @@ def promote(
     max_cost_increase: Annotated[str | None, typer.Option("--max-cost-increase", help="Cost gate: roll back a "
                                  "candidate that costs more than this per request than the primary (guards' cost "
                                  "meter), e.g. 10% or 0.1; judged from the 50 % step. Default: no cost gate.")] = None,
+    alias: Annotated[list[str] | None, typer.Option("--alias", help="Also point this MLflow alias of the "
+                     "registered model at VERSION (repeat): when it becomes the champion (with --to challenger: "
+                     "now). champion, challenger, production and staging are the registry's own.")] = None,
     approver: Annotated[str | None, typer.Option(help="Who approves (recorded in the history).")] = None,
     approve_cmd: Annotated[list[str] | None, typer.Option(help="Shell command that must exit 0 before PRODUCTION (repeat).")] = None,
     detach: Annotated[bool, typer.Option(help="Start the rollout and return (drive it with `rollout resume`).")] = False,
@@ -103,15 +110,18 @@ def promote(
 ) -> None:
     """Register VERSION (or each --arms version), load it on the servers, and stage it or roll it out."""
 
-    to = to.lower()
     where(err, repository, registry=True)
     try:
         # the --server list, else every replica live in the store's registry (re-read at each look)
         fleet, servers, found_urls = servers_or_fleet(list(server or []), metrics_url or [], state_url)
-        if to not in ("staging", "production"):
-            raise BadInput(f"--to must be staging or production, got {to!r}")
+        if to.strip().lower() not in _TO:
+            raise BadInput(f"--to must be staging or production (MLflow's challenger or champion), got {to!r}")
+        to = _TO[to.strip().lower()]
         if (version is None) == (arms is None):
             raise BadInput("pass --version N (one candidate) or --arms V=W,... (A/B/n), not both or neither")
+        aliases = [check_alias(a) for a in alias or []]
+        if aliases and arms is not None:
+            raise BadInput("--alias names one version: use it with --version, not --arms")
         arm_weights = None
         if arms is not None:
 
@@ -197,8 +207,10 @@ def promote(
             exit_for(progress)
             return
         info = stage_version(version)
+        reg.set_aliases(model, version, aliases, on_production=to == "production")
         if to == "staging":
-            out.print(f"[bold]{model}[/] v{version}: STAGING (no traffic; `promote --to production` rolls it out)")
+            out.print(f"[bold]{model}[/] v{version}: STAGING, alias challenger (no traffic; "
+                      "`promote --to production` rolls it out)")
             return
         if not rollout:
             if info.stage != "PRODUCTION":
@@ -206,7 +218,7 @@ def promote(
             apply(repository, model, RouteChange(primary=version, candidate=0), by="promote",
                   reason=f"v{version} made primary by promote --no-rollout")
             purge(repository, model, "promote")
-            out.print(f"[bold]{model}[/] v{version}: PRODUCTION and primary (no gradual rollout)")
+            out.print(f"[bold]{model}[/] v{version}: PRODUCTION, alias champion, and primary (no gradual rollout)")
             return
         judged = _judge_before_traffic(repository, model, target, version, primary or serving, judge, config,
                                        None if max_regression is None else margin, limits)
@@ -228,6 +240,10 @@ def promote(
         err.print(f"[bold red]✗ promote failed:[/] {exc}")
         raise typer.Exit(EXIT_BAD_INPUT) from None
     exit_for(progress)
+
+
+# --to in MLflow's words (the aliases) or the deprecated stage names
+_TO = {"challenger": "staging", "staging": "staging", "champion": "production", "production": "production"}
 
 
 def _rollout_config(**kwargs):

@@ -1,4 +1,4 @@
-"""``--repository/-r``: a folder or an object-store spec (``s3://bucket/prefix``, or Triton's
+"""``--repository/--model-repository/-r`` (the second is tritonserver's name for it): a folder or an object-store spec (``s3://bucket/prefix``, or Triton's
 ``s3://http://host:port/bucket/prefix``), ``$TRITONGUARD_REPOSITORY`` by default.
 
 :func:`repository_command` wraps a command so that its body always gets a local folder: for an
@@ -27,9 +27,9 @@ from tritonguard.core.store import ENV_URL
 DEFAULT = "model_repository"
 
 Repository = Annotated[str, typer.Option(
-    "--repository", "-r", envvar=ENV_REPOSITORY,
+    "--repository", "--model-repository", "-r", envvar=ENV_REPOSITORY,
     help="Model repository: a folder, or s3://bucket/prefix (endpoint from $AWS_ENDPOINT_URL) or "
-         "s3://http://host:port/bucket/prefix.")]
+         "s3://http://host:port/bucket/prefix. --model-repository (tritonserver's flag) is the same.")]
 
 _err = WideConsole(stderr=True, soft_wrap=True)
 

@@ -1,5 +1,6 @@
-"""``python -m exporter rollback | rollout status|abort|pause|resume``: stop or steer a
-progressive rollout, or restore the previous production version.
+"""``python -m exporter rollback | rollout status|abort|pause|resume|undo``: stop or steer a
+progressive rollout, or restore the previous production version (``rollout undo``, kubectl's
+word for it, is ``rollback``: the same function).
 
 Exit codes: 0 done, 1 rolled back or aborted, 2 bad input, 3 paused/holding
 (:mod:`exporter.cli.rollout_common`). ``promote`` is :mod:`exporter.cli.promote_cmd`.
@@ -77,6 +78,11 @@ def rollback(
         raise typer.Exit(EXIT_BAD_INPUT) from None
     reconcile(repository, model, registry=reg)
     out.print(f"[bold]{model}[/]: v{info.version} is primary and PRODUCTION again")
+
+
+# kubectl's word: `rollout undo` beside `rollback`, one implementation
+rollout_app.command("undo", help=f"{rollback.__doc__} The same as `exporter rollback` (kubectl's "
+                    "`rollout undo`).")(repository_command()(rollback))
 
 
 @rollout_app.command("status")

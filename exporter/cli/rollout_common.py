@@ -14,6 +14,7 @@ import typer
 
 from exporter.cli.consoles import WideConsole
 from exporter.cli.repository_opt import Repository, repository_command  # noqa: F401 - the rollout commands' option
+from exporter.cli.server_opt import HTTP, help_text, servers
 from exporter.records.registry import open_registry
 from exporter.rollout.controller import RolloutController
 from exporter.rollout.fleet import Fleet, FleetReader, discover
@@ -121,8 +122,8 @@ def exit_for(progress) -> None:
         raise typer.Exit(EXIT_HOLDING)
 
 
-Servers = Annotated[list[str] | None, typer.Option("--server", help="Triton HTTP URL of each replica "
-                                                   "(repeat): the version is loaded there if needed.")]
+Servers = Annotated[list[str] | None, typer.Option("--server", callback=servers(HTTP), help=help_text(
+    HTTP, "Triton server of each replica (repeat): the version is loaded there if needed."))]
 
 StateUrl = Annotated[str | None, typer.Option("--state-url", help="The shared store (redis://…; default "
                      "$TRITONGUARD_STATE_URL). Without --server/--metrics-url, every replica live in its "

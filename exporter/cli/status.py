@@ -15,6 +15,7 @@ from rich.table import Table
 from exporter.records.history import stages as history_stages
 from exporter.records.progress import ControllerError
 from exporter.records.registry import (
+    ALIASES,
     RegistryError,
     default_uri,
     open_history,
@@ -30,6 +31,9 @@ from tritonguard.core import repository as repo_mod
 from tritonguard.rollout.state import StateError
 from tritonguard.rollout.stores import open_store
 from tritonguard.triton import http as triton_http
+
+# written beside champion/challenger during their deprecation; status shows the current names
+DEPRECATED_ALIASES = frozenset(names[1] for names in ALIASES.values())
 
 # the figures worth a column, per task, in the order shown
 KEY_METRICS = {
@@ -164,17 +168,19 @@ def unreachable(servers: list[str], metrics_urls: list[str], *, explicit_metrics
     return problems
 
 
-def _registry_stages(repository: Path, model: str) -> dict[int, str] | None:
-    """Stages by version from the registry, or None when there is none (never creates one)."""
+def _registry_stages(repository: Path, model: str) -> tuple[dict[int, str] | None, dict[str, int]]:
+    """Stages by version from the registry, or None when there is none (never creates one), and
+    the registered model's MLflow aliases (``champion``, ``challenger``, the user's) by name."""
 
     uri = default_uri(repository)
     db = sqlite_path(uri)
     if db is not None and not db.exists() and not os.environ.get("MLFLOW_TRACKING_URI"):
-        return None
+        return None, {}
     try:
-        return {info.version: info.stage for info in open_registry(repository).versions(model)}
+        reg = open_registry(repository)
+        return {info.version: info.stage for info in reg.versions(model)}, reg.aliases(model)
     except Exception as exc:  # noqa: BLE001 - status must show what it can
-        return {"error": f"{type(exc).__name__}: {exc}"}  # type: ignore[dict-item]
+        return {"error": f"{type(exc).__name__}: {exc}"}, {}  # type: ignore[dict-item]
 
 
 HISTORY_SHOWN = 5  # the latest records of a model's history the text view shows
@@ -329,7 +335,7 @@ def live(repository: Path, metrics_urls: list[str], servers: list[str] | None = 
                              "gates": (a.get("last_report") or {}).get("gates", [])} for v, a in p.arms.items()}}
         except ControllerError as exc:
             entry["rollout"] = {"error": str(exc)}
-        entry["stages"] = _registry_stages(repository, name)
+        entry["stages"], entry["aliases"] = _registry_stages(repository, name)
         entry["history"] = _registry_history(repository, name)
         if entry["stages"] is None and entry["history"] and entry["history"].get("records"):
             # no registry on this machine: the stages as the fleet's history tells them
@@ -369,7 +375,12 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
             console.print(f"  registry: [red]{stages['error']}[/]")
         elif stages:
             label = "registry (from its history)" if g.get("stages_from") == "history" else "registry"
-            console.print(f"  {label}: " + ", ".join(f"v{v} {s}" for v, s in sorted(stages.items())))
+            named: dict[int, list[str]] = {}
+            for alias, v in (g.get("aliases") or {}).items():
+                if alias not in DEPRECATED_ALIASES:  # the old names go with champion/challenger
+                    named.setdefault(v, []).append(alias)
+            console.print(f"  {label}: " + ", ".join(
+                f"v{v} {s}" + (f" @{' @'.join(named[v])}" if v in named else "") for v, s in sorted(stages.items())))
         print_history(console, g.get("history"))
         if g.get("registry_disagrees"):
             console.print(f"  [yellow]! {escape(g['registry_disagrees'])}[/]", soft_wrap=True)

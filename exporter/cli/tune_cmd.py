@@ -171,7 +171,7 @@ class _Progress:
 
 def tune_command(
     model: Annotated[str, typer.Argument(help="Public name of a guarded model, e.g. digits or minilm.")],
-    repository: Annotated[Path, typer.Option("--repository", "-r", help="Model repository folder.")] = Path("model_repository"),
+    repository: Annotated[Path, typer.Option("--repository", "--model-repository", "-r", help="Model repository folder.")] = Path("model_repository"),
     concurrency: Annotated[str, typer.Option(help="perf_analyzer concurrencies, comma-separated.")] = "8,16",
     objective: Annotated[ObjectiveKind, typer.Option(help="throughput: max mean throughput within --p99-ms; "
                                                      "latency: min worst p99 within --min-throughput-pct of the best.")] = ObjectiveKind.throughput,
