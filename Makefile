@@ -86,13 +86,13 @@ fleet-test: setup ## the fleet scenario (tests/functional/test_fleet.py): a roll
 	$(PY) -m pytest tests/functional/test_fleet.py -m fleet -s --durations=5
 
 test: setup deploy-venv ## the whole test suite (unit + functional against a real tritonserver)
-	$(PY) -m pytest tests --durations=40
+	$(PY) -m tests.lanes tests --durations=40
 
 unit: $(STAMP) ## unit tests only (no tritonserver; real Redis, moto, Prometheus, MLflow where a test needs one)
-	$(PY) -m pytest tests/unit
+	$(PY) -m tests.lanes tests/unit
 
 functional: setup deploy-venv ## the tests that start a real tritonserver (tests/functional), and the chart and image checks (tests/deploy)
-	$(PY) -m pytest tests/functional tests/deploy --durations=20
+	$(PY) -m tests.lanes tests/functional tests/deploy --durations=20
 
 bench: setup ## perf_analyzer: guarded vs raw vs in-process ceiling; writes perf/results/
 	$(PY) -m perf.bench --repository $(REPO)

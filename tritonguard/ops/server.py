@@ -19,16 +19,38 @@ from pathlib import Path
 from tritonguard.triton import http as triton_http
 
 _HANDED_OUT: set[int] = set()  # ports this process has handed out (each server takes three)
+# Several processes picking ports at once (the test suite's lanes: tests/lanes.py) would each
+# only know their own hand-outs: a port picked by one, not yet bound by its server (a
+# tritonserver binds seconds later), could be picked by the other. TRITONGUARD_PORT_LANE="k/n"
+# gives this process the ports whose bit 1 and up, modulo n, is k (bit 0 is left out: Linux
+# hands odd ports to bind(0) first), so lanes never pick the same port.
+ENV_PORT_LANE = "TRITONGUARD_PORT_LANE"
+
+
+def _port_lane() -> tuple[int, int] | None:
+    spec = os.environ.get(ENV_PORT_LANE, "")
+    if not spec:
+        return None
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"{ENV_PORT_LANE}={spec!r}: expected k/n, e.g. 0/2") from None
+    if not 0 <= k < n:
+        raise ValueError(f"{ENV_PORT_LANE}={spec!r}: k must be in 0..n-1")
+    return k, n
 
 
 def free_port() -> int:
     """A loopback port free now and not handed out before by this process: the kernel may give
     a port just closed to the next bind(0), and two servers set up back to back (replicas) then
     got the same port and one of them could never start (seen in CI: "already in use")."""
-    for _ in range(100):
+    lane = _port_lane()
+    for _ in range(400):
         with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        if lane is not None and (port >> 1) % lane[1] != lane[0]:
+            continue
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port

@@ -1,0 +1,172 @@
+"""Run the suite in two lanes at once: ``python -m tests.lanes [paths] [pytest options]``.
+
+Why (issue 40): one pytest process kept one of the machine's two cores idle most of the time:
+the functional tests mostly wait (a tritonserver loading, a rollout's step, a broker), and the
+whole suite took 29 minutes of pytest for 28 minutes of CPU. Two pytest processes, each running
+whole modules one after another, use both cores.
+
+How the modules are split:
+
+- **Timed modules** (:data:`TIMED`: their assertions compare latencies, a gate's ratio, a p99)
+  all go to the same lane, so two of them never run at the same time; each shares the machine
+  with one lane of untimed work, as it shared it with its own server and clients before.
+- The other modules are dealt to the lane with less work so far, heaviest first, by the module
+  times of the last full run (:data:`SECONDS`; a module not listed counts as
+  :data:`DEFAULT_SECONDS` for its tier). Within a lane pytest runs them in the given order.
+- Each lane has its own ``--basetemp``, ``$TRITONGUARD_HOME`` and a share of the loopback ports
+  (``$TRITONGUARD_PORT_LANE``, see :func:`tritonguard.ops.server.free_port`), so their servers
+  never pick the same port; session fixtures (Redis, moto, the shared tritonserver) are started
+  once per lane that needs them.
+
+Each lane's output goes to a log that is printed whole when both are done (with its own module
+time table and ``--durations``), after a progress line per lane every minute. The exit status is
+the first non-zero one of the lanes (5, "no tests collected", counts as 0 for a lane left empty).
+``TRITONGUARD_LANES=1`` runs everything in one lane, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# modules whose assertions time something: never two at once
+TIMED = (
+    "tests/functional/test_cost.py",
+    "tests/functional/test_fleet.py",
+    "tests/functional/test_generation_rollout.py",
+    "tests/functional/test_judge.py",
+    "tests/functional/test_objectstore_fetch.py",
+    "tests/functional/test_promote.py",
+    "tests/functional/test_rollout.py",
+)
+
+# wall seconds per module in the last full run (clean clone, 2 cores, 2026-11-28, one lane);
+# only what balances the lanes: a stale figure makes a lane longer, never a test wrong
+SECONDS = {
+    "tests/functional/test_promote.py": 163, "tests/functional/test_fleet.py": 160,
+    "tests/functional/test_supervisor.py": 133, "tests/functional/test_generation_rollout.py": 121,
+    "tests/functional/test_batch.py": 117, "tests/functional/test_judge.py": 116,
+    "tests/functional/test_judge_labels.py": 110, "tests/functional/test_rollout.py": 76,
+    "tests/functional/test_rollout_text.py": 62, "tests/unit/exporter/rollout/test_prometheus.py": 59,
+    "tests/functional/test_stream.py": 53, "tests/functional/test_replicas.py": 46,
+    "tests/unit/test_image_deps.py": 45, "tests/functional/test_cost.py": 40,
+    "tests/functional/test_stream_guard.py": 38, "tests/functional/test_objectstore_fetch.py": 38,
+    "tests/unit/exporter/records/test_registry.py": 28, "tests/functional/test_privacy.py": 22,
+    "tests/functional/test_audit_anchor.py": 22, "tests/functional/test_tune.py": 19,
+    "tests/functional/test_cache_corrupt.py": 16, "tests/unit/exporter/rollout/test_controller.py": 15,
+    "tests/unit/rollout/test_latency.py": 12, "tests/unit/exporter/rollout/test_generation.py": 12,
+    "tests/functional/test_tracing.py": 12, "tests/functional/test_tenant_auth.py": 12,
+    "tests/unit/privacy/test_tenancy_fleet.py": 11, "tests/unit/exporter/cli/test_status.py": 11,
+    "tests/functional/test_native.py": 11, "tests/deploy/test_validate.py": 11,
+    "tests/unit/guard/routing/test_router.py": 10, "tests/unit/examples/test_minilm_candidates.py": 10,
+    "tests/functional/test_objectstore.py": 9,
+}
+DEFAULT_SECONDS = {"functional": 30.0, "deploy": 5.0, "unit": 2.0}
+
+
+def modules(paths: list[str]) -> list[str]:
+    """The test modules under ``paths`` (files or folders), relative to the root, sorted."""
+    out: set[str] = set()
+    for p in paths:
+        path = (ROOT / p) if not Path(p).is_absolute() else Path(p)
+        if path.is_file():
+            out.add(path.relative_to(ROOT).as_posix())
+        elif path.is_dir():
+            out |= {f.relative_to(ROOT).as_posix() for f in path.rglob("test_*.py")}
+        else:
+            raise SystemExit(f"tests.lanes: {p}: no such file or folder")
+    return sorted(out)
+
+
+def weight(module: str) -> float:
+    if module in SECONDS:
+        return float(SECONDS[module])
+    tier = module.split("/")[1] if module.count("/") >= 2 else "unit"
+    return DEFAULT_SECONDS.get(tier, 2.0)
+
+
+def split(mods: list[str], lanes: int = 2) -> list[list[str]]:
+    """Timed modules in the last lane, the rest dealt heaviest first to the lane with less work
+    (each lane runs its modules in the order dealt)."""
+    out: list[list[str]] = [[] for _ in range(lanes)]
+    load = [0.0] * lanes
+    for m in mods:
+        if m in TIMED:
+            out[-1].append(m)
+            load[-1] += weight(m)
+    for m in sorted((m for m in mods if m not in TIMED), key=lambda m: (-weight(m), m)):
+        i = min(range(lanes), key=lambda k: (load[k], k))
+        out[i].append(m)
+        load[i] += weight(m)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    paths, opts = [], []
+    takes_value = {"-k", "-m", "-p", "-o", "--durations", "--maxfail", "--deselect", "--ignore"}
+    it = iter(argv)
+    for a in it:
+        if a.startswith("-"):
+            opts.append(a)
+            if a in takes_value:
+                opts.append(next(it, ""))
+        else:
+            paths.append(a)
+    paths = paths or ["tests"]
+    lanes = max(1, int(os.environ.get("TRITONGUARD_LANES", "2")))
+    plan = [lane for lane in split(modules(paths), lanes) if lane]
+    run_dir = Path(tempfile.mkdtemp(prefix="tritonguard-lanes-"))
+    procs: list[tuple[subprocess.Popen, Path, float]] = []
+    if not plan:
+        raise SystemExit(f"tests.lanes: no test modules under {' '.join(paths)}")
+    for i, mods in enumerate(plan):
+        log = run_dir / f"lane{i}.log"
+        env = {**os.environ, "TRITONGUARD_PORT_LANE": f"{i}/{len(plan)}"}
+        env.setdefault("TRITONGUARD_HOME", str(run_dir / f"home{i}"))
+        cmd = [sys.executable, "-m", "pytest", *mods, *opts, f"--basetemp={run_dir / f'tmp{i}'}",
+               "-p", "no:cacheprovider"]
+        est = sum(weight(m) for m in mods)
+        print(f"lane {i}: {len(mods)} modules, about {est / 60:.0f} min by the last run's times; log {log}", flush=True)
+        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT),
+                      log, time.monotonic()))
+    started = time.monotonic()
+    ended: dict[int, float] = {}
+    report_at = started + 60
+    while len(ended) < len(procs):
+        time.sleep(1.0)
+        for i, (p, _, _) in enumerate(procs):
+            if i not in ended and p.poll() is not None:
+                ended[i] = time.monotonic() - started
+                print(f"lane {i}: finished in {ended[i]:.0f} s (exit {p.returncode})", flush=True)
+        if time.monotonic() >= report_at:
+            report_at += 60
+            for i, (_p, log, _) in enumerate(procs):
+                if i not in ended:
+                    print(f"lane {i}: {_last_line(log)}", flush=True)
+    rc = 0
+    for i, (p, log, _) in enumerate(procs):
+        print(f"\n{'=' * 30} lane {i} ({ended[i]:.0f} s, exit {p.returncode}) {'=' * 30}", flush=True)
+        sys.stdout.write(log.read_text(errors="replace"))
+        if p.returncode not in (0, 5) and rc == 0:
+            rc = p.returncode
+    print(f"\nlanes: {', '.join(f'lane {i} {ended[i]:.0f} s exit {procs[i][0].returncode}' for i in ended)}; "
+          f"wall {time.monotonic() - started:.0f} s", flush=True)
+    return rc
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][-160:] if lines else "starting"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
