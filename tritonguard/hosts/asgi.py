@@ -52,10 +52,8 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import os
 import random
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -63,26 +61,27 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from tritonguard.core import catalogue
-from tritonguard.core.config import from_params, split_parameters
-from tritonguard.core.errors import ConfigError, InvalidInput
+from tritonguard.core.errors import ConfigError
 from tritonguard.core.store import store_url
-from tritonguard.guard.config import TargetConfig
-from tritonguard.guard.routing.config import RoutingConfig
-from tritonguard.guard.routing.view import RolloutView, route_shares
-from tritonguard.guard.stages.tenancy import quota_reason
-from tritonguard.privacy.audit.anchors import load_audit_key, open_anchor_store
-from tritonguard.privacy.audit.log import AuditConfig, AuditLog
+from tritonguard.hosts.common import (
+    HOST_SECTIONS,
+    Admission,
+    HandlerView,
+    HostMetrics,
+    Refusal,
+    Routes,
+    StaticStore,
+    audit_refusal,
+    error_body,
+    open_audit,
+    parse_sections,
+)
+from tritonguard.privacy.audit.log import AuditConfig
 from tritonguard.privacy.redaction import RedactionConfig, Redactor
-from tritonguard.privacy.tenancy.auth import AuthenticationError, TenantResolver
 from tritonguard.privacy.tenancy.config import TenancyConfig
-from tritonguard.privacy.tenancy.fleet import FleetQuotaManager, fleet_url
-from tritonguard.privacy.tenancy.labels import TenantLabels
-from tritonguard.privacy.tenancy.quotas import QUOTA_FILE, QuotaManager, SharedQuotaManager
-from tritonguard.rollout.state import RolloutState
 from tritonguard.rollout.stores import open_store
 
 log = logging.getLogger(__name__)
@@ -95,7 +94,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 SERVED_BY_HEADER = "x-tritonguard-served-by"
 VERSION_HEADER = "x-tritonguard-version"
-_RETRY_MS = re.compile(r"retry after (\d+) ms")
 # the keys of the guard's sections that mean something here; any other fails at start, naming it
 TOP_KEYS = ("target",)
 ROUTING_KEYS = ("poll_interval_s",)
@@ -120,109 +118,10 @@ class HostConfig:
     def from_parameters(cls, params: Mapping[str, Any], model: str = "asgi") -> HostConfig:
         """``params`` as a guard's config.pbtxt spells them (``"tenancy.quotas": "{...}"``); a
         value may also be a Python object (a dict, a bool, a number), written as JSON here."""
-        wire = {k: v if isinstance(v, str) else json.dumps(v) for k, v in params.items()}
-        groups = split_parameters(wire, cls.SECTIONS, model=model)
-        for section, known in (("", TOP_KEYS), ("routing", ROUTING_KEYS)):
-            extra = sorted(set(groups[section]) - set(known))
-            if extra:
-                name = f"{section}.{extra[0]}" if section else extra[0]
-                raise ConfigError(f"model '{model}': parameter '{name}' has no meaning in the ASGI "
-                                  f"middleware (it takes {', '.join((f'{section}.' if section else '') + k for k in known)})")
-        target = from_params(TargetConfig, groups[""], model=model).target
-        routing = from_params(RoutingConfig, groups["routing"], section="routing", model=model)
-        return cls(target=target,
-                   tenancy=from_params(TenancyConfig, groups["tenancy"], section="tenancy", model=model),
-                   redaction=from_params(RedactionConfig, groups["redaction"], section="redaction", model=model),
-                   audit=from_params(AuditConfig, groups["audit"], section="audit", model=model),
-                   poll_interval_s=routing.poll_interval_s)
-
-
-# -- metrics: the guard's families, in a prometheus-client registry ---------------------------------
-# family key -> its labels besides ``model`` (as the Triton guard labels them)
-_FAMILIES: dict[str, tuple[str, ...]] = {
-    "requests": (), "rejects": ("reason",), "quota_rejects": ("tenant", "reason"), "quota_degraded": (),
-    "served": ("served_by",), "target_errors": ("code", "target_version"), "redactions": ("type", "direction", "tenant"),
-    "audit_drops": (), "state_errors": (), "route_share": ("target_version", "role"), "latency": ("target_version",),
-}
-
-
-class HostMetrics:
-    """``inc`` / ``set`` / ``observe`` by the guard's family keys (the interface of
-    :class:`tritonguard.triton.metrics.Metrics`), into prometheus-client families named as in
-    :mod:`tritonguard.core.catalogue` and labelled ``model=<target>`` like the guard's."""
-
-    def __init__(self, model: str, registry: CollectorRegistry):
-        self.model, self.registry = model, registry
-        self._families: dict[str, Any] = {}
-        self._children: dict[tuple, Any] = {}
-        for key, labels in _FAMILIES.items():
-            names = ("model", *labels)
-            if key in catalogue.GUARD_COUNTERS:
-                name, doc = catalogue.GUARD_COUNTERS[key]
-                fam: Any = Counter(name.removesuffix("_total"), doc, names, registry=registry)
-            elif key in catalogue.GUARD_GAUGES:
-                name, doc = catalogue.GUARD_GAUGES[key]
-                fam = Gauge(name, doc, names, registry=registry)
-            else:
-                name, doc, buckets = catalogue.GUARD_HISTOGRAMS[key]
-                fam = Histogram(name, doc, names, buckets=buckets, registry=registry)
-            self._families[key] = fam
-        for key in ("requests", "audit_drops", "state_errors", "quota_degraded"):
-            self._child(key, {})  # at 0 from the start, as the guard's ZERO_AT_LOAD
-
-    def _child(self, family: str, labels: Mapping[str, str]) -> Any:
-        key = (family, *sorted(labels.items()))
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self._families[family].labels(model=self.model, **labels)
-        return child
-
-    def inc(self, family: str, value: float = 1, **labels: str) -> None:
-        self._child(family, labels).inc(value)
-
-    def set(self, family: str, value: float, **labels: str) -> None:
-        self._child(family, labels).set(value)
-
-    def observe(self, family: str, value: float, **labels: str) -> None:
-        self._child(family, labels).observe(value)
-
-
-class _HandlerView(RolloutView):
-    """The rollout state as the guard reads it, with the registered handlers standing for the
-    versions on disk: a new state pins the highest registered version as primary."""
-
-    def __init__(self, handlers: list[int], **kwargs: Any):
-        self.handlers = sorted(handlers)
-        super().__init__(**kwargs)
-
-    def versions_on_disk(self) -> list[int]:
-        return self.handlers
-
-
-class _StaticStore:
-    """No repository and no state URL: one in-memory state, the highest handler as primary."""
-
-    errors = 0
-
-    def __init__(self, model: str):
-        self.model = model
-
-    def load(self) -> RolloutState | None:
-        return None
-
-    def poll(self, last_revision: int | None = None) -> RolloutState | None:
-        return None
-
-    def update(self, fn: Any, expected_revision: int | None = None, *, by: str = "") -> RolloutState:
-        return fn(RolloutState(model=self.model)) or RolloutState(model=self.model)
-
-
-@dataclass
-class _Refusal:
-    status: int
-    rule: str
-    message: str
-    retry_after_s: int = 0
+        cfg = parse_sections(params, {s: HOST_SECTIONS[s] for s in cls.SECTIONS}, model=model, host="ASGI middleware",
+                             only={"": TOP_KEYS, "routing": ROUTING_KEYS})
+        return cls(target=cfg[""].target, tenancy=cfg["tenancy"], redaction=cfg["redaction"], audit=cfg["audit"],
+                   poll_interval_s=cfg["routing"].poll_interval_s)
 
 
 # -- the middleware --------------------------------------------------------------------------------
@@ -258,10 +157,9 @@ class GuardMiddleware:
 
         # admission: the guard's resolver and quota managers
         self.tenancy = cfg.tenancy
-        self.resolver = TenantResolver(cfg.tenancy, self.environ)
-        self.label = TenantLabels()
-        self.quotas = self._quotas(url) if cfg.tenancy.enabled and cfg.tenancy.quotas else None
-        self._degraded = 0
+        self.admission = Admission(cfg.tenancy, target=target, metrics=self.metrics, environ=self.environ,
+                                   repository=self.repository, url=url, host="asgi")
+        self.resolver, self.quotas, self.label = self.admission.resolver, self.admission.quotas, self.admission.label
         # redaction
         self.redactor = Redactor(cfg.redaction)
         self.redact_in = self.redactor.active
@@ -269,41 +167,23 @@ class GuardMiddleware:
         self.model_sees_redacted = cfg.redaction.model_sees_redacted
         # routing: the rollout state of ``target``, read like the guard reads it
         if self.repository is None and not url:
-            store: Any = _StaticStore(target)
+            store: Any = StaticStore(target)
         else:
             store = open_store(target, self.repository or Path("."), url or None)
-        self.view = _HandlerView(list(self.handlers), guard=target, repo=self.repository or Path("."), target=target,
-                                 store=store, poll_interval_s=cfg.poll_interval_s, metrics=self.metrics,
-                                 pin=max(self.handlers))
-        self._published: tuple[int, int] | None = None
-        self._published_shares: set[tuple[int, str]] = set()
-        self._publish()
+        self.view = HandlerView(list(self.handlers), guard=target, repo=self.repository or Path("."), target=target,
+                                store=store, poll_interval_s=cfg.poll_interval_s, metrics=self.metrics,
+                                pin=max(self.handlers))
+        self.routes = Routes(self.view, list(self.handlers), self.metrics, target, f"header '{VERSION_HEADER}'")
+        self.routes.publish()
         # audit: one writer per file ("{pid}" in audit.path gives each worker process its own)
-        path = cfg.audit.path.replace("{pid}", str(os.getpid()))
-        anchors = open_anchor_store(target, self.repository, url or None) if path and (self.repository or url) else None
-        self.audit = AuditLog(dataclasses.replace(cfg.audit, path=path), environ=self.environ, anchors=anchors)
-        self.audit_key = load_audit_key(cfg.audit.key_env, self.environ) if self.audit.enabled else None
+        self.audit, self.audit_key = open_audit(cfg.audit, target=target, repository=self.repository, url=url,
+                                                environ=self.environ)
         self._audit_dropped = 0
-        self.audit.record("guard_start", model=target, host="asgi", primary=self._primary(),
+        self.audit.record("guard_start", model=target, host="asgi", primary=self.routes.primary(),
                           revision=self.view.state.revision, versions=sorted(self.handlers),
                           tenancy=cfg.tenancy.enabled, tenant_auth=cfg.tenancy.auth,
                           quotas=sorted(cfg.tenancy.quotas), redaction=self.redact_in or self.redact_out)
         self._closed = False
-
-    def _quotas(self, url: str) -> QuotaManager:
-        """As the guard's: the host's buckets in a file beside the rollout state (per process
-        without a repository or when the file cannot be used); the fleet's through Redis."""
-        tcfg = self.config.tenancy
-        local = QuotaManager(tcfg)
-        if self.repository is not None:
-            try:
-                (self.repository / self.target).mkdir(parents=True, exist_ok=True)
-                local = SharedQuotaManager(tcfg, self.repository / self.target / QUOTA_FILE)
-            except OSError as exc:
-                log.warning("asgi %s: tenant quotas are per process: %s", self.target, exc)
-        if fleet_url(url):
-            return FleetQuotaManager(tcfg, url, guard=self.target, local=local)
-        return local
 
     def close(self) -> None:
         """The audit log's writer and the quota managers' files and threads (idempotent)."""
@@ -312,54 +192,12 @@ class GuardMiddleware:
         self._closed = True
         self.audit.record("guard_stop", model=self.target)
         self.audit.close()
-        if isinstance(self.quotas, (SharedQuotaManager, FleetQuotaManager)):
-            self.quotas.close()
+        self.admission.close()
 
     # -- routing ---------------------------------------------------------------------------------
-    def _primary(self) -> int:
-        p = self.view.state.primary
-        return p if p in self.handlers else max(self.handlers)
-
-    def _publish(self) -> None:
-        """``tritonguard_route_share`` when the state's revision (or the primary) changed."""
-        key = (self.view.state.revision, self._primary())
-        if key == self._published:
-            return
-        self._published = key
-        shares = route_shares(self.view.state, key[1])
-        for gone in self._published_shares - shares.keys():
-            shares[gone] = 0.0
-        for (version, role), share in shares.items():
-            self.metrics.set("route_share", share, target_version=str(version), role=role)
-        self._published_shares = {k for k, v in shares.items() if v > 0}
-
     def pick(self, draw: float) -> int:
-        """The version a request with uniform draw ``draw`` goes to, as the guard's router picks
-        its first hop: the candidate's band, the arms' bands, else the primary; a version with no
-        handler here sends its band to the primary."""
-        state = self.view.state
-        cand = state.candidate
-        if cand is not None and draw < cand.share and cand.version in self.handlers:
-            return cand.version
-        lo = 0.0
-        for arm in state.arms:
-            if lo <= draw < lo + arm.weight and arm.version in self.handlers:
-                return arm.version
-            lo += arm.weight
-        return self._primary()
-
-    def _pinned(self, raw: str) -> int | _Refusal:
-        try:
-            version = int(raw)
-        except ValueError:
-            version = 0
-        if version <= 0:
-            return _Refusal(400, "version", f"header '{VERSION_HEADER}' must be a positive integer")
-        named = set(self.view.named_versions()) | {self._primary()}
-        if version not in self.handlers or version not in named:
-            served = ", ".join(f"v{v}" for v in sorted(named & set(self.handlers)))
-            return _Refusal(503, "version", f"version {version} of '{self.target}' is not routed here (served: {served})")
-        return version
+        """The version a request with uniform draw ``draw`` goes to (:meth:`Routes.pick`)."""
+        return self.routes.pick(draw)
 
     # -- admission -------------------------------------------------------------------------------
     def _params(self, scope: Scope) -> dict[str, Any]:
@@ -371,40 +209,6 @@ class GuardMiddleware:
                 if k == name:
                     params[name] = v
         return params
-
-    def _admit(self, params: dict[str, Any]) -> tuple[str, _Refusal | None]:
-        cfg = self.tenancy
-        if not cfg.enabled:
-            return cfg.default, None
-        tenants, errors = self.resolver.resolve_tenants([params])
-        err = errors[0]
-        if err is not None:
-            self.metrics.inc("rejects", 1, reason=err.rule)
-            return "", self._refusal_of(err, params)
-        tenant = tenants[0] or cfg.default
-        if self.quotas is not None:
-            why = self.quotas.admit([tenant])[0]
-            n = getattr(self.quotas, "degraded", 0)
-            if n > self._degraded:
-                self.metrics.inc("quota_degraded", n - self._degraded)
-                self._degraded = n
-            if why is not None:
-                reason = quota_reason(why)
-                self.metrics.inc("quota_rejects", 1, tenant=self.label(tenant), reason=reason)
-                m = _RETRY_MS.search(why)
-                retry = max(1, math.ceil(int(m.group(1)) / 1000)) if m else 1
-                return tenant, _Refusal(429, "quota", why, retry)
-        return tenant, None
-
-    def _refusal_of(self, err: InvalidInput, params: Mapping[str, Any]) -> _Refusal:
-        if not isinstance(err, AuthenticationError):
-            return _Refusal(400, err.rule, str(err))
-        auth = self.resolver.auth
-        cred = params.get(auth.header) if auth is not None else None
-        if isinstance(cred, str) and auth is not None and auth.verify(cred)[1] is None:
-            # the credential is good, but the request names another tenant than it authenticates
-            return _Refusal(403, err.rule, str(err))
-        return _Refusal(401, err.rule, str(err))
 
     # -- ASGI --------------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -435,15 +239,14 @@ class GuardMiddleware:
         m = self.metrics
         m.inc("requests")
         params = self._params(scope)
-        tenant, refusal = self._admit(params)
+        tenant, refusal = self.admission.admit(params)
         if refusal is not None:
             await self._refuse(send, refusal, tenant)
             return
         try:
             await self._serve(scope, receive, send, tenant, params)
         finally:
-            if self.quotas is not None:
-                self.quotas.release([tenant])
+            self.admission.release(tenant)
             if self.audit.dropped > self._audit_dropped:
                 m.inc("audit_drops", self.audit.dropped - self._audit_dropped)
                 self._audit_dropped = self.audit.dropped
@@ -451,11 +254,11 @@ class GuardMiddleware:
     async def _serve(self, scope: Scope, receive: Receive, send: Send, tenant: str, params: Mapping[str, Any]) -> None:
         m, target = self.metrics, self.target
         self.view.refresh(time.monotonic())
-        self._publish()
+        self.routes.publish()
         pin = params.get(VERSION_HEADER)
         if pin is not None:
-            version = self._pinned(pin)
-            if isinstance(version, _Refusal):
+            version = self.routes.pinned(pin)
+            if isinstance(version, Refusal):
                 await self._refuse(send, version, tenant)
                 return
         else:
@@ -500,7 +303,7 @@ class GuardMiddleware:
             m.inc("target_errors", 1, code="INTERNAL", target_version=str(version))
             if not state.started:
                 state.status = 500
-                await _respond(send, 500, _error_body("the handler failed", "target_error"),
+                await _respond(send, 500, error_body("the handler failed", "target_error"),
                                [(b"content-type", b"application/json"), (SERVED_BY_HEADER.encode(), served_by.encode())])
             self._audit_inference(tenant, hasher, served_by, state.status or 500, redacted_in, state.redacted_out)
             return
@@ -581,18 +384,14 @@ class GuardMiddleware:
                               served_by=served_by, status=str(status), redacted=redacted_in,
                               redacted_out=redacted_out)
 
-    async def _refuse(self, send: Send, r: _Refusal, tenant: str) -> None:
-        if self.audit.enabled:
-            if r.status == 429:
-                self.audit.record("quota_reject", tenant=tenant, model=self.target, reason=quota_reason(r.message))
-            else:
-                self.audit.record("reject", tenant=tenant, model=self.target, rule=r.rule, status=r.status)
+    async def _refuse(self, send: Send, r: Refusal, tenant: str) -> None:
+        audit_refusal(self.audit, r, tenant, self.target)
         headers = [(b"content-type", b"application/json")]
         if r.retry_after_s:
             headers.append((b"retry-after", str(r.retry_after_s).encode()))
         if r.status == 401 and self.tenancy.auth == "jwt":
             headers.append((b"www-authenticate", b"Bearer"))
-        await _respond(send, r.status, _error_body(r.message, r.rule), headers)
+        await _respond(send, r.status, error_body(r.message, r.rule), headers)
 
 
 # -- small ASGI helpers ----------------------------------------------------------------------------
@@ -694,10 +493,6 @@ def _hashing(receive: Receive, hasher: Any) -> Receive:
         return message
 
     return hashing
-
-
-def _error_body(message: str, rule: str) -> bytes:
-    return json.dumps({"error": message, "rule": rule}).encode("utf-8")
 
 
 async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
