@@ -48,6 +48,10 @@ class StreamGuardConfig:
     # as a token; a target slower than this is forwarded token by token as before. 0: every
     # piece at once
     stream_interval_ms: float = 10.0
+    # a generation the guard stops reading (a rail's block, a client's cancel, max_tokens) is also
+    # stopped at a ``generator``-backend target by a stop request naming the BLS call (python_backend
+    # 24.10 has no ResponseIterator.cancel()); false: its rest is only read and dropped
+    stop_requests: bool = True
 
     def __post_init__(self) -> None:
         if not self.target:

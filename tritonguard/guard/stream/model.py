@@ -107,7 +107,8 @@ class StreamGuardModel:
         self.source.fetch(self.target)
         self.local = LocalGenerator(repo, self.target, guard=self.name) if s.guard.placement == "inprocess" else None
         self.calls = TargetCalls(name=self.name, target=self.target, local=self.local,
-                                 idle_s=s.guard.target_idle_timeout_s, stop_requests=self._stoppable(repo))
+                                 idle_s=s.guard.target_idle_timeout_s,
+                                 stop_requests=s.guard.stop_requests and self._stoppable(repo))
         # output rails; a final response with finish_reason where the config declares that output
         self.reasons = "finish_reason" in {o["name"] for o in cfg.get("output", [])}
         self.rails: Rails | None = None

@@ -303,7 +303,7 @@ def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
     docs = Path(__file__).resolve().parents[4] / "docs"
     doc = (docs / "stream-guard.md").read_text() + (docs / "generation.md").read_text()
     keys = set(re.findall(r"`((?:validation|redaction|tenancy|tokens|cache|semantic_cache|routing|breaker|audit"
-                          r"|similarity)"
+                          r"|similarity|rails)"
                           r"\.[a-z_]+)`", doc))
     values = {"validation.max_prompt_chars": "100", "validation.max_tokens": "64", "validation.max_temperature": "1",
               "redaction.holdback_chars": "32", "redaction.model_sees_redacted": "false",
@@ -313,9 +313,14 @@ def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
               "semantic_cache.max_prompt_chars": "100", "semantic_cache.deterministic_only": "true",
               "routing.canary_compare": "false", "routing.compare_queue": "8", "breaker.max_nan_rate": "0.1",
               "audit.path": "/tmp/stream_audit.jsonl", "similarity.model": "minilm_raw",
-              "similarity.input": "TEXT", "breaker.latency_budget_ms": "500", "routing.latency_ratio": "2"}
+              "similarity.input": "TEXT", "breaker.latency_budget_ms": "500", "routing.latency_ratio": "2",
+              "validation.sampling_keys": "max_tokens,temperature",
+              "rails.block_words": "bomb", "rails.holdback_tokens": "8", "rails.model": "rails_classifier",
+              "rails.model_input": "TEXT", "rails.model_output": "probabilities", "rails.threshold": "0.7",
+              "rails.check_prompt": "false", "rails.context_chars": "64", "rails.fail_open": "true"}
     assert {"redaction.holdback_chars", "tokens.per_minute", "validation.max_tokens",
-            "semantic_cache.threshold", "breaker.max_nan_rate", "similarity.model"} <= keys, keys
+            "semantic_cache.threshold", "breaker.max_nan_rate", "similarity.model", "rails.holdback_tokens",
+            "rails.block_words"} <= keys, keys
     assert keys <= set(values), keys - set(values)
     for key in keys:
         parse_settings({"target": "t", key: values[key]})
