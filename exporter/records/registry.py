@@ -82,6 +82,7 @@ ROLES = {"DRAFT": "draft", "STAGING": CHALLENGER, "PRODUCTION": CHAMPION, "ARCHI
 # words accepted wherever a stage is named: the stage (old vocabulary) or its role
 STAGE_WORDS = {**{s.lower(): s for s in STAGES}, **{r: s for s, r in ROLES.items()}}
 T = "tritonguard."  # tag prefix
+STAGE_TAG, ROLE_TAG = "tritonguard.stage", "tritonguard.role"  # deprecated vocabulary, current one
 Approver = str | Callable[[dict[str, Any]], Any]
 _CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -245,7 +246,7 @@ class Registry:
     def _info(self, name: str, mv: Any) -> ModelVersionInfo:
         tags = dict(mv.tags)
         return ModelVersionInfo(name=name, version=int(tags[f"{T}version"]), mlflow_version=str(mv.version),
-                                sha256=tags.get(f"{T}sha256", ""), stage=tags.get(f"{T}stage", "DRAFT"),
+                                sha256=tags.get(f"{T}sha256", ""), stage=tags.get(STAGE_TAG, "DRAFT"),
                                 tags=tags)
 
     def get(self, name: str, version: int) -> ModelVersionInfo:
@@ -312,8 +313,8 @@ class Registry:
             lineage.setdefault("code_hash", code_hash())
             lineage.setdefault("parent_version", self.production(name))
             golden = manifest.get("golden") or {}
-            tags = {f"{T}version": str(int(version)), f"{T}sha256": sha, f"{T}stage": "DRAFT",
-                    f"{T}role": ROLES["DRAFT"],
+            tags = {f"{T}version": str(int(version)), f"{T}sha256": sha, STAGE_TAG: "DRAFT",
+                    ROLE_TAG: ROLES["DRAFT"],
                     f"{T}golden.verdict": str(golden.get("verdict", "")),
                     f"{T}golden.figures": json.dumps(golden.get("metrics", {}), sort_keys=True),
                     f"{T}golden.n": str(golden.get("n", "")),
@@ -374,7 +375,7 @@ class Registry:
                           "rollback": rollback})
         log.info("'%s' v%d: %s -> %s%s", name, version, current, to,
                  f" (archived {archived})" if archived else "")
-        info.stage, info.tags[f"{T}stage"], info.tags[f"{T}role"] = to, to, ROLES[to]
+        info.stage, info.tags[STAGE_TAG], info.tags[ROLE_TAG] = to, to, ROLES[to]
         return info
 
     def _apply(self, name: str, mv: Any, to: str, current: str, rollback: bool) -> tuple[list[int], int | None]:
@@ -430,7 +431,7 @@ class Registry:
             others = [o.version for o in self.versions(name)
                       if o.stage == "PRODUCTION" and o.mlflow_version != str(mv.version)]
             if info.stage == "PRODUCTION" and self.production(name) == version and not others:
-                if info.tags.get(f"{T}role") != CHAMPION or \
+                if info.tags.get(ROLE_TAG) != CHAMPION or \
                         any(self._alias(name, alias) != version for alias in ALIASES["PRODUCTION"]):
                     # written before the champion alias and the role tag: add them; nothing moved
                     self._apply(name, mv, "PRODUCTION", "PRODUCTION", False)
@@ -445,13 +446,13 @@ class Registry:
                           "rollback": False, "reconcile": True})
         log.info("'%s' v%d: %s -> PRODUCTION (reconciled with the routing)%s", name, version, info.stage,
                  f" (archived {archived})" if archived else "")
-        info.stage, info.tags[f"{T}stage"], info.tags[f"{T}role"] = "PRODUCTION", "PRODUCTION", CHAMPION
+        info.stage, info.tags[STAGE_TAG], info.tags[ROLE_TAG] = "PRODUCTION", "PRODUCTION", CHAMPION
         return info, True
 
     def _tag_stage(self, name: str, mlv: str, stage: str) -> None:
         """The stage in both vocabularies: ``tritonguard.role`` and the deprecated ``tritonguard.stage``."""
-        self.client.set_model_version_tag(name, mlv, f"{T}role", ROLES[stage])
-        self.client.set_model_version_tag(name, mlv, f"{T}stage", stage)
+        self.client.set_model_version_tag(name, mlv, ROLE_TAG, ROLES[stage])
+        self.client.set_model_version_tag(name, mlv, STAGE_TAG, stage)
 
     def set_aliases(self, name: str, version: int, aliases: Sequence[str], *, on_production: bool = False) -> None:
         """Point the user's ``aliases`` at ``version`` now, or with ``on_production`` when it
