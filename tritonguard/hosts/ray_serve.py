@@ -1,0 +1,528 @@
+"""The guard as a Ray Serve deployment, for a model served by Ray Serve instead of Triton.
+
+::
+
+    from ray import serve
+    from tritonguard.hosts.ray_serve import guarded
+
+    app = guarded("digits_raw", repository="model_repository", config={"tenancy.quotas": {"*": {"rps": 50}}})
+    serve.run(app, route_prefix="/digits_raw")
+
+Versions come from the same model repository the exporter writes (``<repository>/<model>/<N>/``
+with ``model.onnx`` and ``manifest.json``; a version without a manifest is not served, as on
+Triton), each in an onnxruntime session; ``versions={3: fn}`` adds (or replaces) a version with a
+Python callable ``fn(inputs: dict[str, ndarray]) -> dict[str, ndarray]`` (sync or async) or a bound
+Ray Serve deployment (``MyModel.bind()``: called through its handle with the same dict). The
+tensor signature (names, dtypes, dims, ``max_batch_size``) is the model's ``config.pbtxt``.
+
+A request is KServe v2 JSON, as Triton's HTTP endpoint takes it: ``POST <route_prefix>/infer``
+(any POST path) with ``{"inputs": [{"name", "shape", "datatype", "data"}]}``; the answer has
+``outputs`` in the same shape, ``model_version`` and the ``x-tritonguard-served-by`` header
+(``<model>:<version>``, the guard's ``SERVED_BY``). ``GET <route_prefix>/metrics``: the guard's
+metric families under their catalogue names, from this replica.
+
+On each request, in the guard's order:
+
+1. **admission** (``tenancy.*``): :class:`~tritonguard.hosts.common.Admission`, the guard's
+   resolver and quota managers (401 / 403 / 400, 429 with ``Retry-After``);
+2. **redaction** (``redaction.*``): the strings of BYTES inputs (and with
+   ``redaction.redact_outputs`` of BYTES outputs);
+3. **batching**: ``@serve.batch`` gathers concurrent requests of the replica, as Triton's dynamic
+   batcher does; its ``max_batch_size`` and wait are the model config's ``max_batch_size`` and
+   ``dynamic_batching.max_queue_delay_microseconds`` unless given;
+4. **validation** (``validation.*``) over the whole batch with the guard's
+   :class:`~tritonguard.guard.validation.BatchValidator`: a bad request gets a 400 naming the
+   input and the rule, its neighbours go on;
+5. **routing** by the rollout state of ``model`` in the same store as the guard's (the file
+   beside the versions, or Redis at ``$TRITONGUARD_STATE_URL``): the candidate's share, the
+   A/B/n arms, else the primary; ``x-tritonguard-version`` pins a routed version;
+6. **breaker and fallback** (``breaker.*``): each version's
+   :class:`~tritonguard.rollout.breaker.Breaker`, shared through the state like the guard's; a
+   version whose call fails (or answers NaN/Inf) has its rows answered by the primary, counted in
+   ``tritonguard_target_errors_total`` and ``tritonguard_fallbacks_total``; an open breaker sends
+   its band to the primary;
+7. **audit** (``audit.*``): ``reject``, ``quota_reject`` and ``inference`` records.
+
+Not here (Triton guard only): the response cache, goldens at load, canary/shadow comparison,
+input drift, cost metering and tracing; their keys fail at start, naming them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import inspect
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tritonguard.core import repository as repo_mod
+from tritonguard.core.errors import ConfigError, InvalidInput
+from tritonguard.core.store import store_url
+from tritonguard.core.tensors import ModelSignature, offsets, rows_any
+from tritonguard.guard.routing.breakers import Breakers
+from tritonguard.guard.validation import BatchValidator, ValidationConfig
+from tritonguard.hosts.common import (
+    HOST_SECTIONS,
+    MODEL_FAMILIES,
+    Admission,
+    HandlerView,
+    HostMetrics,
+    Refusal,
+    Routes,
+    audit_refusal,
+    open_audit,
+    parse_sections,
+)
+from tritonguard.privacy.redaction import Redactor
+from tritonguard.rollout.breaker import BreakerConfig
+from tritonguard.rollout.stores import open_store
+
+log = logging.getLogger(__name__)
+
+SERVED_BY_HEADER = "x-tritonguard-served-by"
+VERSION_HEADER = "x-tritonguard-version"
+TOP_KEYS = ("target",)
+ROUTING_KEYS = ("poll_interval_s",)
+SECTIONS = {**HOST_SECTIONS, "validation": ValidationConfig, "breaker": BreakerConfig}
+# KServe v2 datatype -> numpy
+V2_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+             "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
+             "FP32": np.float32, "FP64": np.float64, "BYTES": np.object_}
+
+ModelFn = Callable[[dict[str, np.ndarray]], Any]
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    """The guard's sections that apply to a model in Ray Serve, under the guard's key names."""
+
+    target: str
+    tenancy: Any
+    redaction: Any
+    audit: Any
+    validation: ValidationConfig
+    breaker: BreakerConfig
+    poll_interval_s: float = 1.0
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, Any], model: str) -> ServeConfig:
+        cfg = parse_sections({"target": model, **params}, SECTIONS, model=model, host="Ray Serve deployment",
+                             only={"": TOP_KEYS, "routing": ROUTING_KEYS})
+        return cls(target=cfg[""].target, tenancy=cfg["tenancy"], redaction=cfg["redaction"], audit=cfg["audit"],
+                   validation=cfg["validation"], breaker=cfg["breaker"], poll_interval_s=cfg["routing"].poll_interval_s)
+
+
+def onnx_version(path: Path, threads: int = 1) -> ModelFn:
+    """One version's ``model.onnx`` in an onnxruntime session: inputs by name -> outputs by name."""
+    import onnxruntime as ort  # noqa: PLC0415 - only where a version is loaded
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+
+    def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, session.run(names, inputs), strict=True))
+
+    return run
+
+
+def load_versions(repository: Path, model: str) -> tuple[dict[int, ModelFn], dict[str, Any]]:
+    """The complete versions of ``model`` (those with a manifest) as onnxruntime sessions, and its config."""
+    model_dir = Path(repository) / model
+    if not (model_dir / repo_mod.CONFIG).is_file():
+        raise ConfigError(f"model '{model}': no {repo_mod.CONFIG} in {model_dir}")
+    config = repo_mod.read_config(model_dir)
+    params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+    threads = int(params.get("intra_op_threads") or 1)
+    out: dict[int, ModelFn] = {}
+    for v in repo_mod.complete_versions(model_dir):
+        manifest = model_dir / str(v) / repo_mod.MANIFEST
+        artifact = json.loads(manifest.read_text()).get("artifact", "model.onnx") if manifest.is_file() else "model.onnx"
+        if not str(artifact).endswith(".onnx"):
+            raise ConfigError(f"model '{model}' v{v}: artifact {artifact} is not ONNX (the Ray Serve host loads ONNX)")
+        out[v] = onnx_version(model_dir / str(v) / artifact, threads)
+    return out, config
+
+
+def _handle_fn(handle: Any) -> ModelFn:
+    async def call(inputs: dict[str, np.ndarray]) -> Any:
+        return await handle.remote(inputs)
+    return call
+
+
+@dataclass
+class _Item:
+    """One request in a batch, and what the batch decided for it."""
+
+    inputs: dict[str, np.ndarray]
+    pin: int | None
+    error: InvalidInput | None = None
+    version: int = 0
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    failed: str = ""  # the message of a 500: no version could answer
+
+
+class GuardedModel:
+    """The deployment's class (see the module's docstring); built by :func:`guarded`."""
+
+    def __init__(self, model: str, repository: str | None, config: Mapping[str, Any],
+                 versions: Mapping[int, Any] | None, state_url: str | None, max_batch_size: int | None,
+                 batch_wait_timeout_s: float | None, signature: ModelSignature | None,
+                 environ: Mapping[str, str] | None = None):
+        self.environ = dict(os.environ if environ is None else environ)
+        self.config = cfg = ServeConfig.from_parameters(config, model)
+        self.target = target = cfg.target
+        self.repository = Path(repository) if repository is not None else None
+        fns: dict[int, ModelFn] = {}
+        model_config: dict[str, Any] = {}
+        if self.repository is not None:
+            fns, model_config = load_versions(self.repository, model)
+        on_disk = sorted(fns)
+        for v, fn in (versions or {}).items():
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"guarded({model!r}): versions must be positive integers, got {v!r}")
+            fns[v] = fn if callable(fn) and not hasattr(fn, "remote") else _handle_fn(fn)
+        if not fns:
+            raise ConfigError(f"guarded({model!r}): no version to serve (no complete version in the repository, "
+                              "and no versions= given)")
+        self.fns = fns
+        self._async = {v: inspect.iscoroutinefunction(fn) for v, fn in fns.items()}
+        if signature is None:
+            if not model_config:
+                raise ConfigError(f"guarded({model!r}): a signature= is needed without a repository")
+            signature = ModelSignature.from_config(model_config)
+        self.signature = signature
+        cfg.validation.check_against(signature, model)
+        self.validator = BatchValidator(signature, cfg.validation)
+        self._specs = {s.name: s for s in signature.inputs}
+
+        self.registry = CollectorRegistry()
+        self.metrics = HostMetrics(target, self.registry, MODEL_FAMILIES)
+        self.rng = random.Random()
+        url = store_url(state_url, environ=self.environ)
+        self.admission = Admission(cfg.tenancy, target=target, metrics=self.metrics, environ=self.environ,
+                                   repository=self.repository, url=url, host="ray_serve")
+        self.redactor = Redactor(cfg.redaction)
+        self.redact_out = self.redactor.active and cfg.redaction.redact_outputs
+        store = open_store(target, self.repository or Path("."), url or None)
+        # a new state pins the repository's latest version (a version added by versions= gets no
+        # traffic until the state routes to it), as the guard pins Triton's latest
+        self.view = HandlerView(sorted(fns), guard=target, repo=self.repository or Path("."), target=target,
+                                store=store, poll_interval_s=cfg.poll_interval_s, metrics=self.metrics,
+                                pin=on_disk[-1] if on_disk else max(fns))
+        self.routes = Routes(self.view, sorted(fns), self.metrics, target, f"header '{VERSION_HEADER}'")
+        self.breakers = Breakers(guard=target, target=target, config=cfg.breaker, view=self.view,
+                                 metrics=self.metrics, alert=self._alert)
+        self.view.on_new = self.breakers.follow
+        self.breakers.follow(self.view.state, self.view.state)
+        for v in fns:
+            self.breakers.get(v)
+        self.breakers.publish()
+        self.routes.publish()
+        self.audit, self.audit_key = open_audit(cfg.audit, target=target, repository=self.repository, url=url,
+                                                environ=self.environ)
+        self._audit_dropped = 0
+        self.audit.record("guard_start", model=target, host="ray_serve", primary=self.routes.primary(),
+                          revision=self.view.state.revision, versions=sorted(fns),
+                          tenancy=cfg.tenancy.enabled, tenant_auth=cfg.tenancy.auth,
+                          quotas=sorted(cfg.tenancy.quotas), redaction=self.redactor.active)
+        self._closed = False
+
+        # Triton's dynamic batcher, as Ray Serve's batching: the same limits
+        mbs = max_batch_size or max(1, signature.max_batch_size)
+        delay_us = int((model_config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds", 0) or 0)
+        wait = batch_wait_timeout_s if batch_wait_timeout_s is not None else delay_us / 1e6
+        self._batch.set_max_batch_size(mbs)
+        self._batch.set_batch_wait_timeout_s(wait)
+        self.batching = (mbs, wait)
+
+    def _alert(self, event: str, version: int | None, figures: dict[str, Any]) -> None:
+        log.warning("ray_serve %s: %s of v%s: %s", self.target, event, version, figures)
+
+    def close(self) -> None:
+        """The audit log's writer and the quota managers' files and threads (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.audit.record("guard_stop", model=self.target)
+        self.audit.close()
+        self.admission.close()
+
+    def __del__(self) -> None:  # Ray Serve calls it when the replica shuts down
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    # -- HTTP -----------------------------------------------------------------------------------
+    async def __call__(self, request: Request) -> Response:
+        if request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics"):
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        if request.method != "POST":
+            return self._refuse(Refusal(405, "method", "POST KServe v2 JSON to infer"), "")
+        m = self.metrics
+        m.inc("requests")
+        params: dict[str, Any] = {k.lower(): v for k, v in request.headers.items()}
+        name = self.config.tenancy.parameter
+        for k, v in parse_qsl(request.url.query, keep_blank_values=True):
+            if k == name:
+                params[name] = v
+        tenant, refusal = self.admission.admit(params)
+        if refusal is not None:
+            return self._refuse(refusal, tenant)
+        try:
+            return await self._serve(request, params, tenant)
+        finally:
+            self.admission.release(tenant)
+            if self.audit.dropped > self._audit_dropped:
+                m.inc("audit_drops", self.audit.dropped - self._audit_dropped)
+                self._audit_dropped = self.audit.dropped
+
+    async def _serve(self, request: Request, params: Mapping[str, Any], tenant: str) -> Response:
+        body = await request.body()
+        hasher = hmac.new(self.audit_key, digestmod=hashlib.sha256) if self.audit_key else hashlib.sha256()
+        try:
+            inputs = self._decode(body)
+        except InvalidInput as err:
+            self.metrics.inc("rejects", 1, reason=err.rule)
+            return self._refuse(Refusal(400, err.rule, str(err)), tenant)
+        redacted = self._redact(inputs, "input", tenant) if self.redactor.active else False
+        hasher.update(body)
+        pin: int | None = None
+        raw = params.get(VERSION_HEADER)
+        if raw is not None:
+            self.view.refresh(time.monotonic())
+            got = self.routes.pinned(raw)
+            if isinstance(got, Refusal):
+                return self._refuse(got, tenant)
+            pin = got
+        item: _Item = await self._batch(_Item(inputs, pin))
+        if item.error is not None:
+            self.metrics.inc("rejects", 1, reason=item.error.rule)
+            return self._refuse(Refusal(400, item.error.rule, str(item.error)), tenant)
+        served_by = f"{self.target}:{item.version}" if item.version else ""
+        if item.failed:
+            self._audit_inference(tenant, hasher, served_by, 500, redacted)
+            return JSONResponse({"error": item.failed, "rule": "target_error"}, status_code=500)
+        redacted_out = self._redact(item.outputs, "output", tenant) if self.redact_out else False
+        self.metrics.inc("served", 1, served_by=served_by)
+        self._audit_inference(tenant, hasher, served_by, 200, redacted, redacted_out)
+        outputs = [{"name": k, "datatype": _v2_type(a), "shape": list(a.shape), "data": _data(a)}
+                   for k, a in item.outputs.items()]
+        return JSONResponse({"model_name": self.target, "model_version": str(item.version), "outputs": outputs,
+                             "parameters": {"served_by": served_by}}, headers={SERVED_BY_HEADER: served_by})
+
+    def _decode(self, body: bytes) -> dict[str, np.ndarray]:
+        """KServe v2 JSON -> arrays of the signature's dtypes; structure is judged here, the
+        values by the batch's validator."""
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            raise InvalidInput("*", "json", "the body is not JSON") from None
+        items = doc.get("inputs") if isinstance(doc, dict) else None
+        if not isinstance(items, list):
+            raise InvalidInput("*", "json", "expected {\"inputs\": [{\"name\", \"shape\", \"datatype\", \"data\"}]}")
+        out: dict[str, np.ndarray] = {}
+        for t in items:
+            name = t.get("name") if isinstance(t, dict) else None
+            if not isinstance(name, str):
+                raise InvalidInput("*", "json", "every input needs a name")
+            spec = self._specs.get(name)
+            if spec is None:
+                raise InvalidInput(name, "presence", f"no such input (inputs: {', '.join(self._specs)})")
+            dt = t.get("datatype", spec.triton_type)
+            if dt != spec.triton_type:
+                raise InvalidInput(name, "dtype", f"expected {spec.triton_type}, got {dt}")
+            try:
+                data = t.get("data")
+                if spec.is_bytes:
+                    arr = np.array([x.encode() if isinstance(x, str) else x for x in np.ravel(np.array(data, dtype=object))],
+                                   dtype=object)
+                else:
+                    arr = np.asarray(data, dtype=spec.dtype)
+                shape = t.get("shape")
+                arr = arr.reshape(shape) if shape is not None else arr
+            except (TypeError, ValueError) as exc:
+                raise InvalidInput(name, "shape", f"data does not fit {t.get('shape')}: {exc}") from None
+            out[name] = arr
+        return out
+
+    def _redact(self, tensors: dict[str, np.ndarray], direction: str, tenant: str) -> bool:
+        """The strings of BYTES tensors, redacted in place; whether any was."""
+        any_red = False
+        for name, arr in tensors.items():
+            if arr.dtype != np.object_:
+                continue
+            texts = [x.decode("utf-8", "surrogateescape") if isinstance(x, bytes) else str(x) for x in arr.flat]
+            red, counts = self.redactor.redact_batch(texts)
+            if counts:
+                any_red = True
+                tensors[name] = np.array([r.encode("utf-8", "surrogateescape") for r in red],
+                                         dtype=object).reshape(arr.shape)
+                for kind, n in counts.items():
+                    self.metrics.inc("redactions", n, type=kind, direction=direction,
+                                     tenant=self.admission.label(tenant))
+        return any_red
+
+    # -- the batch: Triton's dynamic batcher, as Ray Serve batching ------------------------------
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0)
+    async def _batch(self, items: list[_Item]) -> list[_Item]:
+        now = time.monotonic()
+        self.view.refresh(now)
+        self.routes.publish()
+        verdict = self.validator.validate([it.inputs for it in items])
+        for it, err in zip(items, verdict.errors, strict=True):
+            it.error = err
+        valid = [items[i] for i in verdict.valid]
+        primary = self.routes.primary()
+        groups: dict[int, list[int]] = {}
+        for pos, it in enumerate(valid):
+            v = it.pin if it.pin is not None else self.routes.pick(self.rng.random())
+            if v != primary and not self.breakers.get(v).allow(now):
+                v = primary  # an open breaker sends its band to the primary
+            groups.setdefault(v, []).append(pos)
+        sizes = verdict.sizes
+        retry: list[int] = []
+        for v, idx in groups.items():
+            retry += await self._call(v, idx, valid, sizes, primary)
+        if retry:
+            for pos in retry:
+                self.metrics.inc("fallbacks", 1, reason=valid[pos].failed or "error")
+                valid[pos].failed = ""
+            failed = await self._call(primary, retry, valid, sizes, primary)
+            for pos in failed:
+                valid[pos].failed = f"no version of '{self.target}' could answer"
+                valid[pos].version = primary
+        self.breakers.publish()
+        return items
+
+    async def _call(self, version: int, idx: list[int], valid: list[_Item], sizes: list[int], primary: int) -> list[int]:
+        """Call ``version`` on the fused rows of ``valid[idx]``; the positions it did not answer
+        (an error, or NaN/Inf in a request's outputs) are returned for the primary to answer."""
+        fused = {name: np.concatenate([valid[i].inputs[name] for i in idx]) if len(idx) > 1 else valid[idx[0]].inputs[name]
+                 for name in self._specs}
+        starts = offsets([sizes[i] for i in idx])
+        n = len(idx)
+        fn = self.fns[version]
+        t0 = time.perf_counter()
+        self.metrics.inc("target_calls")
+        try:
+            out = await fn(fused) if self._async[version] else fn(fused)
+            if inspect.isawaitable(out):
+                out = await out
+            if not isinstance(out, Mapping):
+                raise TypeError(f"the model returned {type(out).__name__}, not a dict of arrays")
+            out = {k: np.asarray(a) for k, a in out.items()}
+        except Exception as exc:  # noqa: BLE001 - a failing version is counted and fallen back from
+            latency = time.perf_counter() - t0
+            log.warning("ray_serve %s: v%d failed on %d requests: %s", self.target, version, n, type(exc).__name__)
+            self.metrics.inc("target_errors", n, code="INTERNAL", target_version=str(version))
+            self._feed(version, n, errors=n, latency_s=latency)
+            for i in idx:
+                valid[i].failed = "error"
+            return list(idx) if version != primary else self._all_failed(idx, valid, version)
+        latency = time.perf_counter() - t0
+        self.metrics.observe("latency", latency, target_version=str(version))
+        bad = np.zeros(n, dtype=bool)
+        for a in out.values():
+            if np.issubdtype(a.dtype, np.floating) and a.shape[:1] == (int(starts[-1]),):
+                finite = np.isfinite(a.reshape(len(a), -1)).all(axis=1)
+                if not finite.all():
+                    bad |= rows_any(~finite, starts)
+        self._feed(version, n, non_finite=int(bad.sum()), latency_s=latency)
+        back: list[int] = []
+        for k, i in enumerate(idx):
+            if bad[k] and version != primary:
+                valid[i].failed = "non_finite"
+                back.append(i)
+                continue
+            valid[i].version = version
+            valid[i].outputs = {name: a[starts[k]:starts[k + 1]] for name, a in out.items()}
+        return back
+
+    def _all_failed(self, idx: list[int], valid: list[_Item], version: int) -> list[int]:
+        for i in idx:
+            valid[i].failed = f"no version of '{self.target}' could answer"
+            valid[i].version = version
+        return []
+
+    def _feed(self, version: int, n: int, *, errors: int = 0, non_finite: int = 0, latency_s: float) -> None:
+        now = time.monotonic()
+        with self.breakers.lock:
+            b = self.breakers.get(version)
+            trip = b.record_batch(now, n, errors=errors, non_finite=non_finite, latency_ms=latency_s * 1000)
+            shared = b.to_dict() if trip is not None else None
+        if trip is not None:
+            self.breakers.tripped(version, trip)
+            self.breakers.share(version, shared)
+
+    # -- audit, refusals --------------------------------------------------------------------------
+    def _audit_inference(self, tenant: str, hasher: Any, served_by: str, status: int, redacted: bool,
+                         redacted_out: bool = False) -> None:
+        if self.audit.enabled:
+            self.audit.record("inference", tenant=tenant, model=self.target, request=hasher.hexdigest(),
+                              served_by=served_by, status=str(status), redacted=redacted, redacted_out=redacted_out)
+
+    def _refuse(self, r: Refusal, tenant: str) -> Response:
+        audit_refusal(self.audit, r, tenant, self.target)
+        headers = {"retry-after": str(r.retry_after_s)} if r.retry_after_s else {}
+        if r.status == 401 and self.config.tenancy.auth == "jwt":
+            headers["www-authenticate"] = "Bearer"
+        return JSONResponse({"error": r.message, "rule": r.rule}, status_code=r.status, headers=headers)
+
+
+def _v2_type(a: np.ndarray) -> str:
+    if a.dtype == np.object_:
+        return "BYTES"
+    for name, dt in V2_DTYPES.items():
+        if a.dtype == np.dtype(dt):
+            return name
+    return str(a.dtype).upper()
+
+
+def _data(a: np.ndarray) -> list[Any]:
+    if a.dtype == np.object_:
+        return [x.decode("utf-8", "replace") if isinstance(x, bytes) else x for x in a.ravel().tolist()]
+    return a.ravel().tolist()
+
+
+def guarded(model: str, *, repository: str | os.PathLike[str] | None = None, config: Mapping[str, Any] | None = None,
+            versions: Mapping[int, Any] | None = None, state_url: str | None = None,
+            max_batch_size: int | None = None, batch_wait_timeout_s: float | None = None,
+            signature: ModelSignature | None = None, num_replicas: int = 1, max_ongoing_requests: int = 64,
+            environ: Mapping[str, str] | None = None) -> serve.Application:
+    """A Ray Serve application that serves ``model`` behind the guard (see the module's docstring).
+
+    ``config``: the guard's parameters (``tenancy.*``, ``redaction.*``, ``audit.*``, ``validation.*``,
+    ``breaker.*``, ``routing.poll_interval_s``; any other fails at start). ``max_ongoing_requests``
+    is Ray Serve's: it must exceed the batch size, or batches never fill (Ray's default is 5).
+    Each replica keeps its own metrics and breaker windows; breaker states are shared through the
+    rollout state, quotas through the repository's bucket file or Redis."""
+    # validated here too, so a bad key fails in the caller's process, not in a replica's log
+    ServeConfig.from_parameters(dict(config or {}), model)
+    deployment = serve.deployment(GuardedModel, name=f"guard_{model}", num_replicas=num_replicas,
+                                  max_ongoing_requests=max_ongoing_requests)
+    return deployment.bind(model, None if repository is None else str(Path(repository).resolve()), dict(config or {}),
+                           dict(versions or {}), state_url, max_batch_size, batch_wait_timeout_s, signature,
+                           None if environ is None else dict(environ))
+
+
+__all__ = ["GuardedModel", "SERVED_BY_HEADER", "ServeConfig", "VERSION_HEADER", "guarded", "load_versions",
+           "onnx_version"]
