@@ -88,3 +88,42 @@ def grpc(server):
     c = grpcclient.InferenceServerClient(server.grpc_url)
     yield c
     c.close()
+
+
+# -- what a failing functional test leaves behind (issue 40 item 3) ------------------------------
+# A test that fails against a real server is understood from the server's log: its tail goes into
+# pytest's report, for every tritonserver the test held (fixtures of any scope), with the rollout
+# state files of the repositories those servers serve.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    seen: set[int] = set()
+    for name, value in getattr(item, "funcargs", {}).items():
+        for srv in _servers_in(value):
+            if id(srv) in seen:
+                continue
+            seen.add(id(srv))
+            report.sections.append((f"tritonserver log tail ({name}: {srv.log_path.name})", srv.tail(60)))
+            for state in _state_files(srv.repository):
+                try:
+                    report.sections.append((f"rollout state {state.parent.name}", state.read_text()[-4000:]))
+                except OSError:
+                    pass
+
+
+def _servers_in(value) -> list[Server]:
+    if isinstance(value, Server):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, Server)]
+    found = [getattr(value, a) for a in ("server", "srv") if isinstance(getattr(value, a, None), Server)]
+    return found
+
+
+def _state_files(repository) -> list[Path]:
+    if not isinstance(repository, Path) or not repository.is_dir():
+        return []
+    return sorted(repository.glob("*/rollout_state.json"))[:6]
