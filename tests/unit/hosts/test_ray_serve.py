@@ -66,10 +66,12 @@ def served(tmp_path_factory):
     config = {"routing.poll_interval_s": 0, "breaker.min_requests": 4,
               "validation.range.IMAGE": "0,16", "audit.path": str(audit)}
     port = free_port()
-    # the workers import this module (v3 is one of its functions) and the package from the checkout
+    # the workers import this module (v3 is one of its functions) from the checkout: they inherit
+    # the raylet's environment (a runtime_env with env_vars doubled the start-up here)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", path)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = guarded(MODEL, repository=repo, config=config, versions={3: broken_candidate})
