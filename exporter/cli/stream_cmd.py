@@ -91,7 +91,7 @@ def stream_command(
         except RecordError as exc:
             err.print(f"[bold red]✗ stream failed:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(EXIT_BAD_INPUT) from None
-    metrics = StreamMetrics()
+    metrics = StreamMetrics(model)
     try:
         stream = Stream(cfg, metrics)
     except ExporterError as exc:

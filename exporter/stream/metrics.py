@@ -1,33 +1,52 @@
 """The stream process's own Prometheus metrics (a registry of its own, served by
-``--metrics-port``; Triton's /metrics says nothing about Kafka)."""
+``--metrics-port``; Triton's /metrics says nothing about Kafka).
+
+Names, help texts and buckets come from the catalogue (``tritonguard.core.catalogue``, whose table
+is docs/monitoring.md's), like the guard's. Every series carries the ``model`` label of the model
+the stream scores, so one dashboard's model picker selects a model's guard and its streams; the
+attributes below have it filled in (``metrics.consumed.labels(topic).inc()``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-# event timestamp (producer's clock) -> result acknowledged by the broker
-E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+from tritonguard.core import catalogue
+
+E2E_BUCKETS = catalogue.E2E_BUCKETS
+
+
+class _ForModel:
+    """A labelled family with its ``model`` label filled in: ``labels(*rest)`` and ``remove(*rest)``."""
+
+    def __init__(self, family: Any, model: str) -> None:
+        self._family, self._model = family, model
+
+    def labels(self, *values: str) -> Any:
+        return self._family.labels(self._model, *values)
+
+    def remove(self, *values: str) -> None:
+        self._family.remove(self._model, *values)
 
 
 class StreamMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model: str) -> None:
         self.registry = r = CollectorRegistry()
-        self.consumed = Counter("tritonguard_stream_events_consumed", "Events read from the input topic", ["topic"], registry=r)
-        self.produced = Counter("tritonguard_stream_results_produced",
-                                "Results acknowledged by the broker on the output topic", ["topic"], registry=r)
-        self.dead = Counter("tritonguard_stream_dead_letters", "Events acknowledged on the dead-letter topic, by error code",
-                            ["topic", "code"], registry=r)
-        self.retries = Counter("tritonguard_stream_retries", "Triton requests sent again after a transient error (UNAVAILABLE...)",
-                               ["code"], registry=r)
-        self.pauses = Counter("tritonguard_stream_pauses", "Times the consumer paused its partitions because Triton was unavailable",
-                              registry=r)
-        self.paused = Gauge("tritonguard_stream_paused", "1 while the partitions are paused (Triton unavailable), else 0", registry=r)
-        self.inflight = Gauge("tritonguard_stream_inflight", "Events read and not yet acknowledged on an output topic", registry=r)
-        self.lag = Gauge("tritonguard_stream_consumer_lag", "High watermark minus the consumer's position, per assigned partition",
-                         ["topic", "partition"], registry=r)
-        self.latency = Histogram("tritonguard_stream_e2e_latency_seconds",
-                                 "Event timestamp to its result or dead letter acknowledged by the broker",
-                                 buckets=E2E_BUCKETS, registry=r)
+        self.families: dict[str, Any] = {}
+        for table, kind in ((catalogue.CONSUMER_COUNTERS, Counter), (catalogue.CONSUMER_GAUGES, Gauge)):
+            for key, (name, doc) in table.items():
+                self.families[key] = kind(name, doc, ["model", *catalogue.CONSUMER_LABELS[key]], registry=r)
+        for key, (name, doc, buckets) in catalogue.CONSUMER_HISTOGRAMS.items():
+            self.families[key] = Histogram(name, doc, ["model", *catalogue.CONSUMER_LABELS[key]], buckets=buckets,
+                                           registry=r)
+        # a family without labels of its own is its model's child (inc/set/observe); the others
+        # keep .labels(...) for theirs
+        bound = {key: (_ForModel(f, model) if catalogue.CONSUMER_LABELS[key] else f.labels(model))
+                 for key, f in self.families.items()}
+        self.consumed, self.produced, self.dead = bound["consumed"], bound["produced"], bound["dead_letters"]
+        self.retries, self.pauses, self.paused = bound["retries"], bound["pauses"], bound["paused"]
+        self.inflight, self.lag, self.latency = bound["inflight"], bound["lag"], bound["e2e"]
 
     def serve(self, port: int, address: str = "127.0.0.1") -> None:
         start_http_server(port, addr=address, registry=self.registry)

@@ -146,7 +146,7 @@ def routing_key(key: bytes) -> str:
 class Stream:
     def __init__(self, cfg: StreamConfig, metrics: StreamMetrics | None = None) -> None:
         self.cfg = cfg
-        self.metrics = metrics or StreamMetrics()
+        self.metrics = metrics or StreamMetrics(cfg.model)
         self.session = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.stop = threading.Event()
         # gRPC's own reconnect backoff grows to 2 minutes: a Triton back after an outage would
@@ -176,6 +176,7 @@ class Stream:
         self.full = False  # --max-inflight events wait: every assigned partition paused
         self.fatal: str | None = None
         self.counts = {"consumed": 0, "results": 0, "dead": 0}
+        self.progressed = (0, time.monotonic())  # results + dead letters at the last progress line
         self.answered = Answered()
         self.quiet: set[str] = set()  # versions reported silent (rolled back?), until they answer again
 
@@ -617,7 +618,10 @@ class Stream:
                     self._send(p)
 
     def _progress(self) -> None:
-        c = self.counts
-        log.info("stream %s: %d consumed, %d results, %d dead letters, %d in flight%s", self.cfg.topic,
-                 c["consumed"], c["results"], c["dead"], self.tracker.pending(), ", PAUSED (Triton unavailable)"
-                 if self.paused else "")
+        c, now = self.counts, time.monotonic()
+        done, (done_before, then) = c["results"] + c["dead"], self.progressed
+        self.progressed = (done, now)
+        lag = sum(s.value for m in self.metrics.families["lag"].collect() for s in m.samples)
+        log.info("stream %s: %d consumed, %d results, %d dead letters, %d in flight, %.0f events/s, lag %d%s",
+                 self.cfg.topic, c["consumed"], c["results"], c["dead"], self.tracker.pending(),
+                 (done - done_before) / max(now - then, 1e-6), lag, ", PAUSED (Triton unavailable)" if self.paused else "")

@@ -63,14 +63,15 @@ def named_metrics() -> set[str]:
 
 
 def declared_families() -> set[str]:
-    """The families the guard registers with Triton (each appears once it has a series)."""
-    return catalogue.guard_families()
+    """The families the guard registers with Triton (each appears once it has a series), and those
+    ``exporter stream`` serves on its own port (the dashboard's stream row)."""
+    return catalogue.guard_families() | catalogue.consumer_families()
 
 
 def family(sample: str) -> str:
-    """``x_bucket`` -> ``x`` for the guard's histogram; other names as they are."""
+    """``x_bucket`` -> ``x`` for a histogram of the catalogue; other names as they are."""
     for suffix in HISTOGRAM_SUFFIXES:
-        if sample.endswith(suffix) and sample.removesuffix(suffix) == "tritonguard_target_latency_seconds":
+        if sample.endswith(suffix) and catalogue.families().get(sample.removesuffix(suffix)) == "histogram":
             return sample.removesuffix(suffix)
     return sample
 

@@ -1,7 +1,8 @@
 """The catalogue: every metric tritonguard exports on Triton's /metrics, in one place.
 
 Names, help texts and buckets of the guard's families (:class:`tritonguard.triton.metrics.Metrics`
-registers them), the stream guard's and the generator backend's; the control plane (the rollout
+registers them), the stream guard's, the generator backend's, and ``exporter stream``'s (a Kafka
+consumer serving its own port, not Triton's); the control plane (the rollout
 gates, ``exporter status``), the dashboard and alert tests and the docs read them from here. A
 new metric is added here first; ``tests/unit/core/test_catalogue.py`` checks that every family
 has a panel and a line in docs/monitoring.md.
@@ -118,6 +119,39 @@ STREAM_HISTOGRAMS = {
                    "Mean time between the pieces sent to one streamed request's client", GENERATION_BUCKETS),
 }
 
+# `exporter stream` (a Kafka consumer group, outside Triton): its own registry on --metrics-port,
+# every series labelled with the model it scores (``model``, as Triton's own), so the dashboard's
+# model picker follows it; exporter/stream/metrics.py registers exactly these
+CONSUMER_LABELS = {
+    "consumed": ("topic",), "produced": ("topic",), "dead_letters": ("topic", "code"), "retries": ("code",),
+    "pauses": (), "paused": (), "inflight": (), "lag": ("topic", "partition"), "e2e": (),
+}
+CONSUMER_COUNTERS = {
+    "consumed": ("tritonguard_stream_events_consumed_total",
+                 "Events read from the input topic, by model and topic (its rate: events/s in)"),
+    "produced": ("tritonguard_stream_results_produced_total",
+                 "Results the broker acknowledged on the output topic, by model and topic (its rate: events/s out)"),
+    "dead_letters": ("tritonguard_stream_dead_letters_total",
+                     "Events acknowledged on the dead-letter topic, by model, topic and error code"),
+    "retries": ("tritonguard_stream_retries_total",
+                "Triton requests sent again after a transient error (UNAVAILABLE...), by model and code"),
+    "pauses": ("tritonguard_stream_pauses_total",
+               "Times the consumer paused its partitions because Triton was unavailable"),
+}
+CONSUMER_GAUGES = {
+    "paused": ("tritonguard_stream_paused", "1 while the partitions are paused (Triton unavailable), else 0"),
+    "inflight": ("tritonguard_stream_inflight", "Events read and not yet acknowledged on an output topic"),
+    "lag": ("tritonguard_stream_consumer_lag",
+            "Consumer lag: high watermark minus the consumer's position, per assigned topic and partition"),
+}
+# event timestamp (the producer's clock) -> its result or dead letter acknowledged by the broker
+E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CONSUMER_HISTOGRAMS = {
+    "e2e": ("tritonguard_stream_e2e_latency_seconds",
+            "End-to-end latency: event timestamp to its result or dead letter acknowledged by the broker",
+            E2E_BUCKETS),
+}
+
 
 # a stream guard times a generation's target call to its first response under the guard's name
 STREAM_LATENCY = {"latency": ("tritonguard_target_latency_seconds",
@@ -145,9 +179,10 @@ COST_PER_1K = GUARD_GAUGES["cost_per_1k"][0]
 def families() -> dict[str, str]:
     """Every family tritonguard exports: name -> "counter" | "gauge" | "histogram"."""
     out: dict[str, str] = {}
-    for kind, tables in (("counter", (GUARD_COUNTERS, STREAM_COUNTERS, GENERATION_COUNTERS)),
-                         ("gauge", (GUARD_GAUGES,)),
-                         ("histogram", (GUARD_HISTOGRAMS, STREAM_HISTOGRAMS, GENERATION_HISTOGRAMS))):
+    for kind, tables in (("counter", (GUARD_COUNTERS, STREAM_COUNTERS, GENERATION_COUNTERS, CONSUMER_COUNTERS)),
+                         ("gauge", (GUARD_GAUGES, CONSUMER_GAUGES)),
+                         ("histogram", (GUARD_HISTOGRAMS, STREAM_HISTOGRAMS, GENERATION_HISTOGRAMS,
+                                        CONSUMER_HISTOGRAMS))):
         for table in tables:
             for entry in table.values():
                 out[entry[0]] = kind
@@ -159,6 +194,11 @@ def guard_families() -> set[str]:
     return {e[0] for t in (GUARD_COUNTERS, GUARD_GAUGES, GUARD_HISTOGRAMS) for e in t.values()}
 
 
+def consumer_families() -> set[str]:
+    """The families ``exporter stream`` serves on its own metrics port (not on Triton's)."""
+    return {e[0] for t in (CONSUMER_COUNTERS, CONSUMER_GAUGES, CONSUMER_HISTOGRAMS) for e in t.values()}
+
+
 def _rows() -> list[tuple[str, str, str, str]]:
     out = []
     for who, kind, tables in (("guard", "counter", (GUARD_COUNTERS,)), ("guard", "gauge", (GUARD_GAUGES,)),
@@ -166,7 +206,10 @@ def _rows() -> list[tuple[str, str, str, str]]:
                               ("stream guard", "counter", (STREAM_COUNTERS,)),
                               ("stream guard", "histogram", (STREAM_HISTOGRAMS,)),
                               ("generator", "counter", (GENERATION_COUNTERS,)),
-                              ("generator", "histogram", (GENERATION_HISTOGRAMS,))):
+                              ("generator", "histogram", (GENERATION_HISTOGRAMS,)),
+                              ("exporter stream", "counter", (CONSUMER_COUNTERS,)),
+                              ("exporter stream", "gauge", (CONSUMER_GAUGES,)),
+                              ("exporter stream", "histogram", (CONSUMER_HISTOGRAMS,))):
         for table in tables:
             for entry in table.values():
                 out.append((entry[0], kind, who, entry[1]))
