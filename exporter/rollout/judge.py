@@ -40,7 +40,7 @@ from exporter.build.evaluate import RECALL_K, load_eval_set, recall_at_k, run_ve
 from exporter.errors import BadInput, ExporterError
 from exporter.rollout.gates.verdict import wilson as _wilson
 from tritonguard.core import repository as repo_mod
-from tritonguard.rollout.judging import SOURCES, JudgeConfig
+from tritonguard.rollout.judging import SOURCES, JudgeConfig, default_source
 from tritonguard.rollout.state import JUDGES
 from tritonguard.rollout.validators import row_cosine
 
@@ -220,7 +220,9 @@ def judge_offline(repository: Path, target: str, primary: int, candidate: int, *
         raise ValueError(f"judge must be one of {', '.join(JUDGES)}, got {judge!r}")
     defaults = JudgeConfig()
     limit = defaults.max_disagreement if max_disagreement is None else max_disagreement
-    limit_source = limit_source or SOURCES["max_disagreement"]
+    if not limit_source or limit_source == SOURCES["max_disagreement"]:
+        # the default's reason, in this task's own figures (judge_limits names the generic one)
+        limit_source = default_source("max_disagreement", task)
     floor = defaults.min_cosine if min_cosine is None else min_cosine
     slice_margin = defaults.max_slice_regression if max_slice_regression is None else max_slice_regression
     repository = Path(repository)
