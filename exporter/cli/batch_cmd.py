@@ -27,13 +27,13 @@ from rich.progress import (
     ProgressColumn,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 from rich.text import Text
 
 from exporter.batch import job as b
 from exporter.batch.encode import read_block
+from exporter.batch.eta import Eta, eta_text
 from exporter.batch.run import run_job, summary
 from exporter.batch.scorer import Scorer
 from exporter.cli.consoles import console
@@ -48,6 +48,13 @@ EXIT_JOB_FAILED = 1
 class RowsPerSecond(ProgressColumn):
     def render(self, task: Any) -> Text:
         return Text(f"{task.speed:,.0f} rows/s" if task.speed else "… rows/s", style="cyan")
+
+
+class EtaColumn(ProgressColumn):
+    """The job's :class:`~exporter.batch.eta.Eta` (none until it rests on enough rows)."""
+
+    def render(self, task: Any) -> Text:
+        return Text(eta_text(task.fields.get("left")), style="cyan")
 
 
 def batch_command(
@@ -111,24 +118,25 @@ def batch_command(
     results: list[b.BlockResult] = []
     if pending:
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RowsPerSecond(),
-                   TextColumn("ETA"), TimeRemainingColumn(), TimeElapsedColumn())
+                   TextColumn("ETA"), EtaColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err, transient=False) as progress:
             base = total - sum(x.rows for x in pending)
             task = progress.add_task(escape(model), total=total, completed=base)
-            shown = {"committed": 0, "answered": 0, "line": time.monotonic(), "start": time.monotonic()}
+            shown = {"committed": 0, "answered": 0, "line": time.monotonic()}
+            eta = Eta(total - base)
             every = float(os.environ.get("TRITONGUARD_BATCH_PROGRESS_S", "10"))
 
             def show() -> None:  # rows answered (committed or not); never behind the commits
                 done_now = max(shown["committed"], shown["answered"])
-                progress.update(task, completed=base + done_now)
+                left = eta.update(done_now)
+                progress.update(task, completed=base + done_now, left=left)
                 now = time.monotonic()
                 if not err.is_terminal and now - shown["line"] >= every:
                     # no live bar in a log file or a pipe: a plain line every `every` seconds
                     shown["line"] = now
-                    rate = done_now / (now - shown["start"]) if now > shown["start"] else 0.0
-                    left = (total - base - done_now) / rate if rate else None
+                    rate = "…" if eta.rate is None else f"{eta.rate:,.0f}"
                     err.print(f"{escape(model)}: {base + done_now:,}/{total:,} rows answered "
-                              f"({base + shown['committed']:,} committed), {rate:,.0f} rows/s, ETA "
+                              f"({base + shown['committed']:,} committed), {rate} rows/s, ETA "
                               f"{'-' if left is None else time.strftime('%H:%M:%S', time.gmtime(left))}",
                               soft_wrap=True, highlight=False)
 
