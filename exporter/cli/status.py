@@ -183,6 +183,10 @@ def _registry_stages(repository: Path, model: str) -> tuple[dict[int, str] | Non
         return {"error": f"{type(exc).__name__}: {exc}"}, {}  # type: ignore[dict-item]
 
 
+# what a drift share means and what to do, beside the figure (a figure alone left users guessing)
+DRIFT_HINT = (" whose live values are unlike the data the version was exported with (a benchmark replaying a "
+              "few inputs does this too; from real traffic: check the source, retrain and export)")
+
 HISTORY_SHOWN = 5  # the latest records of a model's history the text view shows
 
 
@@ -411,7 +415,8 @@ def print_live(console: Any, guards: list[dict[str, Any]]) -> None:
             for v, count in sorted(met["errors"].items()):
                 console.print(f"    target errors v{v}: {count:.0f}")
             for v, frac in sorted(met["drift"].items()):
-                console.print(f"    input drift v{v}: {frac:.0%} of features")
+                console.print(f"    input drift v{v}: {frac:.0%} of features" + (DRIFT_HINT if frac else ""),
+                              soft_wrap=True)
             print_cost(console, met.get("cost") or {}, g.get("triton_stats") or {})
             for u in met["unreachable"]:
                 console.print(f"    [red]unreachable[/] {u}")
