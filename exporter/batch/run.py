@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
@@ -82,6 +83,12 @@ def _write_parquet(table: Any, path: Path) -> None:
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
 
+
+# Ray Data restarts a dead pool actor forever by default; its actors get their function and
+# context as object-store arguments, so each start logged an error-level line (`Actor … has
+# constructor arguments in the object store and max_restarts > 0`) on every job. A worker that
+# dies stops the run instead: committed blocks stay, and the same command resumes the rest.
+WORKER_RESTARTS = 0
 
 ROWS_REPORT_S = 0.5  # how often a worker tells the driver how many rows were answered
 
@@ -165,7 +172,10 @@ def run_job(job: Job, blocks: list[Block], *, workers: int, ray_address: str | N
                 continue
 
     poller = threading.Thread(target=poll, name="batch-progress", daemon=True) if counter is not None else None
-    ds = ds.map_batches(_bound_worker(job, counter), batch_size=1, compute=pool, num_cpus=0.25)
+    with warnings.catch_warnings():  # Ray 2.60 names no other way to pass max_restarts
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ds = ds.map_batches(_bound_worker(job, counter), batch_size=1, compute=pool, num_cpus=0.25,
+                            max_restarts=WORKER_RESTARTS)
     if poller is not None:
         poller.start()
     try:
