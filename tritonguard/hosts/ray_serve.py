@@ -71,6 +71,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tritonguard.core import repository as repo_mod
+from tritonguard.core.config import model_parameters
 from tritonguard.core.errors import ConfigError, InvalidInput
 from tritonguard.core.store import store_url
 from tritonguard.core.tensors import ModelSignature, offsets, rows_any
@@ -121,10 +122,27 @@ class ServeConfig:
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any], model: str) -> ServeConfig:
+        """``target`` defaults to ``model`` (a model folder served by itself, no guard)."""
         cfg = parse_sections({"target": model, **params}, SECTIONS, model=model, host="Ray Serve deployment",
                              only={"": TOP_KEYS, "routing": ROUTING_KEYS})
         return cls(target=cfg[""].target, tenancy=cfg["tenancy"], redaction=cfg["redaction"], audit=cfg["audit"],
                    validation=cfg["validation"], breaker=cfg["breaker"], poll_interval_s=cfg["routing"].poll_interval_s)
+
+
+def settings(model: str, repository: Path | None, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters ``model`` is served with. When ``model`` is a guard in ``repository`` (its
+    ``config.pbtxt`` has backend ``guard``, or it is the ensemble a guard serves under), its
+    ``target`` and those of its keys that apply here come from that config, so the guard's
+    configuration serves both hosts; ``config`` overrides them. Otherwise ``model`` is the
+    folder of versions itself."""
+    found = repo_mod.guard_dir(repository, model) if repository is not None else None
+    if found is None:
+        return dict(config)
+    params = model_parameters(found[1])
+    applies = {k: v for k, v in params.items()
+               if k == "target" or k == "routing.poll_interval_s"
+               or k.partition(".")[0] in ("tenancy", "redaction", "audit", "validation", "breaker")}
+    return {**applies, **config}
 
 
 def onnx_version(path: Path, threads: int = 1) -> ModelFn:
@@ -187,13 +205,16 @@ class GuardedModel:
                  batch_wait_timeout_s: float | None, signature: ModelSignature | None,
                  environ: Mapping[str, str] | None = None):
         self.environ = dict(os.environ if environ is None else environ)
-        self.config = cfg = ServeConfig.from_parameters(config, model)
-        self.target = target = cfg.target
         self.repository = Path(repository) if repository is not None else None
+        self.config = cfg = ServeConfig.from_parameters(settings(model, self.repository, config), model)
+        # ``name``: the public name (a guard's): rollout state, metrics, audit; ``target``: the
+        # folder of versions, as in served-by (the Triton guard's SERVED_BY)
+        self.name, self.target = model, cfg.target
+        name, target = model, cfg.target
         fns: dict[int, ModelFn] = {}
         model_config: dict[str, Any] = {}
         if self.repository is not None:
-            fns, model_config = load_versions(self.repository, model)
+            fns, model_config = load_versions(self.repository, target)
         on_disk = sorted(fns)
         for v, fn in (versions or {}).items():
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -214,21 +235,21 @@ class GuardedModel:
         self._specs = {s.name: s for s in signature.inputs}
 
         self.registry = CollectorRegistry()
-        self.metrics = HostMetrics(target, self.registry, MODEL_FAMILIES)
+        self.metrics = HostMetrics(name, self.registry, MODEL_FAMILIES)
         self.rng = random.Random()
         url = store_url(state_url, environ=self.environ)
-        self.admission = Admission(cfg.tenancy, target=target, metrics=self.metrics, environ=self.environ,
+        self.admission = Admission(cfg.tenancy, target=name, metrics=self.metrics, environ=self.environ,
                                    repository=self.repository, url=url, host="ray_serve")
         self.redactor = Redactor(cfg.redaction)
         self.redact_out = self.redactor.active and cfg.redaction.redact_outputs
-        store = open_store(target, self.repository or Path("."), url or None)
+        store = open_store(name, self.repository or Path("."), url or None)
         # a new state pins the repository's latest version (a version added by versions= gets no
         # traffic until the state routes to it), as the guard pins Triton's latest
-        self.view = HandlerView(sorted(fns), guard=target, repo=self.repository or Path("."), target=target,
+        self.view = HandlerView(sorted(fns), guard=name, repo=self.repository or Path("."), target=target,
                                 store=store, poll_interval_s=cfg.poll_interval_s, metrics=self.metrics,
                                 pin=on_disk[-1] if on_disk else max(fns))
         self.routes = Routes(self.view, sorted(fns), self.metrics, target, f"header '{VERSION_HEADER}'")
-        self.breakers = Breakers(guard=target, target=target, config=cfg.breaker, view=self.view,
+        self.breakers = Breakers(guard=name, target=target, config=cfg.breaker, view=self.view,
                                  metrics=self.metrics, alert=self._alert)
         self.view.on_new = self.breakers.follow
         self.breakers.follow(self.view.state, self.view.state)
@@ -236,10 +257,10 @@ class GuardedModel:
             self.breakers.get(v)
         self.breakers.publish()
         self.routes.publish()
-        self.audit, self.audit_key = open_audit(cfg.audit, target=target, repository=self.repository, url=url,
+        self.audit, self.audit_key = open_audit(cfg.audit, target=name, repository=self.repository, url=url,
                                                 environ=self.environ)
         self._audit_dropped = 0
-        self.audit.record("guard_start", model=target, host="ray_serve", primary=self.routes.primary(),
+        self.audit.record("guard_start", model=name, target=target, host="ray_serve", primary=self.routes.primary(),
                           revision=self.view.state.revision, versions=sorted(fns),
                           tenancy=cfg.tenancy.enabled, tenant_auth=cfg.tenancy.auth,
                           quotas=sorted(cfg.tenancy.quotas), redaction=self.redactor.active)
@@ -261,7 +282,7 @@ class GuardedModel:
         if self._closed:
             return
         self._closed = True
-        self.audit.record("guard_stop", model=self.target)
+        self.audit.record("guard_stop", model=self.name)
         self.audit.close()
         self.admission.close()
 
@@ -326,7 +347,7 @@ class GuardedModel:
         self._audit_inference(tenant, hasher, served_by, 200, redacted, redacted_out)
         outputs = [{"name": k, "datatype": _v2_type(a), "shape": list(a.shape), "data": _data(a)}
                    for k, a in item.outputs.items()]
-        return JSONResponse({"model_name": self.target, "model_version": str(item.version), "outputs": outputs,
+        return JSONResponse({"model_name": self.name, "model_version": str(item.version), "outputs": outputs,
                              "parameters": {"served_by": served_by}}, headers={SERVED_BY_HEADER: served_by})
 
     def _decode(self, body: bytes) -> dict[str, np.ndarray]:
@@ -477,11 +498,11 @@ class GuardedModel:
     def _audit_inference(self, tenant: str, hasher: Any, served_by: str, status: int, redacted: bool,
                          redacted_out: bool = False) -> None:
         if self.audit.enabled:
-            self.audit.record("inference", tenant=tenant, model=self.target, request=hasher.hexdigest(),
+            self.audit.record("inference", tenant=tenant, model=self.name, request=hasher.hexdigest(),
                               served_by=served_by, status=str(status), redacted=redacted, redacted_out=redacted_out)
 
     def _refuse(self, r: Refusal, tenant: str) -> Response:
-        audit_refusal(self.audit, r, tenant, self.target)
+        audit_refusal(self.audit, r, tenant, self.name)
         headers = {"retry-after": str(r.retry_after_s)} if r.retry_after_s else {}
         if r.status == 401 and self.config.tenancy.auth == "jwt":
             headers["www-authenticate"] = "Bearer"
@@ -516,7 +537,7 @@ def guarded(model: str, *, repository: str | os.PathLike[str] | None = None, con
     Each replica keeps its own metrics and breaker windows; breaker states are shared through the
     rollout state, quotas through the repository's bucket file or Redis."""
     # validated here too, so a bad key fails in the caller's process, not in a replica's log
-    ServeConfig.from_parameters(dict(config or {}), model)
+    ServeConfig.from_parameters(settings(model, None if repository is None else Path(repository), config or {}), model)
     deployment = serve.deployment(GuardedModel, name=f"guard_{model}", num_replicas=num_replicas,
                                   max_ongoing_requests=max_ongoing_requests)
     return deployment.bind(model, None if repository is None else str(Path(repository).resolve()), dict(config or {}),

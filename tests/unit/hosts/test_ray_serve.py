@@ -1,6 +1,7 @@
 """The guarded Ray Serve deployment on a real Ray (started in-process, once for the module) and
 Ray Serve's HTTP proxy on a loopback port, serving the exported digits model from a repository
-laid out as the exporter writes it, spoken to over HTTP (issue 44 item 2)."""
+laid out as the exporter writes it (the guard ``digits`` fronting the versions of ``digits_raw``),
+spoken to over HTTP (issue 44 item 2)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from tritonguard.rollout.stores import open_store
 
 ROOT = Path(__file__).resolve().parents[3]
 SOURCE = ROOT / "model_repository" / "digits_raw"
-MODEL = "digits"
+GUARD_SOURCE = ROOT / "model_repository" / "digits"
+MODEL = "digits"  # the guard: its rollout state, its keys, the metrics' model label
+TARGET = "digits_raw"  # its versions: served-by names them
 PREFIX = "/digits"
 
 pytestmark = pytest.mark.skipif(not (SOURCE / "1" / "model.onnx").is_file(),
@@ -40,9 +43,9 @@ def images(n: int = 6) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """digits v1 and v2 (the same export, copied as the exporter lays a version out) and v3, a
-    candidate that raises, behind the guard in one Ray Serve application; the rollout state
-    written first with v1 as primary."""
+    """The exported guard's config.pbtxt, digits_raw v1 and v2 (the same export, copied as the
+    exporter lays a version out) and v3, a candidate that raises, behind the guard in one Ray
+    Serve application; the guard's rollout state written first with v1 as primary."""
     ray = pytest.importorskip("ray")
     from ray import serve  # noqa: PLC0415
 
@@ -50,11 +53,13 @@ def served(tmp_path_factory):
 
     repo = tmp_path_factory.mktemp("ray_repo")
     (repo / MODEL).mkdir()
-    shutil.copy(SOURCE / "config.pbtxt", repo / MODEL / "config.pbtxt")
+    shutil.copy(GUARD_SOURCE / "config.pbtxt", repo / MODEL / "config.pbtxt")
+    (repo / TARGET).mkdir()
+    shutil.copy(SOURCE / "config.pbtxt", repo / TARGET / "config.pbtxt")
     for v in (1, 2):
-        (repo / MODEL / str(v)).mkdir()
+        (repo / TARGET / str(v)).mkdir()
         for name in ("model.onnx", "manifest.json"):
-            shutil.copy(SOURCE / "1" / name, repo / MODEL / str(v) / name)
+            shutil.copy(SOURCE / "1" / name, repo / TARGET / str(v) / name)
     store = open_store(MODEL, repo)
 
     def primary_v1(st):
@@ -63,8 +68,8 @@ def served(tmp_path_factory):
 
     store.update(primary_v1, by="test")
     audit = repo / "audit.jsonl"
-    config = {"routing.poll_interval_s": 0, "breaker.min_requests": 4,
-              "validation.range.IMAGE": "0,16", "audit.path": str(audit)}
+    # validation.range.IMAGE (0,16) comes from the guard's own config.pbtxt
+    config = {"routing.poll_interval_s": 0, "breaker.min_requests": 4, "audit.path": str(audit)}
     port = free_port()
     # the workers import this module (v3 is one of its functions) from the checkout: they inherit
     # the raylet's environment (a runtime_env with env_vars doubled the start-up here)
@@ -130,7 +135,7 @@ def test_predictions_equal_onnxruntime_and_name_who_served(served):
         ["PROBS"], {"IMAGE": x})[0]
     status, headers, doc = infer(served["port"], v2_body(x))
     assert status == 200, doc
-    assert headers["x-tritonguard-served-by"] == f"{MODEL}:1" and doc["model_version"] == "1"
+    assert headers["x-tritonguard-served-by"] == f"{TARGET}:1" and doc["model_version"] == "1"
     np.testing.assert_allclose(probs(doc), want, rtol=0, atol=1e-6)
     assert probs(doc).argmax(axis=1).tolist() == want.argmax(axis=1).tolist()
 
@@ -141,14 +146,14 @@ def test_routing_follows_the_rollout_state_in_the_store(served):
     try:
         route(store, 2, 1.0)
         got = {infer(port, v2_body(x))[1]["x-tritonguard-served-by"] for _ in range(5)}
-        assert got == {f"{MODEL}:2"}
+        assert got == {f"{TARGET}:2"}
         route(store, 2, 0.0)
         got = {infer(port, v2_body(x))[1]["x-tritonguard-served-by"] for _ in range(5)}
-        assert got == {f"{MODEL}:1"}
+        assert got == {f"{TARGET}:1"}
     finally:
         route(store, None)
     text = metrics(port)
-    assert f'tritonguard_served_total{{model="{MODEL}",served_by="{MODEL}:2"}} 5.0' in text
+    assert f'tritonguard_served_total{{model="{MODEL}",served_by="{TARGET}:2"}} 5.0' in text
     assert f'tritonguard_route_share{{model="{MODEL}",role="primary",target_version="1"}} 1.0' in text
 
 
@@ -174,7 +179,7 @@ def test_a_failing_candidate_falls_back_to_the_primary_and_trips_its_breaker(ser
     finally:
         route(store, None)
     # no client error: every request answered by the primary, with its predictions
-    assert [(s, h["x-tritonguard-served-by"]) for s, h, _ in answers] == [(200, f"{MODEL}:1")] * 6
+    assert [(s, h["x-tritonguard-served-by"]) for s, h, _ in answers] == [(200, f"{TARGET}:1")] * 6
     text = metrics(port)
     # the first 4 reached v3 and failed; the 4th filled the window (breaker.min_requests=4) and
     # tripped it, so the last 2 went to the primary without calling v3
@@ -193,3 +198,24 @@ def test_an_unknown_guard_key_fails_at_build_naming_it():
         ServeConfig.from_parameters({"cache.l1_entries": "8"}, "m")
     with pytest.raises(ConfigError, match="routing.canary_compare"):
         ServeConfig.from_parameters({"routing.canary_compare": "false"}, "m")
+
+
+def test_answers_and_refusals_are_audited(served):
+    import time  # noqa: PLC0415
+
+    port, path = served["port"], served["audit"]
+    assert infer(port, v2_body(images(1)), {"x-tenant-id": "acme"})[0] == 200
+    bad = {"inputs": [{"name": "IMAGE", "shape": [1, 8, 8], "datatype": "FP32", "data": [-1.0] * 64}]}
+    assert infer(port, bad, {"x-tenant-id": "acme"})[0] == 400
+    deadline = time.monotonic() + 15  # the replica's audit writer is a background thread
+    while True:
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        kinds = {(r["type"], r.get("tenant")) for r in recs}
+        if {("inference", "acme"), ("reject", "acme")} <= kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {("inference", "acme"), ("reject", "acme")} <= kinds, kinds
+    assert any(r["type"] == "guard_start" and r["model"] == MODEL and r.get("target") == TARGET for r in recs)
+    inference = [r for r in recs if r["type"] == "inference" and r["tenant"] == "acme"]
+    assert inference[-1]["served_by"] == f"{TARGET}:1" and inference[-1]["status"] == "200"
+    assert [r["rule"] for r in recs if r["type"] == "reject" and r["tenant"] == "acme"] == ["range"]
