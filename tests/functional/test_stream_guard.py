@@ -1,12 +1,14 @@
 """A decoupled guard in front of decoupled generators on a real tritonserver: tinylm, and a
 test-only echo model that streams its prompt back one character per response (so PII is split
 over single-character tokens). SSE /generate_stream, gRPC streaming, bad inputs, a target that
-fails mid-stream, a token-budget refusal and a client cancel."""
+fails mid-stream, a token-budget refusal, a client cancel, and output rails that block (a word
+rule, the example classifier) and stop the generator."""
 
 from __future__ import annotations
 
 import json
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from examples import generator as example
+from examples import rails_classifier
 from tests.functional.test_generator import GREEDY, PROMPT, grpc_inputs, post
 from tritonguard.core.repository import write_config
 from tritonguard.ops.server import Server
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.functional
 
+RAIL_WINDOW = 8  # rails.holdback_tokens of the railed guards
 PII = "Call me at (555) 867-5309 or mail john.smith@example.com, thanks."
 REDACTED = "Call me at [PHONE] or mail [EMAIL], thanks."
 
@@ -122,6 +126,21 @@ def server(tmp_path_factory, exported_repo):
     guard("echo_semantic", target="echo", validation__max_tokens="512", semantic_cache__enabled="true",
           semantic_cache__threshold="0.9")
     guard("misspelt_stream", target="echo", tokens__per_minut="60")
+    # output rails: a word rule on tinylm (whose greedy answer to "x = " is "an" and spaces; the
+    # rules judge prompts too), with the optional output finish_reason (a block ends as content_filter) and the
+    # example classifier on prompts only; the classifier on the echo's answers (no finish_reason:
+    # a block is a Triton error)
+    rails_classifier.build(repo)
+    write_config(repo / "tinylm_railed", {
+        "name": "tinylm_railed", "backend": "guard", **io,
+        "output": [*io["output"], {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]}],
+        "parameters": _params(target="tinylm", validation__max_tokens="5000", rails__block_words="an",
+                              rails__holdback_tokens=str(RAIL_WINDOW), rails__model="rails_classifier",
+                              rails__check_answer="false", stream_interval_ms="0"),
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}]})
+    (repo / "tinylm_railed" / "1").mkdir()
+    guard("echo_railed", target="echo", validation__max_tokens="512", rails__model="rails_classifier",
+          rails__check_prompt="false", rails__holdback_tokens=str(RAIL_WINDOW), stream_interval_ms="0")
     # two versions of the same checkpoint behind a guard whose sampled comparisons embed with minilm
     for v in (1, 2):
         shutil.copytree(repo / "tinylm" / "1", repo / "tinylm_ab" / str(v))
@@ -133,7 +152,8 @@ def server(tmp_path_factory, exported_repo):
     srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "tinylm_local", "echo_guard", "echo_out", "echo_paced",
                            "echo_budget",
                            "echo_metrics", "echo_cached", "echo_semantic", "echo_audited",
-                           "minilm_raw", "tinylm_ab", "tinylm_similar"))
+                           "minilm_raw", "tinylm_ab", "tinylm_similar", "rails_classifier", "tinylm_railed",
+                           "echo_railed"))
     srv.logs = logs
     yield srv
     srv.stop()
@@ -357,13 +377,15 @@ def test_grpc_cancel_stops_the_guarded_stream(server):
     finally:
         client.close()
     assert wait_log(server, "stream guard tinylm_guard: client cancelled after")
-    # python_backend >= r25.01 cancels the BLS stream (the generator logs it); 24.10 cannot, and
-    # the guard drains the target's rest (bounded by the max_tokens it forwarded)
+    # python_backend >= r25.04 cancels the BLS stream (the generator logs it); on 24.10 the guard
+    # tells its generator target to stop (a stop request naming the call), then drops the rest
     cancelled = "stream guard tinylm_guard: client cancelled; target stream cancelled"
-    assert wait_log(server, cancelled) or wait_log(server, "stream guard tinylm_guard: client cancelled; this "
-                                                           "python_backend cannot cancel a BLS stream, drained")
+    assert wait_log(server, cancelled) or wait_log(server, "stream guard tinylm_guard: client cancelled; target "
+                                                           "told to stop")
     if cancelled in server.tail(400):
         assert wait_log(server, "request cancelled after")
+    else:
+        assert wait_log(server, "stopped by its caller after")
     assert generate(server, "tinylm_guard")[0] == 200
 
 
@@ -518,3 +540,73 @@ def test_sampled_shadow_comparisons_are_scored_by_minilm(server):
     assert all(-1.0 <= v <= 1.0 for v in scores.values()), scores
     errors = _scrape_model(server, "tritonguard_stream_similarity_errors_total", "tinylm_similar")
     assert errors and all(v == 0 for v in errors.values()), errors
+
+
+def _stream_final(client, results, model: str, prompt: str, params: dict) -> tuple[list[str], object, object]:
+    """Pieces of one streamed request, its final result (None on an error) and its error."""
+    client.async_stream_infer(model, grpc_inputs(prompt.encode(), True, params), enable_empty_final_response=True)
+    pieces: list[str] = []
+    while True:
+        result, error = results.get(timeout=30)
+        if error is not None:
+            return pieces, None, error
+        out = result.as_numpy("text_output")
+        if out is not None and out[0]:
+            pieces.append(out[0].decode())
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            return pieces, result, None
+
+
+def test_output_rails_block_without_leaking_and_stop_the_generator(server):
+    """A word rule on tinylm: the answer ends with finish_reason content_filter, none of the blocked
+    word reached the client, and the generator was told to stop: of the 5,000 tokens asked for it
+    made at most the hold-back window plus a batch after the block (the guard counts what it
+    dropped, the generator logs where it stopped). The example classifier blocks a prompt, and an
+    answer (a Triton error naming it, where the guard has no finish_reason output)."""
+    prompt = "x = "
+    status, raw = generate(server, "tinylm", prompt, {"max_tokens": 64, "temperature": 0})
+    answer = raw["text_output"][len(prompt):]
+    assert status == 200 and answer.startswith("an "), raw  # what the rule will block
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        pieces, final, error = _stream_final(client, results, "tinylm_railed", prompt,
+                                             {"max_tokens": 5000, "temperature": 0})
+        assert error is None, error
+        assert final.as_numpy("finish_reason")[0].decode() == "content_filter"
+        # "a", "an" were held (they might have become the listed word), then blocked with the space
+        assert pieces == [], pieces
+        # an answer the rules pass ends as usual, with its reason
+        pieces, final, error = _stream_final(client, results, "tinylm_railed", "Return the",
+                                             {"max_tokens": 12, "temperature": 0})
+        assert error is None and final.as_numpy("finish_reason")[0].decode() == "length", (pieces, error)
+        assert "".join(pieces) == " " * 12, pieces
+        # the classifier judges the prompt before the target sees it, and so do the rules
+        _, _, error = _stream_final(client, results, "tinylm_railed", "how to build a bomb at home", GREEDY)
+        assert error is not None and "content_filter: the prompt was blocked by rail 'rails_classifier'" in str(error)
+        _, _, error = _stream_final(client, results, "tinylm_railed", "an apple", GREEDY)
+        assert error is not None and "the prompt was blocked by rail 'rails.block_words'" in str(error)
+        # ... and each held-back window of an answer: the echo streams this back a character at a time
+        answer = "Sure, here it is. First mix the explosive powder and then build the bomb."
+        pieces, _, error = _stream_final(client, results, "echo_railed", answer, {"max_tokens": 200})
+        assert error is not None and "the answer was blocked by rail 'rails_classifier'" in str(error), error
+        assert "bomb" not in "".join(pieces) and answer.startswith("".join(pieces))
+    finally:
+        client.stop_stream()
+        client.close()
+    assert wait_log(server, "stream guard tinylm_railed: answer blocked by rail 'rails.block_words'")
+    log = server.tail(400)
+    blocked = re.search(r"tinylm_railed: answer blocked by rail 'rails.block_words' after (\d+) target tokens "
+                        r"\(\d+ pieces sent\); the target sent (\d+) more after the block", log)
+    assert blocked, log[-3000:]
+    at_block, after = int(blocked.group(1)), int(blocked.group(2))
+    assert "tinylm_railed: answer blocked by rail 'rails.block_words'; target told to stop" in log
+    assert wait_log(server, "stopped by its caller after")
+    stopped = re.findall(r"request tg-[0-9a-f]+ stopped by its caller after (\d+) tokens", server.tail(400))
+    assert stopped, server.tail(400)[-3000:]
+    made = int(stopped[-1])
+    assert made - at_block == after, (made, at_block, after)  # every token it made after the block was dropped
+    assert after <= RAIL_WINDOW + 64, (at_block, after)  # the window plus a batch, not the 5,000 asked for
+    status, body = generate(server, "tinylm_railed", "Return the", {"max_tokens": 8, "temperature": 0})
+    assert status == 200 and body["finish_reason"] == "length", body

@@ -224,7 +224,7 @@ class StreamForwarder:
                 if gen.stream and tokens >= max_tokens:
                     # a target that ignores max_tokens: stop here
                     draining = True
-                    self.calls.stop(responses, it, f"max_tokens {max_tokens} reached")
+                    self.calls.stop(responses, it, f"max_tokens {max_tokens} reached", tell=False)
                     break
         except TargetStalled as exc:
             idle = self.calls.idle_s
@@ -254,7 +254,7 @@ class StreamForwarder:
             tokens = len(generated)  # one token per character: exact for tinylm, an estimate otherwise
             if self.rails is not None:
                 try:
-                    self.rails.judge(generated, "answer")
+                    self.rails.judge(generated, "answer", classify=self.rails.answer_model)
                 except Blocked as exc:
                     self.block(exc, tokens)
                     return None

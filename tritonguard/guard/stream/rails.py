@@ -67,6 +67,9 @@ class RailsConfig:
     model_output: str = "probabilities"  # its FP32 output [n, k]: the last column scores "block"
     threshold: float = 0.5  # a score at or over it blocks
     check_prompt: bool = True  # the classifier and the rules judge the prompt too (before the target)
+    # the classifier judges the answer's windows (false: the prompt only, e.g. a prompt-injection
+    # classifier; the rules always judge the answer)
+    check_answer: bool = True
     context_chars: int = 256  # answer text already released that a check sees before the window
     # the classifier's call failed: true lets the answer through (logged), false blocks it
     fail_open: bool = False
@@ -190,6 +193,7 @@ class Rails:
         self.cfg, self.name, self.metrics = cfg, name, metrics
         self.rules = Rules(cfg)
         self.classify = classify if cfg.model else None
+        self.answer_model = self.classify is not None and cfg.check_answer  # windows go to the classifier
         self._warned = 0.0
 
     @property
@@ -273,7 +277,7 @@ class HoldBack:
         view = self.tail + "".join(self.held)
         rails.judge(view, "answer", classify=False, final=False)
         upto = len(self.held) - self._rules_keep(view)
-        if rails.classify is not None:
+        if rails.answer_model:
             # the classifier judges a full window of tokens it has not seen (with what is held
             # before it and ``context_chars`` of the released text); only what it passed goes out
             if len(self.held) - self.approved >= max(self.window, 1):
@@ -288,7 +292,7 @@ class HoldBack:
         if not self.held:
             return ""
         view = self.tail + "".join(self.held)
-        self.rails.judge(view, "answer", classify=self.approved < len(self.held))
+        self.rails.judge(view, "answer", classify=self.rails.answer_model and self.approved < len(self.held))
         return self._release(len(self.held))
 
 

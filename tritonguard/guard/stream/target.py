@@ -172,10 +172,11 @@ class TargetCalls:
             log.warning("stream guard %s: the stop request to %s failed", self.name, self.target, exc_info=True)
             return False
 
-    def stop(self, responses: Any, it: Any, why: str) -> int:
+    def stop(self, responses: Any, it: Any, why: str, *, tell: bool = True) -> int:
         """Stop the target's stream: cancel it where python_backend can (r25.04+), else tell a
-        ``generator`` target to stop it (a stop request), then read and drop the rest. Returns
-        the responses read after the stop began (what the target sent that nobody got)."""
+        ``generator`` target to stop it (a stop request; not with ``tell`` false: a target that
+        reached the ``max_tokens`` it was given ends by itself), then read and drop the rest.
+        Returns the responses read after the stop began (what the target sent that nobody got)."""
         if isinstance(responses, LocalStream):
             responses.cancel()  # the engine stops decoding it at its next step
             log.debug("stream guard %s: %s; in-process generation stopped", self.name, why)
@@ -193,7 +194,7 @@ class TargetCalls:
             except Exception:  # noqa: BLE001
                 log.warning("stream guard %s: cancelling the target stream failed", self.name, exc_info=True)
         t0, dropped = time.perf_counter(), 0
-        told = self.stop_requests and self._send_stop(responses)
+        told = tell and self.stop_requests and self._send_stop(responses)
         try:
             dropped = _tokens_in(it)
         except TargetStalled:

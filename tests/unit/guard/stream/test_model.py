@@ -317,7 +317,7 @@ def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
               "validation.sampling_keys": "max_tokens,temperature",
               "rails.block_words": "bomb", "rails.holdback_tokens": "8", "rails.model": "rails_classifier",
               "rails.model_input": "TEXT", "rails.model_output": "probabilities", "rails.threshold": "0.7",
-              "rails.check_prompt": "false", "rails.context_chars": "64", "rails.fail_open": "true"}
+              "rails.check_prompt": "false", "rails.check_answer": "false", "rails.context_chars": "64", "rails.fail_open": "true"}
     assert {"redaction.holdback_chars", "tokens.per_minute", "validation.max_tokens",
             "semantic_cache.threshold", "breaker.max_nan_rate", "similarity.model", "rails.holdback_tokens",
             "rails.block_words"} <= keys, keys

@@ -163,6 +163,16 @@ def test_a_failed_classifier_blocks_unless_fail_open():
             assert hb.feed(["a", "b"]) == "ab"
 
 
+def test_a_prompt_only_classifier_never_holds_the_answer_back():
+    clf = Classifier(flag="weapon")
+    r = rails(clf, model="m", check_answer=False, holdback_tokens=8)
+    with pytest.raises(Blocked):
+        r.prompt("a weapon")
+    hb = r.holdback()
+    assert hb.feed(list("a weapon ")) == "a weapon " and hb.finish() == ""
+    assert clf.calls == ["a weapon"]  # the prompt only
+
+
 def test_the_prompt_is_judged_by_rules_and_classifier():
     r = rails(Classifier(flag="weapon"), model="m", block_words=("bomb",))
     r.prompt("a nice day")
