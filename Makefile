@@ -43,7 +43,7 @@ endif
 .PHONY: help setup system-deps venv models run fleet fleet-test test unit functional bench soak lint clean
 
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's|$$(REPO)|$(REPO)|g' | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 setup: system-deps venv models ## install everything and export the example models
 
