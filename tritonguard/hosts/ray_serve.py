@@ -8,9 +8,13 @@
     app = guarded("digits_raw", repository="model_repository", config={"tenancy.quotas": {"*": {"rps": 50}}})
     serve.run(app, route_prefix="/digits_raw")
 
-Versions come from the same model repository the exporter writes (``<repository>/<model>/<N>/``
-with ``model.onnx`` and ``manifest.json``; a version without a manifest is not served, as on
-Triton), each in an onnxruntime session; ``versions={3: fn}`` adds (or replaces) a version with a
+When ``model`` is a guard in the repository (``exporter export`` writes ``digits`` fronting
+``digits_raw``), it is served as the Triton guard serves it: the rollout state, the metrics'
+``model`` label and the audit by the guard's name, the versions from its ``target``'s folder, and
+the guard's keys that apply here from its ``config.pbtxt`` (:func:`settings`), so ``exporter route``
+moves both hosts. Versions come from the same model repository the exporter writes
+(``<repository>/<target>/<N>/`` with ``model.onnx`` and ``manifest.json``; a version without a
+manifest is not served, as on Triton), each in an onnxruntime session; ``versions={3: fn}`` adds (or replaces) a version with a
 Python callable ``fn(inputs: dict[str, ndarray]) -> dict[str, ndarray]`` (sync or async) or a bound
 Ray Serve deployment (``MyModel.bind()``: called through its handle with the same dict). The
 tensor signature (names, dtypes, dims, ``max_batch_size``) is the model's ``config.pbtxt``.
