@@ -36,7 +36,7 @@ from tritonguard.privacy.tenancy.config import TenancyConfig
 from tritonguard.privacy.tenancy.fleet import FleetQuotaManager, fleet_url
 from tritonguard.privacy.tenancy.labels import TenantLabels
 from tritonguard.privacy.tenancy.quotas import QUOTA_FILE, QuotaManager, SharedQuotaManager
-from tritonguard.rollout.state import RolloutState
+from tritonguard.rollout.state import RolloutState, StateError
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,10 @@ class StaticStore:
 
     def update(self, fn: Any, expected_revision: int | None = None, *, by: str = "") -> RolloutState:
         return fn(RolloutState(model=self.model)) or RolloutState(model=self.model)
+
+    def update_breaker(self, version: int | str, fn: Any, *, by: str = "") -> RolloutState:
+        """Nowhere to share a breaker's state: it stays with the process that holds it."""
+        raise StateError("no rollout store (no repository, no state URL): breaker states are per process")
 
 
 @dataclass

@@ -89,6 +89,7 @@ from tritonguard.hosts.common import (
     HostMetrics,
     Refusal,
     Routes,
+    StaticStore,
     audit_refusal,
     open_audit,
     parse_sections,
@@ -246,7 +247,9 @@ class GuardedModel:
                                    repository=self.repository, url=url, host="ray_serve")
         self.redactor = Redactor(cfg.redaction)
         self.redact_out = self.redactor.active and cfg.redaction.redact_outputs
-        store = open_store(name, self.repository or Path("."), url or None)
+        # no repository and no state URL: one in-memory state (never a file in the replica's cwd)
+        store: Any = (StaticStore(name) if self.repository is None and not url
+                      else open_store(name, self.repository or Path("."), url or None))
         # a new state pins the repository's latest version (a version added by versions= gets no
         # traffic until the state routes to it), as the guard pins Triton's latest
         self.view = HandlerView(sorted(fns), guard=name, repo=self.repository or Path("."), target=target,

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tritonguard.core.errors import ConfigError
+from tritonguard.core.tensors import ModelSignature, TensorSpec
 from tritonguard.ops.server import free_port
 from tritonguard.rollout.state import Candidate
 from tritonguard.rollout.stores import open_store
@@ -33,6 +34,14 @@ pytestmark = pytest.mark.skipif(not (SOURCE / "1" / "model.onnx").is_file(),
 def broken_candidate(inputs):
     """A candidate version that fails every call."""
     raise RuntimeError("candidate down")
+
+
+EMAIL = "jane.doe@example.com"
+
+
+def echo(inputs):
+    """A text model of the user's own (no repository): says what it was sent, and an e-mail."""
+    return {"TEXT": np.array([[b"seen: " + x + f" from {EMAIL}".encode()] for x in inputs["TEXT"][:, 0]], dtype=object)}
 
 
 def images(n: int = 6) -> np.ndarray:
@@ -81,16 +90,20 @@ def served(tmp_path_factory):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = guarded(MODEL, repository=repo, config=config, versions={3: broken_candidate})
         serve.run(app, name=MODEL, route_prefix=PREFIX, blocking=False)
+        text = TensorSpec("TEXT", np.dtype(object), (1,))
+        serve.run(guarded("echo", versions={1: echo}, signature=ModelSignature((text,), (text,), 8),
+                          config={"redaction.redact_outputs": True}), name="echo", route_prefix="/echo", blocking=False)
         yield {"port": port, "repo": repo, "store": store, "audit": audit}
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def infer(port: int, body: object, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], dict]:
+def infer(port: int, body: object, headers: dict[str, str] | None = None,
+          prefix: str = PREFIX) -> tuple[int, dict[str, str], dict]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request("POST", f"{PREFIX}/infer", body=json.dumps(body).encode(),
+        conn.request("POST", f"{prefix}/infer", body=json.dumps(body).encode(),
                      headers={"content-type": "application/json", **(headers or {})})
         r = conn.getresponse()
         return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read() or b"{}")
@@ -219,3 +232,13 @@ def test_answers_and_refusals_are_audited(served):
     inference = [r for r in recs if r["type"] == "inference" and r["tenant"] == "acme"]
     assert inference[-1]["served_by"] == f"{TARGET}:1" and inference[-1]["status"] == "200"
     assert [r["rule"] for r in recs if r["type"] == "reject" and r["tenant"] == "acme"] == ["range"]
+
+
+def test_a_callable_without_a_repository_gets_its_text_redacted_both_ways(served):
+    body = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [f"mail {EMAIL} now"]}]}
+    status, headers, doc = infer(served["port"], body, prefix="/echo")
+    assert status == 200, doc
+    assert headers["x-tritonguard-served-by"] == "echo:1"
+    (out,) = doc["outputs"]
+    # the model saw the redacted text, and the e-mail it answered with left redacted
+    assert out["datatype"] == "BYTES" and out["data"] == ["seen: mail [EMAIL] now from [EMAIL]"]
