@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +50,20 @@ def _guard(repo: Path, name: str, io: dict, **params: str) -> None:
     (repo / name / "1").mkdir(exist_ok=True)
 
 
-def build(repo: Path, prompts: list[str]) -> str:
+def build(repo: Path, prompts: list[str], steps: int | None = None) -> str:
     """tinylm, the example classifier and the guards; returns the blocked word."""
     from examples import generator as example
     from examples import rails_classifier
     from tritonguard.generation.contract import SamplingParams
 
-    example.build(repo, "tinylm", max_tokens_cap=4096)
+    example.build(repo, "tinylm", max_tokens_cap=4096, **({"steps": steps} if steps else {}))
     rails_classifier.build(repo)
     dec = example.decoder(repo / "tinylm" / "1" / "model.onnx")
     # a word that every prompt's greedy answer reaches after some tokens
     counts: dict[str, int] = {}
     for p in prompts:
         text = dec.generate(p, SamplingParams(max_tokens=400, temperature=0))
-        for w in set(re.findall(r"[A-Za-z]{4,}", text[20:])):
+        for w in set(re.findall(r"[A-Za-z]{2,}", text[8:])):
             counts[w] = counts.get(w, 0) + 1
     word = max(counts, key=lambda w: (counts[w], w)) if counts else "the"
     io = {k: v for k, v in example.triton_config("x").items()
@@ -83,8 +84,8 @@ def blocked_counts(log: str, guard: str) -> list[int]:
                                        r"tokens \(\d+ pieces sent\); the target sent (\d+) more after the block", log)]
 
 
-def run_blocks(url: str, guard: str, prompts: list[str], concurrency: int) -> None:
-    """Stream every prompt (each ends blocked: the client's error is expected)."""
+def run_blocks(url: str, guard: str, prompts: list[str], concurrency: int) -> int:
+    """Stream every prompt (a block is the client's error); the number blocked."""
     per = [prompts[i::concurrency] for i in range(concurrency)]
     errors: list[str] = []
 
@@ -100,28 +101,37 @@ def run_blocks(url: str, guard: str, prompts: list[str], concurrency: int) -> No
         t.start()
     for t in threads:
         t.join(300)
-    if sum("content_filter" in e for e in errors) != len(prompts):
-        raise RuntimeError(f"{guard}: expected every request blocked, got {errors[:3]}")
+    other = [e for e in errors if "content_filter" not in e]
+    if other:
+        raise RuntimeError(f"{guard}: {other[:3]}")
+    return len(errors)
 
 
-def run(workdir: Path, *, rounds: int = 3, concurrency: tuple[int, ...] = (1, 8), tokens: int = 128) -> dict[str, Any]:
+def run(workdir: Path, *, rounds: int = 3, concurrency: tuple[int, ...] = (1, 8), tokens: int = 128,
+        steps: int | None = None) -> dict[str, Any]:
     from examples.texts import stdlib_sentences
 
     repo = workdir / "rails_repo"
     repo.mkdir(parents=True, exist_ok=True)
     sentences = [s[:80] for s in stdlib_sentences(64)]
-    word = build(repo, sentences[:16])
+    word = build(repo, sentences[:16], steps)
     log_path = workdir / "rails_tritonserver.log"
     out: dict[str, Any] = {"blocked_word": word, "window": WINDOW, "ttft": {}, "after_block": {}}
     with Server(repository=repo, log_path=log_path) as server:
         server.start(wait_models=("tinylm", "rails_classifier", "rails_stop", "rails_drain", *TTFT_MODELS))
         for guard in ("rails_drain", "rails_stop"):
             for c in concurrency:
-                before = len(blocked_counts(server.tail(100000), guard))
-                run_blocks(server.grpc_url, guard, sentences[:16], c)
-                counts = blocked_counts(server.tail(100000), guard)[before:]
-                out["after_block"][f"{guard} c={c}"] = {"n": len(counts), "median": statistics.median(counts),
-                                                        "max": max(counts)}
+                before = len(blocked_counts(server.tail(10**6), guard))
+                n = run_blocks(server.grpc_url, guard, sentences[:16], c)
+                deadline = time.monotonic() + 120  # the guard logs a block once the target's rest is read
+                while len(counts := blocked_counts(server.tail(10**6), guard)[before:]) < n:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.5)
+                if not counts:
+                    raise RuntimeError(f"{guard}: no answer was blocked (the word {word!r} never came)")
+                out["after_block"][f"{guard} c={c}"] = {"blocked": n, "logged": len(counts), "requests": 16,
+                                                        "median": statistics.median(counts), "max": max(counts)}
                 sys.stderr.write(f"{guard} c={c}: tokens after the block {out['after_block'][f'{guard} c={c}']}\n")
         for c in concurrency:
             prompts = sentences[:max(16, 8 * c)]
@@ -143,9 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.rails_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, help="also write the result here")
+    ap.add_argument("--steps", type=int, help="tinylm's training steps (default: the example's)")
+    ap.add_argument("--workdir", type=Path, help="keep the repository and the server log here")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="rails_bench_") as tmp:
-        result = run(Path(tmp), rounds=args.rounds)
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        result = run(args.workdir, rounds=args.rounds, steps=args.steps)
+    else:
+        with tempfile.TemporaryDirectory(prefix="rails_bench_") as tmp:
+            result = run(Path(tmp), rounds=args.rounds, steps=args.steps)
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
