@@ -25,7 +25,7 @@ from exporter.cli.status import collect, live, print_live, table, unreachable
 from exporter.cli.watch import watch as watch_view
 from exporter.errors import EXIT_BAD_INPUT, ExporterError
 from exporter.rollout.reconcile import reconcile_registry
-from exporter.rollout.route import RouteChange, RouteError, apply, parse_arms, show, state_summary
+from exporter.rollout.route import RouteChange, apply, parse_arms, show, state_summary
 from tritonguard.privacy.tenancy.auth import new_api_key
 from tritonguard.privacy.tenancy.config import TenancyConfig
 
@@ -252,9 +252,9 @@ def route(
             _where(repository)
             apply(repository, model, change)
         state = show(repository, model, reconcile=changing)  # showing alone writes nothing
-    except RouteError as exc:
+    except ExporterError as exc:  # RouteError; NotAGuard (a model that is not a guard): one line, no traceback
         err.print(f"[bold red]✗ route failed:[/] {exc}")
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        raise typer.Exit(exc.exit_code) from None
     if as_json:
         typer.echo(json.dumps(state, indent=2))
         return

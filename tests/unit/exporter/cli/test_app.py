@@ -274,3 +274,13 @@ def test_a_payload_limit_set_in_pyproject_is_not_overridden_by_the_export(tmp_pa
     cfg = repository.read_config(repo / "tiny")
     assert "validation.max_payload_bytes" not in model_parameters(cfg)
     assert layered_parameters(model_parameters(cfg), repo, {})["validation.max_payload_bytes"] == "4096"
+
+
+def test_route_on_a_model_that_is_not_a_guard_is_one_line_exit_2(tmp_path):
+    """`exporter route digits_raw` (the target, not its guard) printed a traceback ending in
+    NotAGuard, exit 1; an unknown model likewise."""
+    export(tiny_spec(), name="tiny", repository=tmp_path, source="test:tiny")
+    for model, says in (("tiny_raw", "'tiny_raw' is not a guard model"), ("nope", "no model 'nope'")):
+        res = CliRunner().invoke(app, ["route", model, "--repository", str(tmp_path), "--primary", "1"])
+        assert res.exit_code == 2, res.output
+        assert says in res.stderr and "Traceback" not in res.output, res.output
