@@ -309,6 +309,15 @@ def run_stream(args: argparse.Namespace, workdir: Path) -> dict:
     return result
 
 
+def run_kafka(args: argparse.Namespace, workdir: Path) -> dict:
+    """`exporter stream` through a Kafka broker vs perf_analyzer at the same concurrency (perf/kafka_bench.py)."""
+    from perf import kafka_bench
+
+    result = kafka_bench.run(args.repository.resolve(), workdir, events=args.kafka_events)
+    kafka_bench.print_result(result)
+    return result
+
+
 def run_rollout(args: argparse.Namespace, workdir: Path) -> dict:
     """Time to full promotion, user-visible errors and throughput during vs before (perf/rollout_bench.py)."""
     from perf import rollout_bench
@@ -365,6 +374,8 @@ def run_only(args: argparse.Namespace) -> int:
         result = run_tracing(args, workdir)
     elif args.only == "stream":
         result = run_stream(args, workdir)
+    elif args.only == "kafka":
+        result = run_kafka(args, workdir)
     else:
         from perf import canary
 
@@ -401,7 +412,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="digits guard with tracing off / 1 %% sampled / ratio 0, alternating (~3 min)")
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                     help="the decoupled guard in front of tinylm vs raw, c=1 and 8, gRPC streaming (~3 min)")
-    ap.add_argument("--only", choices=["canary", "privacy", "rollout", "stream", "tracing", "tune"],
+    ap.add_argument("--kafka", action=argparse.BooleanOptionalAction, default=True,
+                    help="exporter stream (Tansu broker) vs perf_analyzer on digits at c=16: events/s, e2e p50/p99")
+    ap.add_argument("--kafka-events", type=int, default=20_000, help="events of the Kafka section's burst")
+    ap.add_argument("--only", choices=["canary", "kafka", "privacy", "rollout", "stream", "tracing", "tune"],
                     help="run just this scenario (skips the guarded/raw sweep)")
     args = ap.parse_args(argv)
     if args.only:
@@ -444,8 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     rollout = run_rollout(args, workdir) if args.rollout and "digits" in args.models else None
     tuned = run_tune(args, workdir) if args.tune and "minilm" in args.models else None
     stream = run_stream(args, workdir) if args.stream else None
+    kafka = run_kafka(args, workdir) if args.kafka and "digits" in args.models else None
     report = {
-        "privacy": privacy, "tracing": tracing, "rollout": rollout, "tune": tuned, "stream": stream,
+        "privacy": privacy, "tracing": tracing, "rollout": rollout, "tune": tuned, "stream": stream, "kafka": kafka,
         "timestamp": stamp, "machine": {"cpus": os.cpu_count()},
         "settings": {"window_ms": args.window_ms, "trials": args.trials, "rounds": args.rounds, "protocol": "http",
                      "minilm_sentences": args.sentences},
@@ -473,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
             f"c={c} TTFT {p['ttft_added_ms']:+.1f} ms, tokens/s {p['tokens_ratio']:.2f} of raw"
             for c, p in stream["points"].items())
             + f" (in-process placement: {'met' if stream.get('meets_target_inprocess') else 'missed too'})")
+    if kafka is not None and not kafka["meets_target"]:
+        missed.append(f"kafka stream: {kafka['ratio']:.2f} of perf_analyzer, {kafka['lost']} lost")
     if tuned is not None and not tuned["ok"]:
         missed.append(f"tune {tuned['model']}: {tuned.get('error') or 'slower than the defaults or over time'}")
     if missed:
