@@ -69,8 +69,10 @@ def build(repo: Path, prompts: list[str], steps: int | None = None) -> str:
     io = {k: v for k, v in example.triton_config("x").items()
           if k in ("input", "output", "max_batch_size", "model_transaction_policy")}
     common = {"rails.holdback_tokens": str(WINDOW), "stream_interval_ms": "0"}
-    _guard(repo, "rails_stop", io, **{"rails.block_words": word, **common})
-    _guard(repo, "rails_drain", io, **{"rails.block_words": word, "stop_requests": "false", **common})
+    # the prompts are not judged here: a prompt holding the word would be refused before any token
+    blocks = {"rails.block_words": word, "rails.check_prompt": "false", **common}
+    _guard(repo, "rails_stop", io, **blocks)
+    _guard(repo, "rails_drain", io, **{**blocks, "stop_requests": "false"})
     _guard(repo, "norails", io, stream_interval_ms="0")
     _guard(repo, "words", io, **{"rails.block_words": "bomb,nerve agent,weapon,poison", **common})
     _guard(repo, "pattern", io, **{"rails.pattern.CARD": r"\b4\d{3}( \d{4}){3}\b", **common})
