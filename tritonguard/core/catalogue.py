@@ -95,10 +95,10 @@ GENERATION_ZERO_AT_LOAD = (*(("gen_requests", {"outcome": o}) for o in GENERATIO
                 *(("gen_tokens", {"direction": d}) for d in ("in", "out")))
 
 # Triton /metrics of a stream guard (per model and version; counters also per tenant)
-STREAM_OUTCOMES = ("ok", "rejected", "cancelled", "target_error", "error")
+STREAM_OUTCOMES = ("ok", "rejected", "blocked", "cancelled", "target_error", "error")
 STREAM_COUNTERS = {
     "stream_requests": ("tritonguard_stream_requests_total",
-                        "Requests to a stream guard, by outcome (ok, rejected, cancelled, target_error, error) and tenant"),
+                        "Requests to a stream guard, by outcome (ok, rejected, blocked by a rail, cancelled, target_error, error) and tenant"),
     "stream_tokens": ("tritonguard_stream_tokens_total",
                       "Tokens through a stream guard, by direction (in: prompt characters, out: generated tokens) and tenant"),
     "stream_redactions": ("tritonguard_stream_redactions_total", "PII spans a stream guard redacted, by direction"),
