@@ -142,6 +142,7 @@ class Generation:
     tenant: str = ""
     quota_admitted: bool = False  # holds a tenancy.quotas in-flight slot
     budget_admitted: bool = False  # holds a tokens.max_in_flight slot
+    budget_reserved: int = 0  # tokens reserved from the tenant's tokens.per_minute, settled at the end
     version: int | None = None  # the target version routing picked
     role: str = ""  # primary / candidate / shadow... as routing picked it; "fallback" after one
     draw: float = 0.0

@@ -7,6 +7,7 @@ for the admitted are released by :class:`QuotaReleaseStage` at the end of every 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +20,10 @@ from tritonguard.triton import backend as triton
 class TenancyStage(Stage):
     """Who each request is from and whether its tenant may send it now. A batch: refusals, and
     quota slots released by :class:`QuotaReleaseStage`. A generation (``budget``: its token
-    budget, ``tokens.*``): admitted or refused with retry advice; at its end the tokens it was
-    sent are charged and metered (in: prompt characters, out: generated tokens) and its slots
-    given back."""
+    budget, ``tokens.*``): its ``max_tokens`` reserved from its tenant's budget (the stream is cut
+    at what was reserved) or refused with retry advice; at its end, however it ended, the
+    reservation is settled with the tokens generated (the unused part given back), metered (in:
+    prompt characters, out: generated tokens) and its slots given back."""
 
     name = "tenancy"
 
@@ -92,21 +94,25 @@ class TenancyStage(Stage):
             if why is not None:
                 raise QuotaExceeded(why)
             gen.quota_admitted = True
-        why = self.budget.admit(tenant)
+        # the generation's max_tokens reserved now, not charged after the fact (tokens.*)
+        want = gen.params.max_tokens if gen.params is not None else 1
+        reserved, why = self.budget.reserve(tenant, want)
         if why is not None:
             self._release_quota(gen)
             raise QuotaExceeded(why)
-        gen.budget_admitted = True
+        gen.budget_admitted, gen.budget_reserved = True, reserved
+        if gen.params is not None and reserved < want:  # over a minute's worth: cut at the reservation
+            gen.params = dataclasses.replace(gen.params, max_tokens=reserved)
 
     def end(self, gen: Any) -> None:
         label = self.label(gen.tenant)
         self.metrics.inc("stream_tokens", len(gen.prompt), direction="in", tenant=label)
         if gen.tokens_out:
-            self.budget.charge(gen.tenant, gen.tokens_out)
             self.metrics.inc("stream_tokens", gen.tokens_out, direction="out", tenant=label)
-        if gen.budget_admitted:
+        if gen.budget_admitted:  # the unused part of the reservation goes back, however it ended
+            self.budget.settle(gen.tenant, gen.budget_reserved, gen.tokens_out)
             self.budget.release(gen.tenant)
-            gen.budget_admitted = False
+            gen.budget_admitted, gen.budget_reserved = False, 0
         self._release_quota(gen)
 
     def _release_quota(self, gen: Any) -> None:

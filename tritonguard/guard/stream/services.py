@@ -33,7 +33,12 @@ from tritonguard.privacy.cache.semantic import SemanticCache
 from tritonguard.privacy.cache.tiered import TieredCache
 from tritonguard.privacy.redaction import Redactor
 from tritonguard.privacy.tenancy.budget import TokenBudget
-from tritonguard.privacy.tenancy.fleet import FleetQuotaManager, fleet_url
+from tritonguard.privacy.tenancy.fleet import (
+    FleetQuotaManager,
+    FleetTokenBudget,
+    fleet_url,
+    token_budget,
+)
 from tritonguard.privacy.tenancy.labels import TenantLabels
 from tritonguard.privacy.tenancy.quotas import QuotaManager
 
@@ -51,7 +56,8 @@ class StreamServices:
             url = store_url()
             if fleet_url(url):
                 self.quotas = FleetQuotaManager(s.tenancy, url, guard=name, local=self.quotas)
-        self.budget = TokenBudget(s.tokens)
+        # tokens reserved at admission; with a Redis state URL one budget for the fleet
+        self.budget: TokenBudget = token_budget(s.tokens, guard=name, url=store_url())
         self.label = TenantLabels()
         self.cache: TieredCache | None = None
         if s.cache.enabled:
@@ -97,3 +103,5 @@ class StreamServices:
             self.audit.close()
         if isinstance(self.quotas, FleetQuotaManager):
             self.quotas.close()
+        if isinstance(self.budget, FleetTokenBudget):
+            self.budget.close()

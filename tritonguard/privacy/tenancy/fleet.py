@@ -45,6 +45,7 @@ from typing import Any
 
 from tritonguard.core.outage import Backoff
 from tritonguard.core.store import redacted, redis_client, redis_prefix, store_error
+from tritonguard.privacy.tenancy.budget import TokenBudget, TokenBudgetConfig, budget_refusal
 from tritonguard.privacy.tenancy.config import FALLBACK, MAX_TRACKED, Quota, TenancyConfig
 from tritonguard.privacy.tenancy.quotas import QuotaManager
 
@@ -408,9 +409,221 @@ class FleetQuotaManager(QuotaManager):
                 close()
 
 
+# -- token budgets (tokens.per_minute) for the fleet ------------------------------------------
+# KEYS[1] the tenant's token bucket hash; ARGV rate (tokens/s), capacity, want, extra, now (< 0:
+# Redis's own TIME), mode. mode 0: all or nothing, ``want`` and up to ``extra`` more while the bucket
+# holds them, else nothing and the seconds until ``want`` have refilled; mode 1: ``want`` tokens
+# taken whatever the bucket holds (an overrun: it may go below zero); mode 2: ``want`` tokens given
+# back (capped at the capacity). Returns {granted, wait seconds, the bucket's tokens after (strings)}.
+_RESERVE = """
+local now = tonumber(ARGV[5])
+if now < 0 then local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1000000 end
+local rate, cap, want, extra, mode = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[6]
+local b = redis.call('HMGET', KEYS[1], 'tokens', 'stamp')
+local tokens = tonumber(b[1])
+if tokens == nil then tokens = cap else tokens = math.min(cap, tokens + math.max(0, now - tonumber(b[2])) * rate) end
+local grant, wait = 0, 0
+if mode == '2' then
+  tokens = math.min(cap, tokens + want)
+  grant = want
+elseif mode == '1' then
+  tokens = tokens - want
+  grant = want
+elseif tokens >= want then
+  grant = want + math.max(0, math.min(extra, math.floor(tokens - want)))
+  tokens = tokens - grant
+else
+  wait = (want - tokens) / rate
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'stamp', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil((cap - tokens) / rate * 1000) + 60000)
+return {grant, tostring(wait), tostring(tokens)}
+"""
+
+
+class _Pool:
+    __slots__ = ("tokens", "deny_until", "wait", "local")
+
+    def __init__(self) -> None:
+        self.tokens = 0  # leased from the fleet's bucket, not reserved by a generation (< 0: owed)
+        self.deny_until = 0.0  # the bucket could not cover a reservation: refuse locally until then
+        self.wait = 0.0
+        self.local = 0  # reservations in flight made by the local budget (Redis unreachable)
+
+
+class FleetTokenBudget(TokenBudget):
+    """``tokens.per_minute`` for the whole fleet: one bucket per tenant in Redis, refilled by
+    Redis's clock in an atomic Lua script (:data:`_RESERVE`), leased as the fleet quota's rate is.
+
+    A replica holds a small pool of tokens per tenant (at most :attr:`lease_s` seconds of the
+    rate) and reserves a generation's ``max_tokens`` from it; only a pool that cannot cover the
+    reservation asks Redis, on the request path, for the reservation *all or nothing* plus a
+    lease's worth more if the bucket holds it, so two replicas never split the last tokens between
+    them and neither can start. A refused ask says how long until the reservation has refilled;
+    the replica refuses that tenant locally until then. Settling puts the unused part back in the
+    pool and gives back to Redis what the pool holds beyond a lease, at once (the end path, after
+    the client's last response), so tokens never idle in a replica that stopped serving that
+    tenant; an overrun is owed by the pool and paid from the next ask. A replica that dies holds at
+    most a lease and its reservations in flight: the bucket refills them within the minute.
+
+    ``tokens.max_in_flight`` stays per process. Redis unreachable: this process's own bucket
+    judges (:class:`TokenBudget`, the behaviour without Redis), counted in :attr:`degraded`, and
+    Redis is skipped for a backoff as for the quotas. ``shared_clock=False`` sends ``clock()`` to
+    the script instead of Redis's TIME (tests)."""
+
+    lease_s = 0.1
+    BACKOFF_START_S = 1.0
+    BACKOFF_MAX_S = 30.0
+
+    def __init__(self, config: TokenBudgetConfig, url: str, *, guard: str, timeout_s: float = 0.05,
+                 key_prefix: str | None = None, clock: Any = time.monotonic, minute_s: float = 60.0,
+                 shared_clock: bool = True, client: Any = None) -> None:
+        import redis
+
+        super().__init__(config, clock, minute_s=minute_s)
+        self._redis = redis
+        self.url, self.guard, self.where = url, guard, redacted(url)
+        self.shared_clock = shared_clock
+        self.prefix = f"{redis_prefix('quota') if key_prefix is None else key_prefix}{guard}:tokens:"
+        self.client = client or redis_client(url, timeout=timeout_s)
+        self._reserve = self.client.register_script(_RESERVE)
+        self._health = Backoff(clock, self.BACKOFF_START_S, self.BACKOFF_MAX_S)
+        self._pools: dict[str, _Pool] = {}
+        self.degraded = 0  # reservations judged by this process's bucket: Redis unreachable
+        self.errors = 0  # Redis calls that failed
+        self.asks = 0  # Redis calls made (most reservations are served from the pool)
+
+    @property
+    def lease(self) -> int:
+        return max(1, min(self.config.per_minute, math.ceil(self.rate * self.lease_s)))
+
+    def available(self) -> bool:
+        return self._health.available()
+
+    def _call(self, want: int, extra: int, mode: int, tenant: str) -> tuple[int, float, float] | None:
+        """One script call: (granted, wait s, the bucket's tokens after); None after a failure
+        (counted; Redis then backs off)."""
+        now = -1.0 if self.shared_clock else self.clock()
+        self.asks += 1
+        try:
+            out = self._reserve(keys=[self.prefix + tenant],
+                                args=[self.rate, self.config.per_minute, want, extra, now, mode])
+        except (self._redis.RedisError, OSError) as exc:
+            self.errors += 1
+            log.warning("fleet token budget: %s unreachable (%s); judging by this process's budget for %.0f s",
+                        self.where, store_error(exc, self.url), self._health.fail())
+            return None
+        if self._health.recover():
+            log.info("fleet token budget: %s reachable again", self.where)
+        return int(out[0]), float(out[1]), float(out[2])
+
+    def _pool(self, tenant: str) -> _Pool:
+        pool = self._pools.get(tenant)
+        if pool is None:
+            if len(self._pools) >= MAX_TRACKED:  # forget idle tenants whose pools are empty
+                for name in [n for n, p in self._pools.items() if not (p.tokens or p.local)]:
+                    del self._pools[name]
+            pool = self._pools[tenant] = _Pool()
+        return pool
+
+    def reserve(self, tenant: str, want: int) -> tuple[int, str | None]:
+        if not self.config.per_minute:
+            return super().reserve(tenant, want)
+        want = self.cap(want)
+        with self._lock:
+            why = self._take_slot(tenant)
+            if why is not None:
+                self.rejected += 1
+                return 0, why
+            pool = self._pool(tenant)
+            if pool.tokens >= want:
+                pool.tokens -= want
+                return want, None
+            now = self.clock()
+            denied = now < pool.deny_until
+            short = want - pool.tokens  # a debt in the pool is paid with this ask
+            wait = pool.deny_until - now
+        if not denied and self.available():
+            got = self._call(short, self.lease, 0, tenant)
+            if got is not None:
+                with self._lock:
+                    pool.tokens += got[0]
+                    if pool.tokens >= want:
+                        pool.tokens -= want
+                        return want, None
+                    pool.deny_until, wait = now + got[1], got[1]
+                    denied = True
+        if denied:
+            with self._lock:
+                self._in_flight[tenant] -= 1
+                self.rejected += 1
+            return 0, budget_refusal(tenant, self.config.per_minute, want, math.ceil(wait * 1000))
+        # Redis unreachable: this process's bucket judges (its slot is taken again there)
+        self.release(tenant)
+        self.degraded += 1
+        granted, why = super().reserve(tenant, want)
+        if why is None:
+            with self._lock:
+                self._pool(tenant).local += 1
+        return granted, why
+
+    def settle(self, tenant: str, reserved: int, used: int) -> None:
+        if not self.config.per_minute:
+            return
+        back = reserved - max(0, used)
+        with self._lock:
+            pool = self._pool(tenant)
+            if pool.local > 0:  # reserved from this process's bucket while Redis was away
+                pool.local -= 1
+                local = True
+            else:
+                local = False
+                pool.tokens += back
+                spare = pool.tokens - self.lease
+                if spare > 0 or pool.tokens < 0:
+                    give = spare if spare > 0 else pool.tokens  # < 0: an overrun, paid now
+                    pool.tokens -= give
+                else:
+                    give = 0
+        if local:
+            super().settle(tenant, reserved, used)
+        elif give and (not self.available() or
+                       self._call(abs(give), 0, 2 if give > 0 else 1, tenant) is None):
+            with self._lock:
+                pool.tokens += give  # still ours: given back (or paid) with a later call
+
+    def balance(self, tenant: str) -> float:
+        """The fleet bucket's tokens now (without taking any); this process's if Redis is away."""
+        if not self.config.per_minute or not self.available():
+            return super().balance(tenant)
+        got = self._call(0, 0, 2, tenant)  # gives back nothing: reads the refilled bucket
+        return super().balance(tenant) if got is None else got[2]
+
+    def close(self) -> None:
+        """Give back what the pools hold (a debt is paid)."""
+        if self.config.per_minute and self.available():
+            with self._lock:
+                items = [(t, p.tokens) for t, p in self._pools.items() if p.tokens]
+                for _, p in self._pools.items():
+                    p.tokens = 0
+            for tenant, tokens in items:
+                if self._call(abs(tokens), 0, 2 if tokens > 0 else 1, tenant) is None:
+                    break
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+def token_budget(config: TokenBudgetConfig, *, guard: str, url: str | None = None) -> TokenBudget:
+    """The guard's token budget: the fleet's (Redis state URL and a per-minute budget) or this
+    process's."""
+    if url is not None and fleet_url(url) and config.per_minute:
+        return FleetTokenBudget(config, url, guard=guard)
+    return TokenBudget(config)
+
+
 def fleet_url(url: str) -> bool:
     """Whether a state URL names Redis (fleet quotas), not the file store."""
     return url.startswith(("redis://", "rediss://", "unix://"))
 
 
-__all__ = ["FALLBACK", "FleetQuotaManager", "KEY_PREFIX", "fleet_url"]
+__all__ = ["FALLBACK", "FleetQuotaManager", "FleetTokenBudget", "KEY_PREFIX", "fleet_url", "token_budget"]
