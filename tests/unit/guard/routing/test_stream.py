@@ -352,3 +352,122 @@ def test_the_latency_gate_gets_whole_generations_sized_by_their_tokens(tmp_path)
         assert router.breaker(2).latency_p95(1) == pytest.approx(4.0, rel=0.01)
     finally:
         router.close()
+
+
+# -- paired timings for the latency gate (issue 42 item 5) --------------------------------------
+LOAD_PHASE_S = 0.3  # the stand-in machine load changes every this many seconds
+
+
+def timed_version(per_token_s, tokens=10):
+    """A version whose answer is ``tokens`` characters, each costing ``per_token_s`` times the
+    machine's load when the call starts: 1x and 3x in alternating phases, as a neighbour's bursts
+    would slow whatever runs then (both versions alike). One sleep a call: each sleep overshoots
+    by the scheduler's delay on a busy machine, and that pulls any ratio towards 1."""
+
+    def generate(prompt, sampling):
+        load = 3.0 if int(time.monotonic() / LOAD_PHASE_S) % 2 else 1.0
+        time.sleep(tokens * per_token_s * load)
+        return ("x" * tokens + prompt)[:tokens]
+
+    return generate
+
+
+def paired_ratio(tmp_path, slowdown, pairs=24, per_token_s=0.003):
+    """(gate result, calls) of ``pairs`` canary comparisons of a candidate ``slowdown`` times
+    slower per token than the primary, timed by the comparison worker, judged by the rollout's
+    latency gate at a 5 % tolerance (the functional test's)."""
+    from exporter.rollout.gates.latency import latency_gate
+    from tritonguard.rollout.latency import LatencyRecorder, open_latency_log, paired_key
+
+    primary, cand = timed_version(per_token_s), timed_version(per_token_s * slowdown)
+    router, metrics, calls, _ = make(tmp_path, {1: primary, 2: cand}, candidate=2, share=0.5)
+    log = open_latency_log("g", tmp_path / "repo", url="")
+    router.latency = LatencyRecorder(log)
+    try:
+        for i in range(pairs):
+            prompt = f"p{i}"
+            router.after_served(2, 0.1, prompt, '{"max_tokens": 10}', "x" * 10, deterministic=True)
+            deadline = time.monotonic() + 30  # one pair at a time: the worker's job done, not only taken
+            while metrics.total("compared", kind="canary") < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+        assert router.latency.flush()
+        got_c, got_p = log.read(paired_key(2, "candidate")), log.read(paired_key(2, "primary"))
+        assert len(got_c) == len(got_p) == pairs, (len(got_c), len(got_p))
+        assert set(got_c.rows.tolist()) == set(got_p.rows.tolist()) == {10}  # sized by the answer
+        assert metrics.total("compared", kind="canary", verdict="PASS", target_version="2") == pairs
+        return latency_gate(got_c, got_p, 1, tolerance=0.05, min_samples=10), calls
+    finally:
+        router.close()
+
+
+def test_canary_times_candidate_and_primary_on_the_same_prompt_in_alternating_order(tmp_path):
+    router, metrics, calls, _ = make(tmp_path, {1: echo, 2: echo}, candidate=2)
+    from tritonguard.rollout.latency import LatencyRecorder, open_latency_log
+
+    router.latency = LatencyRecorder(open_latency_log("g", tmp_path / "repo", url=""))
+    try:
+        for i in range(4):
+            router.after_served(2, 0.5, f"q{i}", '{"max_tokens": 4}', echo(f"q{i}", '{"max_tokens": 4}'),
+                                deterministic=True)
+            drain(router)
+        # each served canary: the same prompt run by both versions, back to back, order alternating
+        assert calls == [(2, "q0"), (1, "q0"), (1, "q1"), (2, "q1"), (2, "q2"), (1, "q2"), (1, "q3"), (2, "q3")]
+        assert metrics.total("compared", kind="canary", verdict="PASS", target_version="2") == 4
+    finally:
+        router.close()
+
+
+def test_without_a_latency_log_the_canary_runs_only_the_primary(tmp_path):
+    router, _, calls, _ = make(tmp_path, {1: echo, 2: echo}, candidate=2)
+    try:
+        router.after_served(2, 0.5, "q", '{"max_tokens": 4}', echo("q", '{"max_tokens": 4}'), deterministic=True)
+        drain(router)
+        assert calls == [(1, "q")]
+    finally:
+        router.close()
+
+
+@pytest.mark.parametrize("slowdown", [1.16, 1.64])
+def test_paired_timings_read_a_slower_generator_under_changing_load(tmp_path, slowdown):
+    """The machine's load triples every other phase (both versions alike, as on a shared host);
+    timed on paired prompts the gate's ratio still reads the build's slowdown, above the 5 %
+    tolerance, and the gate never PASSes it. Real clock: only the ratio is asserted, with a
+    margin for sleep overshoot (it adds to both sides and pulls the ratio towards 1)."""
+    gate, _ = paired_ratio(tmp_path, slowdown)
+    ratio = gate.figures["ratio"]
+    print(f"slowdown {slowdown}: gate ratio {ratio:.3f}, {gate.verdict} ({gate.reason})")
+    assert ratio >= 1.05, gate.figures
+    assert ratio >= 1 + (slowdown - 1) / 2, gate.figures  # at least half of the slowdown is seen
+    assert gate.verdict != "PASS", gate.figures
+
+
+def test_paired_timings_read_equal_builds_as_equal_under_changing_load(tmp_path):
+    gate, _ = paired_ratio(tmp_path, 1.0)
+    print(f"equal builds: gate ratio {gate.figures['ratio']:.3f}, {gate.verdict}")
+    assert 0.9 <= gate.figures["ratio"] <= 1.1, gate.figures
+    assert gate.verdict != "FAIL", gate.figures
+
+
+def test_paired_timings_drop_and_count_when_the_queue_is_full(tmp_path):
+    """The comparisons stay off the client's path: a full queue drops a canary (counted), it
+    never waits for the worker."""
+    import threading
+
+    gate = threading.Event()
+
+    def blocked(prompt, sampling):
+        gate.wait(10)
+        return echo(prompt, sampling)
+
+    router, metrics, _, _ = make(tmp_path, {1: blocked, 2: echo}, candidate=2)
+    from tritonguard.rollout.latency import LatencyRecorder, open_latency_log
+
+    router.latency = LatencyRecorder(open_latency_log("g", tmp_path / "repo", url=""))
+    try:
+        for i in range(router.worker.jobs.maxsize + 5):  # a queue that waited would hang here
+            router.after_served(2, 0.5, f"q{i}", '{"max_tokens": 4}', "x", deterministic=True)
+        assert router.worker.dropped >= 4
+        assert metrics.total("compare_drops") == router.worker.dropped
+    finally:
+        gate.set()
+        router.close()
