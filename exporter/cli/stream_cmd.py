@@ -46,7 +46,11 @@ def stream_command(
     dlq: Annotated[str | None, typer.Option(help="Dead-letter topic (default: OUTPUT.dlq).")] = None,
     max_batch: Annotated[int, typer.Option(min=1, help="Events read and sent to Triton together at most.")] = 32,
     max_wait_ms: Annotated[float, typer.Option(min=0, help="Time a micro-batch waits to fill.")] = 5.0,
-    max_inflight: Annotated[int, typer.Option(min=1, help="Events read and not yet acknowledged, at most.")] = 256,
+    max_inflight: Annotated[int, typer.Option(min=1, help="Requests at Triton at once, at most.")] = 256,
+    read_ahead: Annotated[int, typer.Option(min=1, help="Per partition: events read and not yet acknowledged; "
+                                            "the partition is paused above it (resumed at half).")] = 2000,
+    read_ahead_bytes: Annotated[int, typer.Option(min=1, help="Per partition: bytes of those events' keys and "
+                                                  "values; paused above it.")] = 32 * 2**20,
     partition_by: Annotated[str, typer.Option(help="Output partition: 'input' (the event's partition number, "
                                                "order kept per input partition) or 'key' (hash of the key).")] = "input",
     session_timeout_ms: Annotated[int, typer.Option(min=1000, help="Group session timeout: a consumer that died "
@@ -82,6 +86,7 @@ def stream_command(
         raise typer.Exit(EXIT_BAD_INPUT)
     cfg = StreamConfig(bootstrap=bootstrap, topic=topic, output=output, model=model, url=url, group=group, dlq=dlq,
                        max_batch=max_batch, max_wait_ms=max_wait_ms, max_inflight=max_inflight,
+                       read_ahead=read_ahead, read_ahead_bytes=read_ahead_bytes,
                        partition_by=partition_by, session_timeout_ms=session_timeout_ms, offset_reset=offset_reset,
                        kafka=_kafka_settings(kafka or []), record=record, sticky=sticky)
     wanted = None

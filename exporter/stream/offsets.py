@@ -38,6 +38,14 @@ class OffsetTracker:
             acked.discard(done := taken.popleft())
             self._next[tp] = done + 1
 
+    def untake(self, tp: TP, offset: int) -> None:
+        """The events from ``offset`` on were read and never sent (the read-ahead of a partition
+        given up): forgotten, so the commit never waits for them; the partition's next owner reads
+        them again from the committed offset."""
+        taken, acked = self._taken.get(tp), self._acked.get(tp, set())
+        while taken and taken[-1] >= offset:
+            acked.discard(taken.pop())
+
     def pending(self, tp: TP | None = None) -> int:
         """Events taken and not yet acknowledged, of one partition or all."""
         if tp is not None:

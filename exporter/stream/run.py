@@ -1,8 +1,16 @@
-"""The stream's one loop: consume a micro-batch (``--max-batch`` events or ``--max-wait-ms``),
-send each event as its own request to the guard over gRPC (async, all of the batch at once, so
-Triton's dynamic batcher merges them and a refused event fails only itself), and produce the
-outputs of every partition in input order as they complete. Offsets are committed only behind
-outputs the broker acknowledged (:mod:`exporter.stream.offsets`).
+"""The stream's one loop: consume a micro-batch (``--max-batch`` events or ``--max-wait-ms``)
+into a read-ahead queue, send each event as its own request to the guard over gRPC (async, as
+many at once as ``--max-inflight`` allows, so Triton's dynamic batcher merges them and a refused
+event fails only itself), and produce the outputs of every partition in input order as they
+complete. Offsets are committed only behind outputs the broker acknowledged
+(:mod:`exporter.stream.offsets`).
+
+Backpressure: how many requests Triton holds (``--max-inflight``) is bounded apart from how far
+the consumer reads ahead (``--read-ahead`` events and ``--read-ahead-bytes`` per partition, read
+and not yet acknowledged): a partition is paused only when its read-ahead is full, and resumed
+when it drains to half. Pausing on every Triton slot would be slow: librdkafka's ``pause()``
+throws away what it had fetched for the partition (confluentinc/librdkafka#5343), so each resume
+fetches again.
 
 Errors: a refusal by the guard (INVALID_ARGUMENT, PERMISSION_DENIED, UNAUTHENTICATED,
 FAILED_PRECONDITION, OUT_OF_RANGE) or an event that does not decode is a dead letter; Triton
@@ -59,6 +67,7 @@ TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED",
 BAD_EVENT = "BAD_EVENT"  # the error code of an event that does not decode or fit the model
 MAX_MESSAGE = 1000  # characters of an error message kept in a dead letter's header
 H = "tritonguard-"  # header prefix
+READ_CHUNK = 500  # events taken from the consumer per turn while requests wait (the read-ahead fills)
 # the guard's request parameters (tritonguard.guard.routing.sticky; the exporter does not import the guard)
 ROUTING_KEY = "routing_key"
 PIN_PRIMARY = {"version": "primary"}
@@ -80,7 +89,9 @@ class StreamConfig:
     dlq: str | None = None  # default: <output>.dlq
     max_batch: int = 32
     max_wait_ms: float = 5.0
-    max_inflight: int = 256  # events read and not yet acknowledged (a bound on memory and redo work)
+    max_inflight: int = 256  # requests at Triton at once
+    read_ahead: int = 2000  # per partition: events read and not yet acknowledged (pause above)
+    read_ahead_bytes: int = 32 * 2**20  # per partition: their keys and values, in bytes (pause above)
     request_timeout_s: float = 30.0
     max_attempts: int = 3
     partition_by: str = "input"  # the output partition: the event's own partition number, or "key"
@@ -113,6 +124,8 @@ class Pending:
     message: str = ""
     done: bool = False
     dropped: bool = False  # its partition was revoked: the next owner redoes it
+    sent: bool = False  # taken off the read-ahead queue: sent to Triton (or failed to decode)
+    size: int = 0  # bytes of its key and value (the read-ahead's byte bound)
     attempts: int = 0
     replay: str | None = None  # a replay: the version that answered it first ("" unknown); None: not one
 
@@ -165,15 +178,23 @@ class Stream:
         # idempotent: the broker drops the producer's own retried duplicates and keeps its order
         self.producer = Producer({**common, "enable.idempotence": True, "acks": "all", "linger.ms": 2})
         self.partitions = {t: self._partitions(t) for t in (cfg.topic, cfg.output, cfg.dead_letters)}
+        self._state()
+
+    def _state(self) -> None:
+        """The loop's own state (apart from the clients, so that a test can wire fakes to it)."""
         self.tracker = OffsetTracker()
-        self.queues: dict[TP, deque[Pending]] = {}
+        self.queues: dict[TP, deque[Pending]] = {}  # per partition: read, output not yet produced
+        self.waiting: deque[Pending] = deque()  # read and not yet sent, in consume order
+        self.sending = 0  # requests at Triton (sent, not yet answered)
+        self.size: dict[TP, int] = {}  # per partition: bytes read and not yet acknowledged
+        self.held: set[TP] = set()  # partitions whose read-ahead is full
+        self.stopped: set[TP] = set()  # partitions paused in the consumer now
         self.answers: queue.SimpleQueue = queue.SimpleQueue()  # (pending, result, error) from gRPC threads
         self.retry: list[Pending] = []
         self.retry_at = 0.0
         # Triton unavailable: a retry after 0.2 s, doubling up to 5 s (the stores' pause rule)
         self.outage = Backoff(start_s=0.2, max_s=5.0)
-        self.paused = False  # Triton unavailable: every assigned partition paused
-        self.full = False  # --max-inflight events wait: every assigned partition paused
+        self.paused = False  # Triton unavailable: every assigned partition paused, nothing new sent
         self.fatal: str | None = None
         self.counts = {"consumed": 0, "results": 0, "dead": 0}
         self.progressed = (0, time.monotonic())  # results + dead letters at the last progress line
@@ -230,7 +251,8 @@ class Stream:
                 if now - last_progress >= self.cfg.progress_interval_s:
                     self._progress()
                     last_progress = now
-            if self.fatal is None:  # a stop: finish what was read, commit it, leave the group
+            if self.fatal is None:  # a stop: finish what Triton has, commit it, leave the group
+                self._unread(set(self.queues))  # the read-ahead: the next owner reads it again
                 self._drain(set(self.queues), deadline=time.monotonic() + 30.0)
                 self._commit(asynchronous=False)
         finally:
@@ -245,23 +267,21 @@ class Stream:
         return 0
 
     def _step(self) -> None:
-        room = self.cfg.max_inflight - self.tracker.pending()
-        if (room <= 0) != self.full:  # backpressure: paused while --max-inflight events wait
-            self.full = room <= 0
-            self._hold()
+        self._backpressure()
         # consume() is called on every turn, paused or not: it serves the group's callbacks and
-        # keeps max.poll.interval.ms from expelling a consumer that waits for Triton
-        held = self.full or self.paused
-        for msg in self.consumer.consume(num_messages=max(1, min(room, self.cfg.max_batch)),
-                                         timeout=0 if held else self.cfg.max_wait_ms / 1000):
+        # keeps max.poll.interval.ms from expelling a consumer that waits for Triton. It waits
+        # (the micro-batch's time) only when there is nothing else to do
+        full = self.sending >= self.cfg.max_inflight
+        busy = self.paused or full or bool(self.waiting)
+        # no partition reads past its read-ahead: at most the least room of those not held
+        room = min((self.cfg.read_ahead - self.tracker.pending(tp) for tp in self.queues if tp not in self.held),
+                   default=1)
+        for msg in self.consumer.consume(num_messages=max(1, min(room, READ_CHUNK if busy else self.cfg.max_batch)),
+                                         timeout=0 if busy else self.cfg.max_wait_ms / 1000):
             self._take(msg)  # (a paused partition may still hand over what was fetched before)
-        self._settle(timeout=0.005 if held else 0.0)
-        if self.retry and time.monotonic() >= self.retry_at:
-            again, self.retry = self.retry, []
-            for p in again:
-                self.metrics.retries.labels(p.code or "UNAVAILABLE").inc()
-                p.code = None
-                self._send(p)
+        self._dispatch()
+        self._settle(timeout=0.005 if self.paused or self.sending >= self.cfg.max_inflight else 0.0)
+        self._dispatch()
         self._emit()
         self.producer.poll(0)
         self.metrics.inflight.set(self.tracker.pending())
@@ -278,19 +298,53 @@ class Stream:
             return  # a message of a partition revoked meanwhile
         kind, ms = msg.timestamp()
         p = Pending(tp, msg.offset(), msg.key(), msg.value(), msg.headers() or [], ms / 1000 if kind and ms > 0 else None)
+        p.size = len(p.key or b"") + len(p.value or b"")
         self.tracker.take(tp, p.offset)
         self.queues[tp].append(p)
+        self.waiting.append(p)
+        self.size[tp] = self.size.get(tp, 0) + p.size
         self.counts["consumed"] += 1
         self.metrics.consumed.labels(tp[0]).inc()
-        try:
-            p.arrays = decode(p.value, self.specs, self.batched)
-        except EventError as exc:
-            p.fail(BAD_EVENT, str(exc))
+
+    def _dispatch(self) -> None:
+        """Send what waits, retries first, while Triton holds fewer than ``--max-inflight`` of the
+        stream's requests. While Triton is unavailable only the retries go (at the backoff's
+        pace); the read-ahead waits, uncommitted, and goes once Triton answers again."""
+        now = time.monotonic()
+        if self.retry and now >= self.retry_at:
+            room = max(0, self.cfg.max_inflight - self.sending)
+            again, self.retry = self.retry[:room], self.retry[room:]
+            for p in again:
+                self.metrics.retries.labels(p.code or "UNAVAILABLE").inc()
+                p.code = None
+                self._send(p)
+        if self.paused:
+            if not self.retry and not self.sending and self.waiting and now >= self.retry_at:
+                self._next(probe=True)  # nothing left to retry (revoked): a waiting event asks instead
             return
-        self._send(p)
+        while self.waiting and self.sending < self.cfg.max_inflight:
+            self._next()
+
+    def _next(self, probe: bool = False) -> None:
+        """The oldest waiting event: decoded and sent, or a dead letter when it does not decode."""
+        while self.waiting:
+            p = self.waiting.popleft()
+            if p.dropped:
+                continue
+            p.sent = True
+            try:
+                p.arrays = decode(p.value, self.specs, self.batched)
+            except EventError as exc:
+                p.fail(BAD_EVENT, str(exc))
+                if probe:
+                    continue
+                return
+            self._send(p)
+            return
 
     def _send(self, p: Pending) -> None:
         assert p.arrays is not None
+        self.sending += 1
         inputs = []
         for name, arr in p.arrays.items():
             i = grpcclient.InferInput(name, list(arr.shape), self.dtypes[name])
@@ -323,6 +377,7 @@ class Stream:
                 return
 
     def _answer(self, p: Pending, result: Any, error: Exception | None) -> None:
+        self.sending -= 1
         if p.dropped:
             return
         if error is None:
@@ -367,11 +422,36 @@ class Stream:
         self.metrics.paused.set(0)
         log.warning("Triton answers again: partitions resumed")
 
+    def _backpressure(self) -> None:
+        """A partition's read-ahead full (``--read-ahead`` events or ``--read-ahead-bytes``, read
+        and not yet acknowledged): held; resumed when both drained to half."""
+        cfg, changed = self.cfg, False
+        for tp in self.queues:
+            n, size = self.tracker.pending(tp), self.size.get(tp, 0)
+            if tp in self.held:
+                if 2 * n <= cfg.read_ahead and 2 * size <= cfg.read_ahead_bytes:
+                    self.held.discard(tp)
+                    changed = True
+            elif n >= cfg.read_ahead or size >= cfg.read_ahead_bytes:
+                self.held.add(tp)
+                changed = True
+        if changed:
+            self._hold()
+
     def _hold(self) -> None:
-        """Pause every assigned partition while Triton is unavailable or the stream is full."""
-        assigned = self.consumer.assignment()
-        if assigned:
-            (self.consumer.pause if self.paused or self.full else self.consumer.resume)(assigned)
+        """Pause every assigned partition while Triton is unavailable, else those held by their
+        read-ahead; resume the others."""
+        want = set(self.queues) if self.paused else self.held & set(self.queues)
+        pause, resume = want - self.stopped, self.stopped - want
+        try:
+            if pause:
+                self.consumer.pause([TopicPartition(t, p) for t, p in sorted(pause)])
+            if resume:
+                self.consumer.resume([TopicPartition(t, p) for t, p in sorted(resume)])
+        except Exception as exc:  # noqa: BLE001 - a partition revoked meanwhile: the next turn sees the new set
+            log.warning("pause/resume: %s", exc)
+            return
+        self.stopped = want
 
     # -- outputs, acknowledgements, commits --------------------------------------------------
     def _emit(self) -> None:
@@ -416,6 +496,8 @@ class Stream:
         if self.fatal is not None:
             return  # never commit past a lost output
         self.tracker.ack(p.tp, p.offset)
+        if not p.dropped and p.replay is None:
+            self.size[p.tp] = self.size.get(p.tp, 0) - p.size
         if p.code is None:
             self.counts["results"] += 1
             self.metrics.produced.labels(out).inc()
@@ -452,14 +534,17 @@ class Stream:
     def _assigned(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         for tp in parts:
             self.queues[(tp.topic, tp.partition)] = deque()
+            self.stopped.discard((tp.topic, tp.partition))  # assigned anew: not paused
         consumer.assign(parts)  # here, so that a stream paused now pauses them too
-        if parts and (self.paused or self.full):
-            consumer.pause(parts)
+        if parts and self.paused:
+            self._hold()
         log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in parts) or "nothing")
 
     def _revoked(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
-        """Finish the revoked partitions' events (bounded), commit them, let them go."""
+        """Finish the revoked partitions' events sent to Triton (bounded), commit them, let them
+        go; their read-ahead not yet sent is dropped (the next owner reads it from the commit)."""
         tps = {(tp.topic, tp.partition) for tp in parts}
+        self._unread(tps)
         if self.fatal is None:
             self._drain(tps, deadline=time.monotonic() + min(10.0, self.cfg.session_timeout_ms / 2000))
             self._commit(asynchronous=False, only=tps)
@@ -470,24 +555,37 @@ class Stream:
 
     def _drain(self, tps: set[TP], deadline: float) -> None:
         while self.fatal is None and any(self.tracker.pending(tp) for tp in tps) and time.monotonic() < deadline:
+            self._dispatch()
             self._settle(timeout=0.01)
-            if self.retry and time.monotonic() >= self.retry_at:
-                again, self.retry = self.retry, []
-                for p in again:
-                    self._send(p)
             self._emit()
             self.producer.poll(0.01)
+
+    def _unread(self, tps: set[TP]) -> None:
+        """Drop the events of ``tps`` read and not yet sent (a suffix of each partition's queue:
+        events are sent in consume order), so that the commit waits only for those sent."""
+        for tp in tps:
+            dq = self.queues.get(tp)
+            while dq and not dq[-1].sent:
+                p = dq.pop()
+                p.dropped = True
+                self.tracker.untake(tp, p.offset)
+                self.size[tp] = self.size.get(tp, 0) - p.size
+        self.waiting = deque(p for p in self.waiting if not p.dropped)
 
     def _forget(self, tps: set[TP]) -> None:
         for tp in tps:
             for p in self.queues.pop(tp, ()):
                 p.dropped = True
             self.tracker.forget(tp)
+            self.size.pop(tp, None)
+            self.held.discard(tp)
+            self.stopped.discard(tp)
             try:
                 self.metrics.lag.remove(tp[0], str(tp[1]))
             except KeyError:
                 pass
         self.retry = [p for p in self.retry if p.tp not in tps]
+        self.waiting = deque(p for p in self.waiting if p.tp not in tps)
 
     # -- observability -----------------------------------------------------------------------
     def _lag(self) -> None:

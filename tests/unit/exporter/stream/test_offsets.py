@@ -80,3 +80,17 @@ def test_offsets_must_ascend_within_a_partition():
     t.take(A, 5)
     with pytest.raises(ValueError, match="offset 5 taken after 5"):
         t.take(A, 5)
+
+
+def test_events_read_and_never_sent_are_untaken_so_the_commit_does_not_wait_for_them():
+    t = OffsetTracker()
+    for off in range(6):
+        t.take(A, off)
+    t.ack(A, 1)
+    t.untake(A, 3)  # 3, 4, 5: the read-ahead of a partition given up
+    assert t.pending(A) == 3
+    t.ack(A, 0)
+    t.ack(A, 2)
+    assert t.committable() == {A: 3} and t.pending() == 0
+    t.take(A, 3)  # read again (after a seek): taken anew
+    assert t.pending(A) == 1
