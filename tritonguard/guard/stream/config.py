@@ -11,6 +11,7 @@ from tritonguard.core.config import from_params, split_parameters
 from tritonguard.core.errors import ConfigError
 from tritonguard.guard.routing.config import RoutingConfig
 from tritonguard.guard.stages.validate import StreamValidationConfig
+from tritonguard.guard.stream.openai_target import check_url
 from tritonguard.guard.stream.rails import RailsConfig
 from tritonguard.privacy.audit.log import AuditConfig
 from tritonguard.privacy.cache.config import CacheConfig
@@ -35,8 +36,16 @@ class StreamGuardConfig:
     target_version: int = -1
     # bls: the target is called through Triton (any decoupled model: vLLM, TensorRT-LLM, ...);
     # inprocess: a `generator`-backend target's versions run in this process (no second hop per
-    # token; tritonguard.generation.local)
+    # token; tritonguard.generation.local); openai: an OpenAI-compatible server at `target_url`
+    # (vLLM, TGI, ...; tritonguard.guard.stream.openai_target), implied by `target_url`
     placement: str = "bls"
+    # placement openai: the server's base URL (http(s)://host:port/v1), the model name it serves
+    # ("": `target`), and where its API key is read (an environment variable's name or a file;
+    # the key itself never goes in config.pbtxt)
+    target_url: str = ""
+    target_model: str = ""
+    target_api_key_env: str = ""
+    target_api_key_file: str = ""
     max_in_flight: int = 32  # generations in flight in this instance (worker threads)
     cancel_poll_ms: int = 50
     # the longest wait for the target's next response; past it the client gets UNAVAILABLE (a
@@ -60,8 +69,18 @@ class StreamGuardConfig:
             raise ValueError(f"parameter 'max_in_flight' must be >= 1, got {self.max_in_flight}")
         if self.cancel_poll_ms < 0:
             raise ValueError(f"parameter 'cancel_poll_ms' must be >= 0, got {self.cancel_poll_ms}")
-        if self.placement not in ("bls", "inprocess"):
-            raise ValueError(f"parameter 'placement' must be bls or inprocess, got {self.placement!r}")
+        if self.target_url and self.placement == "bls":
+            self.placement = "openai"
+        if self.placement not in ("bls", "inprocess", "openai"):
+            raise ValueError(f"parameter 'placement' must be bls, inprocess or openai, got {self.placement!r}")
+        if self.placement == "openai":
+            if not self.target_url:
+                raise ValueError("parameter 'target_url' is required with placement 'openai'")
+            self.target_url = check_url(self.target_url)
+        elif self.target_url:
+            raise ValueError(f"parameter 'target_url' needs placement 'openai', not {self.placement!r}")
+        if self.target_api_key_env and self.target_api_key_file:
+            raise ValueError("parameters 'target_api_key_env' and 'target_api_key_file' exclude each other")
         if not (0 <= self.stream_interval_ms <= 1000):
             raise ValueError(f"parameter 'stream_interval_ms' must lie in 0..1000, got {self.stream_interval_ms}")
         if not self.target_idle_timeout_s > 0:

@@ -61,6 +61,7 @@ from tritonguard.guard.routing.stream import NON_FINITE, StreamRouter, embedding
 from tritonguard.guard.stages.validate import target_sampling
 from tritonguard.guard.stream.config import SimilarityConfig, parse_settings
 from tritonguard.guard.stream.forwarder import ReasonSink, StreamForwarder
+from tritonguard.guard.stream.openai_target import openai_client
 from tritonguard.guard.stream.rails import Blocked, Rails, bls_classifier
 from tritonguard.guard.stream.services import StreamServices
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed
@@ -105,7 +106,11 @@ class StreamGuardModel:
         self.source = source.resolve(a.name, a.model_dir, os.environ)
         self.repo = repo = self.source.root
         self.source.fetch(self.target)
-        self.local = LocalGenerator(repo, self.target, guard=self.name) if s.guard.placement == "inprocess" else None
+        g = s.guard
+        self.local = (LocalGenerator(repo, self.target, guard=self.name) if g.placement == "inprocess" else
+                      openai_client(g.target_url, g.target_model, g.target_api_key_env, g.target_api_key_file,
+                                    guard=self.name, target=self.target, timeout_s=g.target_idle_timeout_s)
+                      if g.placement == "openai" else None)
         self.calls = TargetCalls(name=self.name, target=self.target, local=self.local,
                                  idle_s=s.guard.target_idle_timeout_s,
                                  stop_requests=s.guard.stop_requests and self._stoppable(repo))

@@ -1,6 +1,6 @@
 """The target of a decoupled guard, one generation at a time: opening the call (a BLS stream
-to the target's version through the Triton adapter, or an in-process one for a ``generator``
-target), reading its responses in lists with an idle limit, stopping it (a cancel where
+to the target's version through the Triton adapter, an in-process one for a ``generator``
+target, or a streamed HTTP call to an OpenAI-compatible server), reading its responses in lists with an idle limit, stopping it (a cancel where
 python_backend can; else, for a ``generator`` target, a stop request naming the call, then the
 rest read and dropped), keeping a finished BLS iterator alive a few
 seconds before it is freed (python_backend 24.10), and a whole answer for goldens and comparisons.
@@ -97,8 +97,9 @@ def _tokens_in(it: Any) -> int:
 
 
 class TargetCalls:
-    """Calls of one guard's target: ``name`` (log lines), ``target``, ``local`` (in process, or
-    None for BLS) and the idle limit of a call. ``stop_requests``: the target honours
+    """Calls of one guard's target: ``name`` (log lines), ``target``, ``local`` (in process, an
+    OpenAI-compatible server's client, or None for BLS: each ``open`` returns a
+    :class:`LocalStream`) and the idle limit of a call. ``stop_requests``: the target honours
     :data:`~tritonguard.generation.contract.STOP_PREFIX` requests (this project's ``generator``
     backend): each BLS call gets an id, and :meth:`stop` names it in a stop request."""
 
@@ -141,6 +142,9 @@ class TargetCalls:
         about 10 s ('double free or corruption', 'malloc(): unaligned fastbin chunk'); with
         retired iterators kept a few seconds, none did in 60 s runs of the same traffic."""
         if isinstance(responses, LocalStream):
+            close = getattr(responses, "close", None)  # an HTTP stream's connection (openai_target)
+            if close is not None:
+                close()
             return  # nothing of python_backend's in it
         self._ids.pop(id(responses), None)
         now = time.monotonic()
@@ -178,8 +182,9 @@ class TargetCalls:
         reached the ``max_tokens`` it was given ends by itself), then read and drop the rest.
         Returns the responses read after the stop began (what the target sent that nobody got)."""
         if isinstance(responses, LocalStream):
-            responses.cancel()  # the engine stops decoding it at its next step
-            log.debug("stream guard %s: %s; in-process generation stopped", self.name, why)
+            # the engine stops decoding it at its next step; an OpenAI server's HTTP stream is closed
+            responses.cancel()
+            log.debug("stream guard %s: %s; generation stopped", self.name, why)
             try:
                 return _tokens_in(it)
             except TargetStalled:
