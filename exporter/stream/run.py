@@ -596,8 +596,8 @@ class Stream:
                 pos = self.consumer.position([TopicPartition(t, part)])[0].offset
             except Exception:  # noqa: BLE001 - no figure yet
                 continue
-            if high >= 0 and pos >= 0:
-                self.metrics.lag.labels(t, str(part)).set(max(0, high - pos))
+            if high >= 0 and pos >= 0:  # + what was read ahead and is not answered yet
+                self.metrics.lag.labels(t, str(part)).set(max(0, high - pos) + self.tracker.pending((t, part)))
 
     def _record(self, final: bool = False) -> None:
         """The record file rewritten when it changed; a version that answered nothing for

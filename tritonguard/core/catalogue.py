@@ -142,7 +142,8 @@ CONSUMER_GAUGES = {
     "paused": ("tritonguard_stream_paused", "1 while the partitions are paused (Triton unavailable), else 0"),
     "inflight": ("tritonguard_stream_inflight", "Events read and not yet acknowledged on an output topic"),
     "lag": ("tritonguard_stream_consumer_lag",
-            "Consumer lag: high watermark minus the consumer's position, per assigned topic and partition"),
+            "Consumer lag: events not answered yet (high watermark minus the consumer's position, plus the events "
+            "read ahead and not yet acknowledged), per assigned topic and partition"),
 }
 # event timestamp (the producer's clock) -> its result or dead letter acknowledged by the broker
 E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
