@@ -31,9 +31,10 @@ from tritonguard.guard.validation import BatchValidator
 
 ROOT = Path(__file__).resolve().parents[4]
 GUARD_DOC = ROOT / "docs" / "guard.md"  # holds the guard parameter table
-# the decoupled guard's own keys (docs/stream-guard.md, docs/generation.md) are checked in test_stream_guard.py
+# the decoupled guard's own keys (docs/stream-guard.md, docs/generation.md, docs/llm.md) are checked in
+# tests/unit/guard/stream/test_model.py
 DOCS = [ROOT / "README.md", *sorted(d for d in (ROOT / "docs").glob("*.md")
-                                    if d.name not in ("stream-guard.md", "generation.md"))]
+                                    if d.name not in ("stream-guard.md", "generation.md", "llm.md"))]
 SECTIONS = [s for s in GuardConfig.SECTIONS if s]
 
 # a non-default, valid value for every guard parameter the documentation names; placeholders

@@ -301,7 +301,7 @@ def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
     from pathlib import Path
 
     docs = Path(__file__).resolve().parents[4] / "docs"
-    doc = (docs / "stream-guard.md").read_text() + (docs / "generation.md").read_text()
+    doc = "".join((docs / name).read_text() for name in ("stream-guard.md", "generation.md", "llm.md"))
     keys = set(re.findall(r"`((?:validation|redaction|tenancy|tokens|cache|semantic_cache|routing|breaker|audit"
                           r"|similarity|rails)"
                           r"\.[a-z_]+)`", doc))
@@ -314,7 +314,10 @@ def test_every_key_the_stream_guard_doc_names_is_a_parameter_it_takes():
               "routing.canary_compare": "false", "routing.compare_queue": "8", "breaker.max_nan_rate": "0.1",
               "audit.path": "/tmp/stream_audit.jsonl", "similarity.model": "minilm_raw",
               "similarity.input": "TEXT", "breaker.latency_budget_ms": "500", "routing.latency_ratio": "2",
-              "validation.sampling_keys": "max_tokens,temperature",
+              "validation.sampling_keys": "max_tokens,temperature", "validation.default_max_tokens": "32",
+              # docs/llm.md: how the OpenAI front passes a bearer key to the guard's tenancy
+              "tenancy.auth": "api_key", "tenancy.key_header": "x-api-key", "tenancy.jwt_header": "authorization",
+              "tenancy.keys_file": "/tmp/keys.toml",
               "rails.block_words": "bomb", "rails.holdback_tokens": "8", "rails.model": "rails_classifier",
               "rails.model_input": "TEXT", "rails.model_output": "probabilities", "rails.threshold": "0.7",
               "rails.check_prompt": "false", "rails.check_answer": "false", "rails.context_chars": "64", "rails.fail_open": "true"}
