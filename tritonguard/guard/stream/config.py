@@ -34,7 +34,8 @@ class StreamGuardConfig:
 
     target: str = ""
     target_version: int = -1
-    # bls: the target is called through Triton (any decoupled model: vLLM, TensorRT-LLM, ...);
+    # bls: the target is called through Triton (a decoupled model with the vLLM backend's
+    # contract: text_input, sampling_parameters as JSON; TensorRT-LLM's ensemble is not one);
     # inprocess: a `generator`-backend target's versions run in this process (no second hop per
     # token; tritonguard.generation.local); openai: an OpenAI-compatible server at `target_url`
     # (vLLM, TGI, ...; tritonguard.guard.stream.openai_target), implied by `target_url`
@@ -42,10 +43,10 @@ class StreamGuardConfig:
     # placement openai: the server's base URL (http(s)://host:port/v1), the model name it serves
     # ("": `target`), and where its API key is read (an environment variable's name or a file;
     # the key itself never goes in config.pbtxt)
-    target_url: str = ""
-    target_model: str = ""
-    target_api_key_env: str = ""
-    target_api_key_file: str = ""
+    target_url: str = ""  # placement openai: the server's base URL, http(s)://host:port/v1
+    target_model: str = ""  # placement openai: the model name the server serves ("": `target`)
+    target_api_key_env: str = ""  # placement openai: the environment variable holding its API key
+    target_api_key_file: str = ""  # placement openai: a file holding its API key (not both)
     max_in_flight: int = 32  # generations in flight in this instance (worker threads)
     cancel_poll_ms: int = 50
     # the longest wait for the target's next response; past it the client gets UNAVAILABLE (a
