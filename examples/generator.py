@@ -31,9 +31,12 @@ import io
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -92,6 +95,23 @@ def corpus(modules: tuple[str, ...] = MODULES) -> list[str]:
 
 @functools.lru_cache(maxsize=4)
 def _corpus(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """Collected in a fresh interpreter that has imported this module and nothing else: what a
+    module's namespace holds depends on what the process imported before (``import ray`` changes
+    one of these modules, and the corpus lost a document), so a model trained in a test process
+    that had run Ray first greedily answered "are the" where a fresh one answers "an" (the
+    suite's lanes, 2026-11-28). Every process now trains on the documents a fresh one sees
+    after importing this module (torch and numpy included: they touch these modules too)."""
+    root = Path(__file__).resolve().parents[1]
+    code = "import json, sys\nfrom examples.generator import _collect_docs\nprint(json.dumps(_collect_docs(sys.argv[1:])))\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, check=True,
+                         cwd=root, env=env)
+    return tuple(json.loads(out.stdout))
+
+
+def _collect_docs(modules: Sequence[str]) -> list[str]:
+    """Docstrings of ``modules`` and of their public classes, functions and methods, in a fixed
+    order; duplicates (inherited or re-exported objects) are kept once."""
     seen: set[str] = set()
     docs: list[str] = []
 
@@ -104,21 +124,18 @@ def _corpus(modules: tuple[str, ...]) -> tuple[str, ...]:
     with warnings.catch_warnings():  # typing.io / typing.re warn when touched
         warnings.simplefilter("ignore", DeprecationWarning)
         for name in modules:
-            _module_docs(importlib.import_module(name), add)
-    return tuple(docs)
-
-
-def _module_docs(mod: Any, add: Callable[[object], None]) -> None:
-    add(mod)
-    for attr in sorted(vars(mod)):
-        obj = getattr(mod, attr)
-        if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
-            continue
-        add(obj)
-        if inspect.isclass(obj):
-            for meth in sorted(vars(obj)):
-                if not meth.startswith("_"):
-                    add(getattr(obj, meth, None))
+            mod = importlib.import_module(name)
+            add(mod)
+            for attr in sorted(vars(mod)):
+                obj = getattr(mod, attr)
+                if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+                    continue
+                add(obj)
+                if inspect.isclass(obj):
+                    for meth in sorted(vars(obj)):
+                        if not meth.startswith("_"):
+                            add(getattr(obj, meth, None))
+    return docs
 
 
 def _doc_hash(doc: str) -> int:
