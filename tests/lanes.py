@@ -135,6 +135,9 @@ def _run_phase(jobs: list[tuple[str, list[str], str | None]], opts: list[str], r
     per job every minute; returns ``(name, exit status, seconds, log)`` per job."""
     procs = []
     for name, mods, port_lane in jobs:
+        # the name goes into paths (basetemp, TRITONGUARD_HOME): a space there broke every
+        # tritonserver the lane started (its Python stubs are launched through a shell)
+        assert name.isidentifier(), name
         log = run_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "pytest", *mods, *opts, f"--basetemp={run_dir / f'tmp-{name}'}",
                "-p", "no:cacheprovider"]
@@ -178,11 +181,11 @@ def main(argv: list[str]) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="tritonguard-lanes-"))
     started = time.monotonic()
     if n == 1:
-        phases = [[("lane 0", mods, None)]]
+        phases = [[("lane0", mods, None)]]
     else:
         lanes, timed = split(mods, n)
         lanes = [lane for lane in lanes if lane]
-        phases = [[(f"lane {i}", lane, f"{i}/{len(lanes)}") for i, lane in enumerate(lanes)]]
+        phases = [[(f"lane{i}", lane, f"{i}/{len(lanes)}") for i, lane in enumerate(lanes)]]
         if timed:  # the modules that time something: after the lanes, with the machine to themselves
             phases.append([("timed", timed, None)])
     results = []

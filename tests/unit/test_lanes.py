@@ -46,3 +46,16 @@ def test_two_lanes_never_pick_the_same_port():
     bad = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITONGUARD_PORT_LANE": "2/2"},
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "TRITONGUARD_PORT_LANE='2/2'" in bad.stderr
+
+
+def test_a_run_in_lanes_names_its_folders_without_spaces(tmp_path, monkeypatch):
+    """The lanes' names go into the paths their servers use (basetemp, TRITONGUARD_HOME): "lane 0"
+    put a space in every model repository path, and no tritonserver of the run loaded a Python
+    model (CI clone, 2026-11-28). Two tiny modules run through main() in two lanes and a timed one."""
+    (tmp_path / "test_a.py").write_text("import os\ndef test_a():\n    assert ' ' not in os.environ['TRITONGUARD_HOME']\n")
+    (tmp_path / "test_b.py").write_text("def test_b(tmp_path):\n    assert ' ' not in str(tmp_path)\n")
+    (tmp_path / "test_c.py").write_text("def test_c(tmp_path):\n    assert ' ' not in str(tmp_path)\n")
+    monkeypatch.setattr(lanes, "TIMED", (str(tmp_path / "test_c.py"),))
+    monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in ("test_a.py", "test_b.py", "test_c.py")])
+    monkeypatch.delenv("TRITONGUARD_HOME", raising=False)
+    assert lanes.main([str(tmp_path), "-q"]) == 0
