@@ -15,6 +15,7 @@ import uuid
 import pytest
 import redis  # noqa: F401 - imported before the replicas fork, as a serving process has it
 
+from tests.unit.guard.stream.recording import Sender
 from tritonguard.core.errors import QuotaExceeded
 from tritonguard.generation.contract import SamplingParams
 from tritonguard.generation.local import LocalStream
@@ -99,29 +100,6 @@ class Metrics:
         pass
 
 
-class Sender:
-    def __init__(self, gone_after: int | None = None):
-        self.pieces: list[str] = []
-        self.final: list[tuple] = []
-        self.closed = False
-        self.reasons = True
-        self.reason = "stop"
-        self.gone_after = gone_after
-
-    def piece(self, text):
-        if self.gone_after is not None and len(self.pieces) >= self.gone_after:
-            raise ConnectionError("the client is gone")
-        self.pieces.append(text)
-
-    def finish(self, text):
-        self.closed = True
-        self.final.append(("finish", text, self.reason))
-
-    def fail(self, message, code):
-        self.closed = True
-        self.final.append(("fail", message, code))
-
-
 class Request:
     def __init__(self, cancel_after_s: float | None = None):
         self.deadline = None if cancel_after_s is None else time.monotonic() + cancel_after_s
@@ -154,7 +132,7 @@ def serve(budget: TokenBudget, how: str) -> tuple[Generation, int]:
     """One generation of ``max_tokens`` 200 through the tenancy stage and the forwarder, ended as
     ``how``; returns it and the budget's balance while it streamed."""
     pipeline = StreamPipeline([TenancyStage(TenancyConfig(), Metrics(), str, budget=budget)])
-    sender = Sender(gone_after=5 if how == "gone" else None)
+    sender = Sender(reasons=True, gone_after=5 if how == "gone" else None)
     request = Request(cancel_after_s=0.03 if how == "cancel" else None)
     gen = Generation(request=request, sender=sender, stream=True, prompt="p", parameters={},
                      params=SamplingParams(max_tokens=200, temperature=0))
@@ -203,7 +181,7 @@ def test_a_stream_over_what_the_budget_holds_is_cut_with_finish_reason_length():
     with pytest.raises(QuotaExceeded, match="retry after"):
         stage.admit(Generation(parameters={}, params=SamplingParams(max_tokens=1)))
     # the forwarder stops there: the stream ends as "length" (OpenAI's: the token limit was hit)
-    sender = Sender()
+    sender = Sender(reasons=True)
     gen.request, gen.sender, gen.stream = Request(), sender, True
     stream = LocalStream()
     worker = target(stream, 40, delay=0)

@@ -22,6 +22,7 @@ import urllib.request
 import pytest
 
 from tests.processes import stop_process
+from tests.unit.guard.stream.recording import Sender
 from tritonguard.core.errors import ConfigError
 from tritonguard.generation.contract import SamplingParams
 from tritonguard.guard.pipeline import Generation, StreamPipeline
@@ -105,26 +106,6 @@ def upstream(tmp_path_factory):
     finally:
         stop_process(proc)
         log.close()
-
-
-class Sender:
-    def __init__(self, reasons: bool = False):
-        self.pieces: list[str] = []
-        self.final: list[tuple] = []
-        self.closed = False
-        self.reasons = reasons
-        self.reason = "stop"
-
-    def piece(self, text):
-        self.pieces.append(text)
-
-    def finish(self, text):
-        self.closed = True
-        self.final.append(("finish", text, self.reason))
-
-    def fail(self, message, code):
-        self.closed = True
-        self.final.append(("fail", message, code))
 
 
 class Request:

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.unit.guard.stream.recording import Sender
 from tritonguard.core.errors import ConfigError
 from tritonguard.generation.contract import SamplingParams
 from tritonguard.generation.decoder import Sequence
@@ -202,26 +203,6 @@ def test_rails_parameters_are_read_and_checked_naming_the_key():
 
 
 # -- the forwarder: a blocked stream ends, the in-process target stops -------------------------
-class Sender:
-    def __init__(self, reasons: bool = False):
-        self.pieces: list[str] = []
-        self.final: list[tuple] = []
-        self.closed = False
-        self.reasons = reasons
-        self.reason = "stop"
-
-    def piece(self, text):
-        self.pieces.append(text)
-
-    def finish(self, text):
-        self.closed = True
-        self.final.append(("finish", text, self.reason))
-
-    def fail(self, message, code):
-        self.closed = True
-        self.final.append(("fail", message, code))
-
-
 class Request:
     def is_cancelled(self):
         return False
