@@ -167,7 +167,31 @@ def aws_env(moto_s3, monkeypatch):
 # -- the wall time of each module, printed at the end of every run (issue 40) -------------------
 # A module that grows is seen in the next review: pytest's --durations lists tests, not modules,
 # and the cost of a module's fixtures (a tritonserver start, exports) lands on its first test.
+# Beside the wall time, the CPU seconds the module used: this process's and its children's
+# (a tritonserver and its Python stubs count once the server is stopped and reaped, so a server
+# of session scope counts against the module that ran last). On two cores the suite is bound by
+# CPU, not by waiting: the CPU column says where making a module faster would pay.
 _MODULE_SECONDS: dict[str, float] = {}
+_MODULE_CPU: dict[str, float] = {}
+_CPU_AT_START: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _CPU_AT_START[nodeid] = _cpu_seconds()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    start = _CPU_AT_START.pop(nodeid, None)
+    if start is not None:
+        module = nodeid.split("::", 1)[0]
+        _MODULE_CPU[module] = _MODULE_CPU.get(module, 0.0) + _cpu_seconds() - start
 
 
 def pytest_runtest_logreport(report):
@@ -179,11 +203,13 @@ def pytest_terminal_summary(terminalreporter):
     if not _MODULE_SECONDS:
         return
     total = sum(_MODULE_SECONDS.values())
-    terminalreporter.section("wall time per module (setup + call + teardown)")
+    terminalreporter.section("wall time per module (setup + call + teardown), and CPU seconds used")
     for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
         if seconds >= 1.0:
-            terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:5.1f} %  {module}")
+            cpu = _MODULE_CPU.get(module, 0.0)
+            terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:5.1f} %  cpu {cpu:7.1f} s  {module}")
     fast = [s for s in _MODULE_SECONDS.values() if s < 1.0]
     if fast:
         terminalreporter.write_line(f"{sum(fast):8.1f} s          {len(fast)} modules under 1 s each")
-    terminalreporter.write_line(f"{total:8.1f} s  in all, over {len(_MODULE_SECONDS)} modules")
+    terminalreporter.write_line(f"{total:8.1f} s  in all, over {len(_MODULE_SECONDS)} modules; "
+                                f"cpu {sum(_MODULE_CPU.values()):.1f} s")
