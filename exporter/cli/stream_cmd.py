@@ -2,7 +2,7 @@
 score a Kafka topic through a guarded model on Triton gRPC (:mod:`exporter.stream.run`).
 
 Runs until SIGTERM or Ctrl-C (then it finishes what it read, commits and leaves the group:
-exit 0); exit 1 when a result was not acknowledged by the broker (nothing committed past it:
+exit 0); exit 4 when a result was not acknowledged by the broker (nothing committed past it:
 start it again), 2 on bad arguments or when the model or a topic is missing at start. Start as
 many as the input topic has partitions, on any machines, with the same --group.
 
@@ -18,7 +18,8 @@ import typer
 from rich.markup import escape
 
 from exporter.cli.consoles import console
-from exporter.errors import EXIT_BAD_INPUT, ExporterError
+from exporter.cli.exits import EXIT_BAD_INPUT, EXIT_OK, EXIT_STOPPED
+from exporter.errors import ExporterError
 
 if TYPE_CHECKING:
     from exporter.stream.run import Stream
@@ -110,7 +111,7 @@ def stream_command(
         signal.signal(sig, lambda *_: stream.stop.set())
     err.print(f"streaming {escape(topic)} → {escape(model)} → {escape(output)} (dead letters: "
               f"{escape(cfg.dead_letters)}), group {escape(group)}", soft_wrap=True)
-    raise typer.Exit(stream.run())
+    raise typer.Exit(EXIT_STOPPED if stream.run() else EXIT_OK)  # Stream.run: 1 on a fatal error
 
 
 def _replay(stream: Stream, wanted: dict) -> None:
@@ -126,4 +127,4 @@ def _replay(stream: Stream, wanted: dict) -> None:
         stream.close()
     err.print(f"replayed {counts['replayed']} events through the primary ({counts['skipped']} answered by it "
               f"already, {counts['dead']} dead letters)")
-    raise typer.Exit(0)
+    raise typer.Exit(EXIT_OK)
