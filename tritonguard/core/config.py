@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -257,3 +258,65 @@ def with_source(message: str, params: Any) -> str:
         if f"'{key}'" in message and source != "config.pbtxt":
             return f"{message} (set in {source})"
     return message
+
+
+# -- where each setting came from, as the load logs it ------------------------------------------
+SECRET = "<set>"
+# a key whose value is itself a credential (a webhook URL carries its token in the path)
+_SECRET_KEY = re.compile(r"secret|password|passwd|token|credential|webhook|api_?key|private", re.IGNORECASE)
+# ... unless the key names where the secret is (a variable, a file, a header), not the secret
+_SECRET_REFERENCE = ("_env", "_file", "_header")
+_URL_USERINFO = re.compile(r"://[^/?#@\s]*@")
+_URL_SECRET_QUERY = re.compile(r"[?&][^=&]*(?:secret|password|token|sig|key|auth|credential)[^=&]*=", re.IGNORECASE)
+SHOWN_MAX = 80
+
+
+def shown_value(key: str, value: str) -> str:
+    """``value`` as a log line may show it: :data:`SECRET` for a credential (a key named like one,
+    a URL with a user or password, a URL whose query carries a token or signature), else the
+    value, cut at :data:`SHOWN_MAX` characters."""
+    name = key.rsplit(".", 1)[-1]
+    if _SECRET_KEY.search(name) and not name.endswith(_SECRET_REFERENCE):
+        return SECRET
+    if _URL_USERINFO.search(value) or ("://" in value and _URL_SECRET_QUERY.search(value)):
+        return SECRET
+    return value if len(value) <= SHOWN_MAX else value[:SHOWN_MAX - 1] + "\u2026"
+
+
+def _default_of(obj: Any, name: str) -> Any:
+    for f in dataclasses.fields(obj):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    return dataclasses.MISSING
+
+
+def non_default_settings(params: Mapping[str, str], sections: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """``(key, value as shown, source)`` of each key a layer set to something else than its
+    default, by key. ``sections`` maps each key prefix ("" for top-level keys) to the dataclass
+    built from it: a key whose parsed value equals the field's default is left out; keys below a
+    dynamic prefix (``validation.range.IMAGE``) and keys no dataclass field names are kept."""
+    source_of = getattr(params, "source_of", lambda _key: "?")
+    out = []
+    for key in sorted(params):
+        head, dot, tail = key.partition(".")
+        section, name = (head, tail) if dot and head in sections else ("", key)
+        obj = sections.get(section)
+        if obj is not None and dataclasses.is_dataclass(obj) and "." not in name:
+            default = _default_of(obj, name)
+            if default is not dataclasses.MISSING and getattr(obj, name, dataclasses.MISSING) == default:
+                continue
+        out.append((key, shown_value(key, params[key]), source_of(key)))
+    return out
+
+
+def settings_line(model: str, params: Mapping[str, str], sections: Mapping[str, Any]) -> str:
+    """One log line per model load: each non-default setting and the layer it came from
+    (config.pbtxt, ``TRITONGUARD_*``, or a pyproject.toml, named by its path), secrets as
+    :data:`SECRET`. A pyproject.toml beside the model repository is read without being asked
+    for; this line is where an operator sees what it changed."""
+    items = non_default_settings(params, sections)
+    listed = ", ".join(f"{key}={value} ({source})" for key, value, source in items)
+    return f"{model}: non-default settings: {listed or 'none'}"

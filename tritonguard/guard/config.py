@@ -6,9 +6,20 @@ configuration without importing the guard (which imports them).
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from tritonguard.core.config import from_params, split_parameters
+from tritonguard.core.config import (
+    LayeredParameters,
+    from_params,
+    layered_parameters,
+    settings_line,
+    split_parameters,
+    with_source,
+)
 from tritonguard.core.errors import ConfigError
 from tritonguard.core.tensors import ModelSignature, TensorSpec
 from tritonguard.guard.routing.config import RoutingConfig
@@ -24,6 +35,8 @@ from tritonguard.rollout.breaker import BreakerConfig
 from tritonguard.rollout.feedback import FeedbackConfig
 from tritonguard.rollout.judging import JudgeConfig
 from tritonguard.rollout.validators import ValidatorConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -94,6 +107,24 @@ class GuardConfig:
             judge=from_params(JudgeConfig, groups["judge"], section="judge", model=model),
         )
 
+    def sections(self) -> dict[str, Any]:
+        """Key prefix ("" for top-level keys) -> the dataclass its keys built."""
+        return {s: getattr(self, s or "target") for s in self.SECTIONS}
+
+
+def load_guard_config(model_params: Mapping[str, str], repo: str | os.PathLike[str] | None,
+                      environ: Mapping[str, str], model: str) -> tuple[LayeredParameters, GuardConfig]:
+    """A guard's parameters as the model load resolves them (defaults < pyproject.toml <
+    ``TRITONGUARD_*`` < config.pbtxt) and its config; a bad key's error names the layer it came
+    from. Logs one line naming each non-default setting and its source (secrets as ``<set>``)."""
+    params = layered_parameters(model_params, repo, environ)
+    try:
+        config = GuardConfig.from_parameters(params, model)
+    except ConfigError as exc:
+        raise ConfigError(with_source(str(exc), params)) from None
+    log.info("%s", settings_line(model, params, config.sections()))
+    return params, config
+
 
 def check_signature(guard: ModelSignature, target: ModelSignature, target_name: str) -> None:
     """The guard's public contract must be the target's: same names, dtypes, dims, batch cap."""
@@ -123,4 +154,4 @@ def check_signature(guard: ModelSignature, target: ModelSignature, target_name: 
         raise ConfigError(f"guard does not match target '{target_name}': " + "; ".join(problems))
 
 
-__all__ = ["GuardConfig", "TargetConfig", "SERVED_BY", "check_signature"]
+__all__ = ["GuardConfig", "TargetConfig", "SERVED_BY", "check_signature", "load_guard_config"]

@@ -19,11 +19,17 @@ from typing import Any
 import numpy as np
 
 from tritonguard.core import repository
-from tritonguard.core.config import from_params, layered_parameters, model_parameters, with_source
+from tritonguard.core.config import from_params, model_parameters
 from tritonguard.core.errors import ConfigError, InvalidInput, TargetError
 from tritonguard.core.tensors import ModelSignature
 from tritonguard.guard import source
-from tritonguard.guard.config import SERVED_BY, GuardConfig, TargetConfig, check_signature
+from tritonguard.guard.config import (
+    SERVED_BY,
+    GuardConfig,
+    TargetConfig,
+    check_signature,
+    load_guard_config,
+)
 from tritonguard.guard.pipeline import Batch, Pipeline
 from tritonguard.guard.routing.router import Router
 from tritonguard.guard.services import PrivacyStage, audit_file, enforce_security, security_findings
@@ -104,12 +110,9 @@ class GuardModel:
         # the repository itself, never the parent of Triton's temporary copy (tritonguard/guard/source.py)
         self.source = source.resolve(a.name, a.model_dir, os.environ)
         repo = self.repo = self.source.root
-        # defaults < [tool.tritonguard] in pyproject.toml < TRITONGUARD_* < config.pbtxt
-        params = layered_parameters(model_parameters(cfg), repo, os.environ)
-        try:
-            self.config = GuardConfig.from_parameters(params, self.name)
-        except ConfigError as exc:
-            raise ConfigError(with_source(str(exc), params)) from None
+        # defaults < [tool.tritonguard] in pyproject.toml < TRITONGUARD_* < config.pbtxt; logs
+        # each non-default setting with the layer it came from
+        params, self.config = load_guard_config(model_parameters(cfg), repo, os.environ, self.name)
         if self.config.target.serves_as:
             self.name = self.config.target.serves_as
         self.signature = ModelSignature.from_config(cfg)
