@@ -41,7 +41,10 @@ def stack(tmp_path_factory):
     for name, params in (("tinylm_guard", {}),
                          ("tinylm_keyed", {"tenancy__auth": "api_key", "tenancy__keys_file": str(keys)}),
                          ("tinylm_budget", {"tokens__per_minute": "30"})):
-        write_config(repo / name, example.stream_guard_config(name, "tinylm", **common, **params))
+        cfg = example.stream_guard_config(name, "tinylm", **common, **params)
+        if name == "tinylm_budget":  # the guard names its finish reason (a budget's cut is only known there)
+            cfg["output"].append({"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [1]})
+        write_config(repo / name, cfg)
         (repo / name / "1").mkdir()
     logs = tmp_path_factory.mktemp("openailogs")
     srv = Server(repository=repo, log_path=logs / "tritonserver.log")
@@ -174,8 +177,10 @@ def test_bearer_keys_map_to_the_guards_tenants(stack):
 def test_a_used_token_budget_is_a_429_with_retry_after(stack):
     c = client(stack)
     first = c.completions.create(model="tinylm_budget", prompt=PROMPT, max_tokens=40, temperature=0)
-    # 30 tokens a minute: the 40 asked for reserve the minute's 30 and the answer is cut there
-    assert first.usage.completion_tokens == 30
+    # 30 tokens a minute: the 40 asked for reserve the minute's 30 and the answer is cut there,
+    # which the guard's finish_reason output tells the front (its own count, 30 < 40, cannot)
+    assert (first.usage.completion_tokens, first.usage.total_tokens) == (30, 40)
+    assert first.choices[0].finish_reason == "length"
     with pytest.raises(openai.RateLimitError) as info:
         c.completions.create(model="tinylm_budget", prompt=PROMPT, max_tokens=4)
     retry = int(info.value.response.headers["retry-after"])

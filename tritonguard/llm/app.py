@@ -10,8 +10,11 @@ error with its status; an error after the first piece is an ``{"error": ...}`` e
 that disconnects cancels the guard's stream.
 
 ``finish_reason``: ``stop`` (the model ended, or a ``stop`` sequence), ``length`` (the answer
-reached ``max_tokens``, the guard's ``validation.default_max_tokens`` when none was sent),
-``content_filter`` (the guard blocked the answer).
+reached ``max_tokens``, the guard's ``validation.default_max_tokens`` when none was sent, or the
+tenant's token budget cut it), ``content_filter`` (the guard blocked the answer). A guard that
+declares the output ``finish_reason`` says which on its final response, and the front passes that
+on (only the guard knows of a budget's cut); for one without it the front counts the answer
+against ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from starlette.routing import Route
 from tritonguard.llm.errors import OpenAIError, bad_request
 from tritonguard.llm.protocol import Ask, StopScanner, chunk, new_id, parse, response, usage
 from tritonguard.llm.template import ChatTemplate
-from tritonguard.llm.upstream import ContentFiltered, GuardInfo, Upstream
+from tritonguard.llm.upstream import ContentFiltered, Ending, GuardInfo, Upstream
 from tritonguard.privacy.tenancy.auth import ApiKeys
 
 log = logging.getLogger(__name__)
@@ -144,27 +147,30 @@ class Front:
             if chat:
                 ask.prompt = self.config.template.render(ask.messages)
             # streamed from the guard when the client streams, or to cut at a stop sequence
+            ending = Ending() if info.reasons else None
             pieces = up.generate(ask.model, ask.prompt, ask.stream or bool(ask.stop), ask.sampling, params,
-                                 chat=chat)
+                                 chat=chat, ending=ending)
             limit = ask.max_tokens or info.default_max_tokens
             if not ask.stream:
-                return await self._whole(ask, pieces, limit)
-            return await self._stream(ask, pieces, limit)
+                return await self._whole(ask, pieces, limit, ending)
+            return await self._stream(ask, pieces, limit, ending)
         except OpenAIError as exc:
             if exc.status >= 500:
                 log.warning("openai front: %d %s", exc.status, exc.message)
             return _error(exc)
 
-    def _finish(self, raw: str, limit: int, scanner: StopScanner) -> str:
+    def _finish(self, raw: str, limit: int, scanner: StopScanner, ending: Ending | None) -> str:
         if scanner.hit:
             return "stop"
+        if ending is not None and ending.reason is not None:  # the guard's own reason
+            return ending.reason
         return "length" if self.config.template.count(raw) >= limit else "stop"
 
     def _usage(self, ask: Ask, text: str) -> dict[str, int]:
         count = self.config.template.count
         return usage(count(ask.prompt), count(text))
 
-    async def _whole(self, ask: Ask, pieces: AsyncIterator[str], limit: int) -> Response:
+    async def _whole(self, ask: Ask, pieces: AsyncIterator[str], limit: int, ending: Ending | None) -> Response:
         scanner, raw, out, finish = StopScanner(ask.stop), [], [], None
         try:
             async for piece in pieces:
@@ -179,12 +185,12 @@ class Front:
         if not scanner.hit:
             out.append(scanner.flush())
         text = "".join(out)
-        finish = finish or self._finish("".join(raw), limit, scanner)
+        finish = finish or self._finish("".join(raw), limit, scanner, ending)
         body = response(ask, new_id(ask.chat), (ask.prompt + text) if ask.echo else text, finish,
                         self._usage(ask, text))
         return JSONResponse(body)
 
-    async def _stream(self, ask: Ask, pieces: AsyncIterator[str], limit: int) -> Response:
+    async def _stream(self, ask: Ask, pieces: AsyncIterator[str], limit: int, ending: Ending | None) -> Response:
         filtered = False
         try:  # the first piece before the response starts: a refusal keeps its status
             first: str | None = await pieces.__anext__()
@@ -234,7 +240,7 @@ class Front:
                     if tail:
                         sent.append(tail)
                         yield _sse(chunk(ask, rid, created, tail))
-                finish = finish or self._finish("".join(raw), limit, scanner)
+                finish = finish or self._finish("".join(raw), limit, scanner, ending)
                 use = self._usage(ask, "".join(sent))
                 yield _sse(chunk(ask, rid, created, None if ask.chat else "", finish, use=use))
                 if ask.include_usage:

@@ -29,6 +29,10 @@ from tritonguard.guard.stream.config import parse_settings
 from tritonguard.llm.errors import OpenAIError, from_guard
 
 OUTPUT = "text_output"
+# the guard's optional output (the vLLM backend's name): its final response says why the answer
+# ended, ``stop``, ``length`` (max_tokens, or the tenant's token budget cut it) or content_filter
+REASON = "finish_reason"
+REASONS = ("stop", "length", "content_filter")
 # a guard that blocks an answer ends its stream with an error naming this reason (issue 42,
 # item 2): the client gets finish_reason "content_filter", not an error
 CONTENT_FILTER = "content_filter"
@@ -45,6 +49,7 @@ class GuardInfo:
     refuse_anonymous: bool = True  # tenancy.unauthenticated == refuse
     default_max_tokens: int = 16
     max_tokens: int = 256
+    reasons: bool = False  # the config declares the output ``finish_reason``
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> GuardInfo:
@@ -57,7 +62,8 @@ class GuardInfo:
         credential = {"api_key": t.key_header, "jwt": t.jwt_header}.get(t.auth, "") if t.enabled else ""
         return cls(name=name, auth=t.auth if t.enabled else "none", credential=credential,
                    tenant_parameter=t.parameter, refuse_anonymous=t.unauthenticated == "refuse",
-                   default_max_tokens=s.validation.default_max_tokens, max_tokens=s.validation.max_tokens)
+                   default_max_tokens=s.validation.default_max_tokens, max_tokens=s.validation.max_tokens,
+                   reasons=REASON in {o.get("name") for o in config.get("output") or []})
 
     def parameters(self, key: str | None, tenant: str | None) -> dict[str, str]:
         """The request parameters that carry the client's credential (or the tenant the front
@@ -127,9 +133,12 @@ class Upstream:
             return False
 
     async def generate(self, model: str, prompt: str, stream: bool, sampling: dict[str, Any],
-                       parameters: dict[str, str], *, chat: bool = False) -> AsyncIterator[str]:
+                       parameters: dict[str, str], *, chat: bool = False,
+                       ending: Ending | None = None) -> AsyncIterator[str]:
         """The guard's answer in pieces (one piece when not ``stream``). A refusal or failure
-        raises :class:`OpenAIError`; a blocked answer ends with :class:`ContentFiltered`."""
+        raises :class:`OpenAIError`; a blocked answer ends with :class:`ContentFiltered`. A
+        guard that declares ``finish_reason`` names its reason on the final response: it goes
+        into ``ending`` (a token budget's cut is only known there)."""
         from tritonclient.utils import InferenceServerException  # noqa: PLC0415
 
         done = asyncio.Event()
@@ -160,6 +169,8 @@ class Upstream:
                     if CONTENT_FILTER in message:
                         raise ContentFiltered(message)
                     raise from_guard(message or str(error), chat=chat)
+                if ending is not None:  # before the text is yielded: a consumer may stop at it
+                    ending.read(result)
                 out = result.as_numpy(OUTPUT)
                 if out is not None and out.size:
                     text = b"".join(x if isinstance(x, bytes) else str(x).encode() for x in out.reshape(-1))
@@ -173,6 +184,26 @@ class Upstream:
             done.set()
             if not finished:
                 call.cancel()  # a stop sequence or a client gone: the guard stops the target
+
+
+class Ending:
+    """Why the guard ended an answer, as its final response said (``reason`` None: a guard
+    without the ``finish_reason`` output, or a stream that did not end)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def read(self, result: Any) -> None:
+        try:
+            out = result.as_numpy(REASON)
+        except Exception:  # noqa: BLE001 - not in this response
+            return
+        if out is None or not out.size:
+            return
+        raw = out.reshape(-1)[0]
+        reason = (raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)).strip()
+        if reason in REASONS:
+            self.reason = reason
 
 
 class ContentFiltered(Exception):
