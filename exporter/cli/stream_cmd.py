@@ -45,9 +45,14 @@ def stream_command(
     url: Annotated[str, typer.Option(help="Triton gRPC address.")] = "127.0.0.1:8001",
     group: Annotated[str, typer.Option(help="Consumer group id (every process of one stream shares it).")] = "tritonguard-stream",
     dlq: Annotated[str | None, typer.Option(help="Dead-letter topic (default: OUTPUT.dlq).")] = None,
-    max_batch: Annotated[int, typer.Option(min=1, help="Events read and sent to Triton together at most.")] = 32,
+    max_batch: Annotated[int, typer.Option(min=1, help="Events read from Kafka per poll when idle.")] = 32,
     max_wait_ms: Annotated[float, typer.Option(min=0, help="Time a micro-batch waits to fill.")] = 5.0,
     max_inflight: Annotated[int, typer.Option(min=1, help="Requests at Triton at once, at most.")] = 256,
+    batch_size: Annotated[int, typer.Option(min=1, help="Events in one Triton request at most (batch dimension; "
+                                            "capped by the model's max_batch_size; a request holds one key's "
+                                            "events).")] = 32,
+    batch_wait_ms: Annotated[float, typer.Option(min=0, help="How long a request that is not full waits for more "
+                                                 "events.")] = 2.0,
     read_ahead: Annotated[int, typer.Option(min=1, help="Per partition: events read and not yet acknowledged; "
                                             "the partition is paused above it (resumed at half).")] = 2000,
     read_ahead_bytes: Annotated[int, typer.Option(min=1, help="Per partition: bytes of those events' keys and "
@@ -87,6 +92,7 @@ def stream_command(
         raise typer.Exit(EXIT_BAD_INPUT)
     cfg = StreamConfig(bootstrap=bootstrap, topic=topic, output=output, model=model, url=url, group=group, dlq=dlq,
                        max_batch=max_batch, max_wait_ms=max_wait_ms, max_inflight=max_inflight,
+                       batch_size=batch_size, batch_wait_ms=batch_wait_ms,
                        read_ahead=read_ahead, read_ahead_bytes=read_ahead_bytes,
                        partition_by=partition_by, session_timeout_ms=session_timeout_ms, offset_reset=offset_reset,
                        kafka=_kafka_settings(kafka or []), record=record, sticky=sticky)

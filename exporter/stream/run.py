@@ -1,8 +1,11 @@
 """The stream's one loop: consume a micro-batch (``--max-batch`` events or ``--max-wait-ms``)
-into a read-ahead queue, send each event as its own request to the guard over gRPC (async, as
-many at once as ``--max-inflight`` allows, so Triton's dynamic batcher merges them and a refused
-event fails only itself), and produce the outputs of every partition in input order as they
-complete. Offsets are committed only behind outputs the broker acknowledged
+into a read-ahead queue, send its events to the guard over gRPC in requests of up to
+``--batch-size`` events along the batch dimension (async, as many requests at once as
+``--max-inflight`` allows; which events may share a request, and how long one waits to fill
+(``--batch-wait-ms``): :mod:`exporter.stream.batches`), and produce the outputs of every
+partition in input order as they complete. A request the guard refuses as a whole (one event's
+validation or PII refusal refuses its request) is split: its events are sent again one by one,
+so only the poison is a dead letter. Offsets are committed only behind outputs the broker acknowledged
 (:mod:`exporter.stream.offsets`).
 
 Backpressure: how many requests Triton holds (``--max-inflight``) is bounded apart from how far
@@ -21,7 +24,8 @@ no event stalls its partition for ever. A result the broker refuses for good sto
 (exit 1) without committing past it: restarted, it redoes the events from the last commit.
 
 Rollouts: each request carries the event's Kafka key as the guard's ``routing_key`` request
-parameter, so a key's events go to one version throughout a rollout step; which version answered
+parameter, so a key's events go to one version throughout a rollout step (the guard routes a
+request as a whole: a request holds the events of one key only); which version answered
 which offsets is kept (:mod:`exporter.stream.answered`), and :meth:`Stream.replay` scores given
 offsets again through the primary (request parameter ``version=primary``)."""
 
@@ -36,6 +40,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -48,6 +53,7 @@ from tritonclient.utils import InferenceServerException
 
 from exporter.errors import ExporterError
 from exporter.stream.answered import Answered, Span
+from exporter.stream.batches import Batcher, chunks
 from exporter.stream.events import (
     EventError,
     InputSpec,
@@ -90,6 +96,8 @@ class StreamConfig:
     max_batch: int = 32
     max_wait_ms: float = 5.0
     max_inflight: int = 256  # requests at Triton at once
+    batch_size: int = 32  # events per Triton request at most (the model's max_batch_size caps it)
+    batch_wait_ms: float = 2.0  # how long a request that is not full waits for more events
     read_ahead: int = 2000  # per partition: events read and not yet acknowledged (pause above)
     read_ahead_bytes: int = 32 * 2**20  # per partition: their keys and values, in bytes (pause above)
     request_timeout_s: float = 30.0
@@ -118,6 +126,9 @@ class Pending:
     headers: list[tuple[str, bytes | None]]
     timestamp: float | None  # seconds, the event's own
     arrays: dict[str, np.ndarray] | None = None
+    params: dict[str, str] | None = None  # the guard's request parameters (routing_key, version)
+    forwarded: dict[str, str] = field(default_factory=dict)  # gRPC headers (tenant, credentials, trace)
+    group: Hashable = None  # events of one group may share a request (exporter.stream.batches)
     result: bytes | None = None
     served_by: str = ""
     code: str | None = None
@@ -167,7 +178,8 @@ class Stream:
         self.client = grpcclient.InferenceServerClient(cfg.url, channel_args=[
             ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
             ("grpc.max_reconnect_backoff_ms", 1000)])
-        self.specs, self.batched, self.outputs = self._model()
+        self.specs, self.max_rows, self.outputs = self._model()
+        self.batched = self.max_rows > 0
         self.dtypes = {s.name: s.datatype for s in self.specs}
         common = {"bootstrap.servers": cfg.bootstrap, **cfg.kafka}
         self.consumer = Consumer({**common, "group.id": cfg.group, "enable.auto.commit": False,
@@ -184,7 +196,10 @@ class Stream:
         """The loop's own state (apart from the clients, so that a test can wire fakes to it)."""
         self.tracker = OffsetTracker()
         self.queues: dict[TP, deque[Pending]] = {}  # per partition: read, output not yet produced
-        self.waiting: deque[Pending] = deque()  # read and not yet sent, in consume order
+        # read and not yet sent, grouped into requests (a model without batching: one event each)
+        self.rows = max(1, min(self.cfg.batch_size, self.max_rows)) if self.batched else 1
+        self.waiting = Batcher(self.rows, self.cfg.batch_wait_ms / 1000)
+        self.split: deque[Pending] = deque()  # events of a request refused as a whole: sent alone
         self.sending = 0  # requests at Triton (sent, not yet answered)
         self.size: dict[TP, int] = {}  # per partition: bytes read and not yet acknowledged
         self.held: set[TP] = set()  # partitions whose read-ahead is full
@@ -202,7 +217,7 @@ class Stream:
         self.quiet: set[str] = set()  # versions reported silent (rolled back?), until they answer again
 
     # -- start ------------------------------------------------------------------------------
-    def _model(self) -> tuple[list[InputSpec], bool, list[str]]:
+    def _model(self) -> tuple[list[InputSpec], int, list[str]]:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while True:
             try:
@@ -217,12 +232,12 @@ class Stream:
                     raise StreamError(f"Triton at {self.cfg.url} did not answer in {self.cfg.startup_timeout_s:g} s: "
                                       f"{_message(exc)}") from None
                 time.sleep(1.0)
-        batched = int(config.get("max_batch_size", 0) or 0) > 0
+        max_rows = int(config.get("max_batch_size", 0) or 0)
         try:
-            specs = specs_from_metadata(meta, int(config.get("max_batch_size", 0) or 0))
+            specs = specs_from_metadata(meta, max_rows)
         except EventError as exc:
             raise StreamError(f"model {self.cfg.model!r}: {exc}") from None
-        return specs, batched, [o["name"] for o in meta.get("outputs", [])]
+        return specs, max_rows, [o["name"] for o in meta.get("outputs", [])]
 
     def _partitions(self, topic: str) -> int:
         md = self.producer.list_topics(topic, timeout=10)
@@ -272,12 +287,14 @@ class Stream:
         # keeps max.poll.interval.ms from expelling a consumer that waits for Triton. It waits
         # (the micro-batch's time) only when there is nothing else to do
         full = self.sending >= self.cfg.max_inflight
-        busy = self.paused or full or bool(self.waiting)
+        due = self.waiting.due_in(time.monotonic())  # a request not full waits (--batch-wait-ms) for more
+        busy = self.paused or full or bool(self.split) or due == 0.0
+        wait = 0.0 if busy else self.cfg.max_wait_ms / 1000 if due is None else min(due, self.cfg.max_wait_ms / 1000)
         # no partition reads past its read-ahead: at most the least room of those not held
         room = min((self.cfg.read_ahead - self.tracker.pending(tp) for tp in self.queues if tp not in self.held),
                    default=1)
-        for msg in self.consumer.consume(num_messages=max(1, min(room, READ_CHUNK if busy else self.cfg.max_batch)),
-                                         timeout=0 if busy else self.cfg.max_wait_ms / 1000):
+        chunk = READ_CHUNK if busy or self.waiting else self.cfg.max_batch
+        for msg in self.consumer.consume(num_messages=max(1, min(room, chunk)), timeout=wait):
             self._take(msg)  # (a paused partition may still hand over what was fetched before)
         self._dispatch()
         self._settle(timeout=0.005 if self.paused or self.sending >= self.cfg.max_inflight else 0.0)
@@ -301,67 +318,81 @@ class Stream:
         p.size = len(p.key or b"") + len(p.value or b"")
         self.tracker.take(tp, p.offset)
         self.queues[tp].append(p)
-        self.waiting.append(p)
+        if self._prepare(p):
+            self.waiting.add(p, time.monotonic())
         self.size[tp] = self.size.get(tp, 0) + p.size
         self.counts["consumed"] += 1
         self.metrics.consumed.labels(tp[0]).inc()
 
-    def _dispatch(self) -> None:
+    def _prepare(self, p: Pending) -> bool:
+        """Decode the event and name its group (what may share its request); False: it does not
+        decode and is a dead letter of its own."""
+        try:
+            p.arrays = decode(p.value, self.specs, self.batched)
+        except EventError as exc:
+            p.sent = True
+            p.fail(BAD_EVENT, str(exc))
+            return False
+        p.params = PIN_PRIMARY if p.replay is not None else (
+            {ROUTING_KEY: routing_key(p.key)} if p.key and self.cfg.sticky else None)
+        p.forwarded = forwarded_headers(p.headers)
+        # the guard routes a whole request by its routing_key: only one key's events share one
+        p.group = (p.replay is not None, p.params.get(ROUTING_KEY) if p.params else None,
+                   tuple(sorted(p.forwarded.items())), tuple(a.shape for a in p.arrays.values()))
+        return True
+
+    def _dispatch(self, flush: bool = False) -> None:
         """Send what waits, retries first, while Triton holds fewer than ``--max-inflight`` of the
-        stream's requests. While Triton is unavailable only the retries go (at the backoff's
-        pace); the read-ahead waits, uncommitted, and goes once Triton answers again."""
+        stream's requests; a request not full goes once it waited ``--batch-wait-ms`` (at once
+        with ``flush``). While Triton is unavailable only the retries go (at the backoff's pace);
+        the read-ahead waits, uncommitted, and goes once Triton answers again."""
         now = time.monotonic()
         if self.retry and now >= self.retry_at:
+            requests = chunks(self.retry, self.rows)
             room = max(0, self.cfg.max_inflight - self.sending)
-            again, self.retry = self.retry[:room], self.retry[room:]
-            for p in again:
-                self.metrics.retries.labels(p.code or "UNAVAILABLE").inc()
-                p.code = None
-                self._send(p)
+            self.retry = [p for r in requests[room:] for p in r]
+            for r in requests[:room]:
+                for p in r:
+                    self.metrics.retries.labels(p.code or "UNAVAILABLE").inc()
+                    p.code = None
+                self._send(r)
         if self.paused:
-            if not self.retry and not self.sending and self.waiting and now >= self.retry_at:
-                self._next(probe=True)  # nothing left to retry (revoked): a waiting event asks instead
-            return
-        while self.waiting and self.sending < self.cfg.max_inflight:
-            self._next()
-
-    def _next(self, probe: bool = False) -> None:
-        """The oldest waiting event: decoded and sent, or a dead letter when it does not decode."""
-        while self.waiting:
-            p = self.waiting.popleft()
-            if p.dropped:
-                continue
-            p.sent = True
-            try:
-                p.arrays = decode(p.value, self.specs, self.batched)
-            except EventError as exc:
-                p.fail(BAD_EVENT, str(exc))
+            if not self.retry and not self.sending and now >= self.retry_at:
+                # nothing left to retry (revoked): a waiting request asks instead
+                probe = [self.split.popleft()] if self.split else self.waiting.take(now, flush=True)
                 if probe:
-                    continue
-                return
-            self._send(p)
+                    self._send(probe)
             return
+        while self.split and self.sending < self.cfg.max_inflight:
+            self._send([self.split.popleft()])
+        while self.sending < self.cfg.max_inflight:
+            request = self.waiting.take(now, flush)
+            if not request:
+                return
+            self._send(request)
 
-    def _send(self, p: Pending) -> None:
-        assert p.arrays is not None
+    def _send(self, ps: list[Pending]) -> None:
+        """One request: the events' rows stacked along the batch dimension (their group shares
+        the routing key, the forwarded headers and the shapes)."""
         self.sending += 1
+        first = ps[0]
         inputs = []
-        for name, arr in p.arrays.items():
+        for name in first.arrays or {}:
+            arr = first.arrays[name] if len(ps) == 1 else np.concatenate([p.arrays[name] for p in ps])
             i = grpcclient.InferInput(name, list(arr.shape), self.dtypes[name])
             i.set_data_from_numpy(arr)
             inputs.append(i)
-        params = PIN_PRIMARY if p.replay is not None else (
-            {ROUTING_KEY: routing_key(p.key)} if p.key and self.cfg.sticky else None)
+        rid = first.rid if len(ps) == 1 else f"{first.rid}+{len(ps) - 1}"
         try:
-            self.client.async_infer(self.cfg.model, inputs, partial(self._answered, p),
+            self.client.async_infer(self.cfg.model, inputs, partial(self._answered, ps),
                                     outputs=[grpcclient.InferRequestedOutput(n) for n in self.outputs],
-                                    request_id=p.rid, headers=forwarded_headers(p.headers) or None,
-                                    client_timeout=self.cfg.request_timeout_s, parameters=params)
+                                    request_id=rid, headers=first.forwarded or None,
+                                    client_timeout=self.cfg.request_timeout_s, parameters=first.params)
         except Exception as exc:  # noqa: BLE001 - a channel that cannot send: retried like UNAVAILABLE
-            self.answers.put((p, None, exc))
+            self.answers.put((ps, None, exc))
 
-    def _answered(self, p: Pending, result: Any, error: Exception | None) -> None:
-        self.answers.put((p, result, error))  # gRPC's thread: the loop does the rest
+    def _answered(self, ps: list[Pending], result: Any, error: Exception | None) -> None:
+        self.answers.put((ps, result, error))  # gRPC's thread: the loop does the rest
 
     def _settle(self, timeout: float = 0.0) -> None:
         """Take every answer that arrived (waiting up to ``timeout`` for the first)."""
@@ -376,34 +407,47 @@ class Stream:
             except queue.Empty:
                 return
 
-    def _answer(self, p: Pending, result: Any, error: Exception | None) -> None:
+    def _answer(self, ps: list[Pending], result: Any, error: Exception | None) -> None:
         self.sending -= 1
-        if p.dropped:
+        live = [p for p in ps if not p.dropped]
+        if not live:
             return
         if error is None:
             outs = {n: result.as_numpy(n) for n in self.outputs}
-            served = outs.pop("SERVED_BY", None)
-            p.served_by = served.reshape(-1)[0].decode() if served is not None and served.size else ""
-            body = {n: (v[0] if self.batched else v).tolist() for n, v in outs.items() if v is not None}
-            p.result = json.dumps({"outputs": body, "served_by": p.served_by}, separators=(",", ":")).encode()
-            p.done = True
+            served = outs.pop("SERVED_BY", None)  # per row: [N, 1]
+            labels = served.reshape(len(ps), -1)[:, 0] if served is not None and served.size else None
+            for i, p in enumerate(ps):
+                if p.dropped:
+                    continue
+                p.served_by = labels[i].decode() if labels is not None else ""
+                body = {n: (v[i] if self.batched else v).tolist() for n, v in outs.items() if v is not None}
+                p.result = json.dumps({"outputs": body, "served_by": p.served_by}, separators=(",", ":")).encode()
+                p.done = True
             if self.paused:
                 self._resume()
             return
         code, message = _code(error), _message(error)
         if code in REFUSED:
-            p.fail(code, message)
+            if len(ps) > 1:  # the request as a whole: each event again alone, so only the poison fails
+                for p in live:
+                    p.group = ("alone", p.rid)
+                self.split.extend(live)
+                return
+            live[0].fail(code, message)
             return
-        p.code = code
+        for p in live:
+            p.code = code
         if code in TRANSIENT:
             self._pause(code, message)
-        else:
+            self.retry.extend(live)
+            return
+        for p in live:
             p.attempts += 1
             if p.attempts >= self.cfg.max_attempts:
                 p.fail(code, message)
-                return
-            self.retry_at = max(self.retry_at, time.monotonic() + 0.2)
-        self.retry.append(p)
+            else:
+                self.retry.append(p)
+        self.retry_at = max(self.retry_at, time.monotonic() + 0.2)
 
     def _pause(self, code: str, message: str) -> None:
         if self.outage.available():  # the scheduled retry failed too: wait longer
@@ -555,14 +599,15 @@ class Stream:
 
     def _drain(self, tps: set[TP], deadline: float) -> None:
         while self.fatal is None and any(self.tracker.pending(tp) for tp in tps) and time.monotonic() < deadline:
-            self._dispatch()
+            self._dispatch(flush=True)
             self._settle(timeout=0.01)
             self._emit()
             self.producer.poll(0.01)
 
     def _unread(self, tps: set[TP]) -> None:
-        """Drop the events of ``tps`` read and not yet sent (a suffix of each partition's queue:
-        events are sent in consume order), so that the commit waits only for those sent."""
+        """Drop the events of ``tps`` read and not yet sent after the last one sent (the
+        suffix of each partition's queue), so that the commit waits only for those sent; an event
+        not sent before one sent (another group's request went first) is sent by the drain."""
         for tp in tps:
             dq = self.queues.get(tp)
             while dq and not dq[-1].sent:
@@ -570,7 +615,7 @@ class Stream:
                 p.dropped = True
                 self.tracker.untake(tp, p.offset)
                 self.size[tp] = self.size.get(tp, 0) - p.size
-        self.waiting = deque(p for p in self.waiting if not p.dropped)
+        self.waiting.drop(lambda p: p.dropped)
 
     def _forget(self, tps: set[TP]) -> None:
         for tp in tps:
@@ -585,7 +630,8 @@ class Stream:
             except KeyError:
                 pass
         self.retry = [p for p in self.retry if p.tp not in tps]
-        self.waiting = deque(p for p in self.waiting if p.tp not in tps)
+        self.split = deque(p for p in self.split if p.tp not in tps)
+        self.waiting.drop(lambda p: p.tp in tps)
 
     # -- observability -----------------------------------------------------------------------
     def _lag(self) -> None:
@@ -668,10 +714,7 @@ class Stream:
         counts = {"replayed": 0, "skipped": 0, "dead": 0}
         events = [p for tp in sorted(todo) for p in todo[tp]]
         for p in events:
-            try:
-                p.arrays = decode(p.value, self.specs, self.batched)
-            except EventError as exc:
-                p.fail(BAD_EVENT, str(exc))
+            self._prepare(p)
         primary = ""
         probe = next((p for p in events if p.replay and not p.done), None)
         if probe is not None:  # which version is the primary now: the first answer says
@@ -703,17 +746,20 @@ class Stream:
 
     def _score(self, events: list[Pending], deadline: float) -> None:
         """Send ``events`` and wait for every answer (retries and Triton outages as the stream)."""
-        for p in events:
-            self._send(p)
+        for r in chunks(events, self.rows):
+            self._send(r)
         while not all(p.done for p in events):
             if time.monotonic() > deadline:
                 raise StreamError(f"--replay: {sum(not p.done for p in events)} events not answered in time")
             self._settle(timeout=0.01)
+            while self.split:
+                self._send([self.split.popleft()])
             if self.retry and time.monotonic() >= self.retry_at:
                 again, self.retry = self.retry, []
                 for p in again:
                     p.code = None
-                    self._send(p)
+                for r in chunks(again, self.rows):
+                    self._send(r)
 
     def _progress(self) -> None:
         c, now = self.counts, time.monotonic()
