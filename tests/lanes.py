@@ -65,7 +65,7 @@ SECONDS = {
     "tests/functional/test_fleet.py": 151, "tests/functional/test_supervisor.py": 134,
     "tests/functional/test_batch.py": 133, "tests/functional/test_generation_rollout.py": 131,
     "tests/functional/test_judge.py": 104, "tests/functional/test_rollout_text.py": 92,
-    "tests/unit/test_image_deps.py": 82, "tests/functional/test_rollout.py": 75,
+    "tests/deploy/test_image.py": 82, "tests/functional/test_rollout.py": 75,
     "tests/functional/test_stream.py": 64, "tests/unit/exporter/rollout/test_prometheus.py": 61,
     "tests/functional/test_stream_guard.py": 61, "tests/unit/exporter/records/test_registry.py": 56,
     "tests/functional/test_monitoring.py": 56, "tests/functional/test_replicas.py": 50,
