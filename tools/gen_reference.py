@@ -631,42 +631,74 @@ def metrics_page() -> str:
 # == exit codes ===================================================================================
 CLI_DIR = "exporter/cli"
 EXIT_CALLS = {"typer.Exit", "SystemExit", "click.exceptions.Exit", "Exit"}
-# The meaning of each exit-code constant, by (module, name).
-EXIT_MEANINGS: dict[tuple[str, str], str] = {
-    ("exporter.errors", "EXIT_BAD_INPUT"): "refused: a bad flag, argument, file, configuration or state, "
-                                           "named in one line on stderr",
-    ("exporter.cli.feedback_cmd", "EXIT_BAD_INPUT"): "refused: a bad labels file, or the model is not guarded "
-                                                     "or keeps no feedback, named on stderr",
-    ("exporter.cli.app", "EXIT_GOLDEN_FAILED"): "the exported version's outputs failed its golden check",
-    ("exporter.cli.app", "EXIT_UNREACHABLE"): "a `--server` / `--metrics-url` replica could not be reached",
-    ("exporter.cli.rollout_common", "EXIT_ROLLED_BACK"): "the candidate was rolled back or the rollout aborted",
-    ("exporter.cli.rollout_common", "EXIT_HOLDING"): "the rollout is still running or paused: run "
-                                                     "`rollout resume` later",
-    ("exporter.cli.tune_cmd", "EXIT_APPLY_SKIPPED"): "`--apply` wrote nothing for some model (the gain was not "
-                                                     "confirmed, or a config was skipped)",
-    ("exporter.cli.tune_cmd", "EXIT_RUN_FAILED"): "the sweep failed or stopped on an error",
-    ("exporter.cli.audit_cmd", "EXIT_TAMPERED"): "a record was altered: the hash chain breaks",
-    ("exporter.cli.audit_cmd", "EXIT_NO_LOG"): "no audit log at PATH, or the anchors' key cannot be read",
-    ("exporter.cli.audit_cmd", "EXIT_TRUNCATED"): "records missing at the end (the anchors counted more)",
-    ("exporter.cli.audit_cmd", "EXIT_GAPS"): "gap records (records the writer lost), without `--allow-gaps`",
-    ("exporter.cli.audit_cmd", "EXIT_UNANCHORED"): "no anchor found, with `--require-anchor`",
-    ("exporter.cli.batch_cmd", "EXIT_JOB_FAILED"): "the job stopped (run it again to resume) or its output "
-                                                   "is not exactly once",
-    ("exporter.cli.feedback_cmd", "EXIT_NONE_JOINED"): "no label joined an answer",
-    ("exporter.stream.run", "Stream.run"): "the stream stopped on a fatal error (an output lost); offsets are "
-                                           "committed only up to the last acknowledged result",
+# The one table: every exit code is a constant of this module, its docstring its meaning.
+EXITS_MODULE = "exporter.cli.exits"
+# Where else an exit constant may live: the library's errors carry EXIT_BAD_INPUT as their
+# ``exit_code`` (exporter.errors, which the CLI's module re-exports; it may not import the CLI).
+EXIT_LIBRARY = {("exporter.errors", "EXIT_BAD_INPUT"): "EXIT_BAD_INPUT"}
+# What a code means in one command, where the table's general meaning needs the kind, by
+# (command, code). A line for a code the command cannot reach stops the generator.
+EXIT_KINDS: dict[tuple[str, int], str] = {
+    ("audit verify", 1): "a finding, the first word on stderr (`status` in `--json`): TAMPERED (a record or an "
+                         "anchor altered), TRUNCATED (records missing at the end), GAPS (records the writer lost; "
+                         "exit 0 with `--allow-gaps`), UNANCHORED (only with `--require-anchor`)",
+    ("audit verify", 2): "no audit log at PATH, or the anchors' key cannot be read",
+    ("batch", 1): "every block committed, but the output is not every input row exactly once",
+    ("batch", 4): "the job stopped (servers gone longer than `--retry-timeout`, a worker died): run the same "
+                  "command again to resume",
+    ("export", 1): "the exported version's outputs failed its golden check",
+    ("feedback", 1): "no label joined an answer",
+    ("feedback", 2): "a bad labels file, or the model is not guarded or keeps no feedback",
+    ("promote", 1): "the candidate was rolled back or the rollout aborted",
+    ("promote", 3): "the rollout is still running or paused: `rollout resume` later",
+    ("rollout pause", 1): "the candidate was rolled back or the rollout aborted",
+    ("rollout pause", 3): "the rollout is paused: `rollout resume` later",
+    ("rollout resume", 1): "the candidate was rolled back or the rollout aborted",
+    ("rollout resume", 3): "the rollout is still running or paused: `rollout resume` again later",
+    ("status", 2): "also: a `--server` / `--metrics-url` replica could not be reached",
+    ("stream", 4): "a result was not acknowledged by the broker: offsets are committed only up to the last "
+                   "acknowledged one; start it again",
+    ("tune", 1): "`--apply` wrote nothing for some model (the gain was not confirmed, or a file changed meanwhile)",
+    ("tune", 4): "the sweep stopped on an error (the server or a measurement failed): run it again (it starts over)",
 }
-# Exit codes computed at run time: (module, function, the expression) -> the constants it takes,
-# as (module, name) keys of EXIT_MEANINGS (a plain 0 is success and not listed).
-EXIT_DYNAMIC: dict[tuple[str, str, str], tuple[tuple[int, tuple[str, str]], ...]] = {
-    ("exporter.cli.audit_cmd", "verify", "code"): tuple(
-        (c, ("exporter.cli.audit_cmd", n)) for c, n in ((1, "EXIT_TAMPERED"), (2, "EXIT_NO_LOG"),
-                                                         (3, "EXIT_TRUNCATED"), (4, "EXIT_GAPS"),
-                                                         (5, "EXIT_UNANCHORED"))),
-    ("exporter.cli.tune_cmd", "tune_command", "code"): ((1, ("exporter.cli.tune_cmd", "EXIT_APPLY_SKIPPED")),
-                                                        (3, ("exporter.cli.tune_cmd", "EXIT_RUN_FAILED"))),
-    ("exporter.cli.stream_cmd", "stream_command", "stream.run()"): ((1, ("exporter.stream.run", "Stream.run")),),
+# Codes no ``raise`` in the exporter names, each set for every command by what runs it.
+EXIT_EVERYWHERE = {
+    "EXIT_OK": "every command",
+    "EXIT_BAD_INPUT": "every command (Click's usage errors too)",
+    "EXIT_BUG": "every command (`exporter.cli.app.main` catches what no command did)",
+    "EXIT_INTERRUPTED": "every command (Typer turns Ctrl-C into it)",
 }
+# Scripts that checked the old codes: (date, command, what, was, now). Kept for a deprecation period.
+EXIT_CHANGED: tuple[tuple[str, str, str, str, str], ...] = (
+    ("2026-11-28", "every command", "an unexpected error (a bug): one line on stderr naming the file holding "
+     "the traceback, not the traceback", "1", "70"),
+    ("2026-11-28", "audit verify", "TRUNCATED: records missing at the end", "3", "1"),
+    ("2026-11-28", "audit verify", "GAPS: records the writer lost, without `--allow-gaps`", "4", "1"),
+    ("2026-11-28", "audit verify", "UNANCHORED: no anchor found, with `--require-anchor`", "5", "1"),
+    ("2026-11-28", "batch", "the job stopped (run it again to resume); an output that is not exactly once "
+     "stays 1", "1", "4"),
+    ("2026-11-28", "stream", "stopped on a fatal error (a result not acknowledged)", "1", "4"),
+    ("2026-11-28", "tune", "the sweep failed or stopped on an error", "3", "4"),
+)
+
+
+@functools.lru_cache(maxsize=1)
+def exit_constants() -> dict[str, tuple[int, str]]:
+    """name -> (code, meaning) of every constant of :data:`EXITS_MODULE`: the values from the
+    module, the meanings from the docstring under each (a constant without one is a problem)."""
+    import importlib  # noqa: PLC0415
+
+    module = importlib.import_module(EXITS_MODULE)
+    tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+    out: dict[str, tuple[int, str]] = {}
+    body = tree.body
+    for node, after in zip(body, [*body[1:], None], strict=True):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and node.targets[0].id.startswith("EXIT_"):
+            doc = (after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                   and isinstance(after.value.value, str) else "")
+            out[node.targets[0].id] = (getattr(module, node.targets[0].id), " ".join(doc.replace("``", "`").split()))
+    return out
 
 
 class _Module:
@@ -675,6 +707,7 @@ class _Module:
         self.tree = ast.parse(path.read_text(encoding="utf-8"))
         self.functions = {n.name: n for n in self.tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
         self.consts: dict[str, int] = {}
+        self.aliases: dict[str, str] = {}  # EXIT_X = another name (of this module or imported)
         self.imports: dict[str, tuple[str, str]] = {}
         for node in self.tree.body:
             if isinstance(node, ast.Assign):
@@ -682,9 +715,12 @@ class _Module:
                     pairs = (zip(t.elts, node.value.elts, strict=False)
                              if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple) else [(t, node.value)])
                     for name, value in pairs:
-                        if isinstance(name, ast.Name) and name.id.startswith("EXIT_") \
-                                and isinstance(value, ast.Constant) and isinstance(value.value, int):
+                        if not (isinstance(name, ast.Name) and name.id.startswith("EXIT_")):
+                            continue
+                        if isinstance(value, ast.Constant) and isinstance(value.value, int):
                             self.consts[name.id] = value.value
+                        elif isinstance(value, ast.Name):
+                            self.aliases[name.id] = value.id
             elif isinstance(node, ast.ImportFrom) and node.module:
                 for alias in node.names:
                     self.imports[alias.asname or alias.name] = (node.module, alias.name)
@@ -718,11 +754,14 @@ class ExitScan:
         return self.loaded.get(name)
 
     def constant(self, module: str, name: str) -> tuple[int, tuple[str, str]] | None:
+        """(code, (module, name) where the constant is defined or aliased) of ``name`` in ``module``."""
         mod = self.module(module)
         if mod is None:
             return None
         if name in mod.consts:
             return mod.consts[name], (module, name)
+        if name in mod.aliases and (c := self.constant(module, mod.aliases[name])) is not None:
+            return c[0], (module, name)
         if name in mod.imports:
             return self.constant(*mod.imports[name])
         return None
@@ -735,6 +774,35 @@ class ExitScan:
             return module, mod.functions[name]
         if name in mod.imports:
             return self.function(*mod.imports[name])
+        return None
+
+    def resolve(self, module: str, fn: ast.AST, expr: ast.AST, depth: int = 0) -> set[tuple[int, tuple[str, str]]] | None:
+        """The constants an exit expression can take (None: not resolved). Followed: a constant,
+        a local variable through each of its assignments in ``fn``, ``a if c else b``, a dict's
+        values and its ``.get(key, default)``; a plain 0 is success and adds nothing."""
+        if depth > 5:
+            return None
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, int):
+            if expr.value:
+                self.unresolved.append(f"{module}.{fn.name}: a bare exit code {expr.value}; name it")
+            return set()
+        if isinstance(expr, ast.Name):
+            if (c := self.constant(module, expr.id)) is not None:
+                return {c} if c[0] else set()  # EXIT_OK: success, as a plain 0
+            values = [n.value for n in ast.walk(fn) if isinstance(n, ast.Assign)
+                      and any(isinstance(t, ast.Name) and t.id == expr.id for t in n.targets)]
+            parts = [self.resolve(module, fn, v, depth + 1) for v in values]
+            return set().union(*parts) if parts and None not in parts else None
+        if isinstance(expr, ast.IfExp):
+            parts = [self.resolve(module, fn, e, depth + 1) for e in (expr.body, expr.orelse)]
+            return None if None in parts else parts[0] | parts[1]
+        if isinstance(expr, ast.Dict):
+            parts = [self.resolve(module, fn, v, depth + 1) for v in expr.values]
+            return None if None in parts else set().union(*parts)
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "get" \
+                and isinstance(expr.func.value, ast.Dict):
+            parts = [self.resolve(module, fn, e, depth + 1) for e in (expr.func.value, *expr.args[1:2])]
+            return None if None in parts else set().union(*parts)
         return None
 
     def codes(self, module: str, name: str, seen: set[tuple[str, str]] | None = None) -> set[tuple[int, tuple[str, str]]]:
@@ -752,21 +820,15 @@ class ExitScan:
                 if not args:
                     continue
                 arg = args[0]
-                if isinstance(arg, ast.Constant) and isinstance(arg.value, int):
-                    if arg.value:
-                        self.unresolved.append(f"{module}.{fn.name}: a bare exit code {arg.value}; name it")
-                    continue
-                if isinstance(arg, ast.Name) and (c := self.constant(module, arg.id)) is not None:
-                    out.add(c)
-                    continue
                 if isinstance(arg, ast.Attribute) and arg.attr == "exit_code":
                     out |= self.error_codes
                     continue
-                key = (module, fn.name, ast.unparse(arg))
-                if key in EXIT_DYNAMIC:
-                    out |= set(EXIT_DYNAMIC[key])
+                resolved = self.resolve(module, fn, arg)
+                if resolved is None:
+                    self.unresolved.append(f"{module}.{fn.name}: exit code `{ast.unparse(arg)}` is not resolved to "
+                                           f"constants: name them in exporter/cli/exits.py")
                 else:
-                    self.unresolved.append(f"{module}.{fn.name}: exit code `{key[2]}` has no EXIT_DYNAMIC line")
+                    out |= resolved
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 out |= self.codes(module, node.func.id, seen)
         return out
@@ -806,44 +868,84 @@ def exit_table() -> tuple[dict[str, set[tuple[int, tuple[str, str]]]], set[tuple
     return per_command, everywhere, tuple(dict.fromkeys(scan.unresolved))
 
 
+def _exit_homes() -> set[tuple[str, str]]:
+    return {(EXITS_MODULE, name) for name in exit_constants()} | set(EXIT_LIBRARY)
+
+
 def exit_problems() -> list[str]:
+    """A code reached that is not one of :data:`EXITS_MODULE`'s constants, a constant without a
+    docstring, two constants with one number."""
     per_command, everywhere, unresolved = exit_table()
+    consts = exit_constants()
     out = list(unresolved)
+    out += [f"{EXITS_MODULE}.{name}: no docstring under it (its meaning in the table)"
+            for name, (_, doc) in sorted(consts.items()) if not doc]
+    by_value: dict[int, list[str]] = {}
+    for name, (code, _) in consts.items():
+        by_value.setdefault(code, []).append(name)
+    out += [f"{EXITS_MODULE}: {', '.join(sorted(names))} are all {code}: one number, one meaning"
+            for code, names in sorted(by_value.items()) if len(names) > 1]
+    out += [f"{module}.{name} is {consts.get(EXIT_LIBRARY[(module, name)], (None,))[0]} in {EXITS_MODULE}"
+            for (module, name) in EXIT_LIBRARY
+            if (c := ExitScan().constant(module, name)) is None or c[0] != consts.get(EXIT_LIBRARY[(module, name)], (None,))[0]]
+    homes = _exit_homes()
     for path, codes in sorted({**per_command, "(every command)": everywhere}.items()):
-        out += [f"exporter {path}: exit {c} ({k[0]}.{k[1]}) has no line in EXIT_MEANINGS of tools/gen_reference.py"
-                for c, k in sorted(codes) if k not in EXIT_MEANINGS]
+        out += [f"exporter {path}: exit {c} is {k[0]}.{k[1]}: use a constant of exporter/cli/exits.py"
+                for c, k in sorted(codes) if k not in homes]
     return out
 
 
 def exit_codes_page() -> str:
     per_command, everywhere, _ = exit_table()
-    rows = [[f"`{path}`", str(code), EXIT_MEANINGS.get(key, "—")]
-            for path, codes in sorted(per_command.items()) for code, key in sorted(codes)]
-    rows += [[f"`{path}`", "—", "no exit code of its own found in the exporter (a command that hands over to "
-              "another program exits with that program's codes)"]
-             for path, codes in sorted(per_command.items()) if not codes]
-    rows.sort(key=lambda r: r[0])
-    by_code: dict[int, dict[str, list[str]]] = {}
-    for path, codes in sorted(per_command.items()):
-        for code, key in sorted(codes):
-            by_code.setdefault(code, {}).setdefault(EXIT_MEANINGS.get(key, "—"), []).append(path)
+    consts = exit_constants()
+    names = {code: name for name, (code, _) in consts.items()}
+    reached = {path: sorted({c for c, _ in codes}) for path, codes in per_command.items()}
+    for (path, code) in EXIT_KINDS:
+        if code not in reached.get(path, ()):
+            raise ReferenceError(f"EXIT_KINDS has ({path!r}, {code}): `exporter {path}` cannot exit {code}")
+    for name in EXIT_EVERYWHERE:
+        if name not in consts:
+            raise ReferenceError(f"EXIT_EVERYWHERE names {name}, which {EXITS_MODULE} lacks")
+    for code, key in sorted(everywhere):  # what main() itself exits with is every command's
+        if names.get(code) not in EXIT_EVERYWHERE:
+            raise ReferenceError(f"exporter.cli.app.main exits {code} ({key[1]}): add it to EXIT_EVERYWHERE")
+    for _, path, _, _, now in EXIT_CHANGED:
+        if int(now) not in names:
+            raise ReferenceError(f"EXIT_CHANGED: {path} now exits {now}, which {EXITS_MODULE} lacks")
+    rows = []
+    for code, name in sorted(names.items()):
+        users = sorted(p for p, cs in reached.items() if code in cs)
+        where = EXIT_EVERYWHERE.get(name) or ", ".join(f"`{p}`" for p in users) or "—"
+        rows.append([str(code), f"`{name}`", consts[name][1], where])
+    by_command = []
+    for path in sorted(reached):
+        codes = [c for c in reached[path] if c]
+        by_command += [[f"`{path}`", str(c), EXIT_KINDS.get((path, c), "—")] for c in codes]
+        if not codes:
+            by_command.append([f"`{path}`", "—", "no exit code of its own found in the exporter (a command that hands "
+                               "over to another program exits with that program's codes)"])
+    def short(meaning: str) -> str:  # the docstring's first clause: "Not finished", "Refused before doing anything"
+        head = re.split(r"[:.(]", meaning, maxsplit=1)[0].strip().rstrip(",")
+        return head[:1].lower() + head[1:]
+
+    first = ", ".join(f"{c} {short(consts[names[c]][1])}" for c in sorted(names))
     lines = [HEADER, "", "# Exit codes", "",
-             "Found in the code: every `raise typer.Exit(…)` a command's function (and the exporter's functions "
-             "it calls by name) can reach, resolved to its named constant. Every command exits 0 on "
-             "success, and also:", "",
-             *table(["exit", "meaning"],
-                    [["2", "a usage error Click reports: an unknown option, a missing argument, a value of the "
-                           "wrong type"],
-                     *([str(c), EXIT_MEANINGS.get(k, "—") + " (checked before any command runs)"]
-                       for c, k in sorted(everywhere)),
-                     ["1", "an unexpected error (a Python traceback): a bug, please report it"]]), "",
-             "## By command", "", *table(["command", "exit", "meaning"], rows), "",
-             "## By code", "",
-             "The same code does not mean the same thing in every command; a script that checks exit codes "
-             "should check them per command.", "",
-             *table(["exit", "meaning", "commands"],
-                    ([str(code), meaning, ", ".join(f"`{p}`" for p in paths)]
-                     for code, meanings in sorted(by_code.items()) for meaning, paths in sorted(meanings.items()))),
+             "One table for every command of `python -m exporter`: a number means the same thing whichever "
+             f"command exits with it ({first}). The constants are in `exporter/cli/exits.py`; what kind of "
+             "answer or refusal it was is said in one line on stderr (and in `--json` where a command has it), "
+             "never by another number.", "",
+             *table(["exit", "constant", "meaning", "commands"], rows), "",
+             "Which commands can exit with a code is found in the code: every `raise typer.Exit(…)` a command's "
+             "function (and the exporter's functions it calls by name) can reach, resolved to its constant.", "",
+             "## By command", "",
+             "Every command can also exit 0, 2, 70 and 130; the codes below are those its own code reaches, with "
+             "what they mean there (— : the table's meaning).", "",
+             *table(["command", "exit", "here"], by_command), "",
+             "## Changed", "",
+             "A script that checks the codes these commands exited with before must change where:", "",
+             *table(["since", "command", "what", "was", "now"],
+                    ([d, f"`{p}`" if p != "every command" else p, what, was, now]
+                     for d, p, what, was, now in EXIT_CHANGED)),
              ""]
     return "\n".join(lines)
 

@@ -3,9 +3,15 @@ new commands (compile, promote, rollback, route) are added as further ``@app.com
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
+import os
+import re
+import sys
+import tempfile
 import time
+import traceback
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -18,12 +24,13 @@ from exporter.build.errors import ExportError, GoldenCheckFailed
 from exporter.build.export import export_source
 from exporter.build.upgrade import upgrade_layout
 from exporter.cli.consoles import console, log_handler, where
+from exporter.cli.exits import EXIT_BAD_INPUT, EXIT_BUG, EXIT_NEGATIVE
 from exporter.cli.repository_opt import Repository, repository_command
 from exporter.cli.rollout_common import StateUrl, servers_or_fleet
 from exporter.cli.server_opt import HTTP, help_text, servers
 from exporter.cli.status import collect, live, print_live, table, unreachable
 from exporter.cli.watch import watch as watch_view
-from exporter.errors import EXIT_BAD_INPUT, ExporterError
+from exporter.errors import ExporterError
 from exporter.rollout.reconcile import reconcile_registry
 from exporter.rollout.route import RouteChange, apply, parse_arms, show, state_summary
 from tritonguard.privacy.tenancy.auth import new_api_key
@@ -34,14 +41,15 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,  # locals hold tensors and weights: unreadable
+    epilog="Exit codes, the same in every command: 0 done, 1 done and the answer is no (rolled back, a "
+           "check failed), 2 refused (bad input), 3 not finished (run it again later), 4 stopped part way "
+           "(run it again to resume), 70 a bug. The table: docs/reference/exit-codes.md.",
 )
 # results to stdout, progress and logs to stderr, so `status --json | jq` stays clean; full-width
 # lines when piped (a CI log, `| cat`), $COLUMNS respected (exporter.cli.consoles)
 out = console()
 err = console(stderr=True)
 
-EXIT_GOLDEN_FAILED = 1
-EXIT_UNREACHABLE = 2  # status --server/--metrics-url: a replica that cannot be reached
 
 
 class Format(str, Enum):
@@ -128,7 +136,7 @@ def export(
     except GoldenCheckFailed as exc:
         # soft_wrap: one line however long (an engine's message), markup escaped ("[ONNXRuntimeError]")
         err.print(f"[bold red]✗ {escape(str(exc))}[/]", soft_wrap=True)
-        raise typer.Exit(EXIT_GOLDEN_FAILED) from None
+        raise typer.Exit(EXIT_NEGATIVE) from None
     except ExporterError as exc:
         err.print(f"[bold red]✗ export failed:[/] {escape(str(exc))}", soft_wrap=True)
         err.print(f"nothing was written to {escape(str(Path(repository).resolve()))}", soft_wrap=True)
@@ -204,7 +212,7 @@ def status(
     if fleet is None and (problems := unreachable(servers, urls, explicit_metrics=bool(metrics_url))):
         for problem in problems:
             err.print(f"[bold red]✗ status failed:[/] {escape(problem)}", soft_wrap=True)
-        raise typer.Exit(EXIT_UNREACHABLE)
+        raise typer.Exit(EXIT_BAD_INPUT)
     if watch:
 
         watch_view(out, repository, servers, urls, fleet=fleet)
@@ -338,11 +346,47 @@ def main() -> None:
     except NamespaceError as exc:
         err.print(f"[bold red]✗[/] {escape(str(exc))}", soft_wrap=True)
         raise SystemExit(EXIT_BAD_INPUT) from None
-    app()
+    try:
+        app()
+    except Exception as exc:  # noqa: BLE001 - the CLI's entry: a bug is one line and EXIT_BUG, not a traceback and 1
+        crashed(exc)
+        raise SystemExit(EXIT_BUG) from None
 
 
-# `python -m exporter audit verify PATH` (exit 0 intact, 1 tampered, 2 no log, 3 truncated, 4 gaps,
-# 5 unanchored with --require-anchor)
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/:@]*:)[^\s/@]+@", re.I)
+
+
+def crashed(exc: BaseException) -> None:
+    """Write ``exc``'s traceback to a file, say in one line on stderr what it was and where the
+    file is (the caller exits :data:`~exporter.cli.exits.EXIT_BUG`): a script sees a bug as a code
+    of its own (1 is a negative answer), a user sees one line and not a screen of frames. The file is
+    ``$TRITONGUARD_HOME/crash/exporter-<UTC time>-<pid>.txt`` (the system's temporary folder when
+    that cannot be written), readable by its owner only; the line masks URL passwords."""
+
+    from tritonguard.core.store import ENV_URL, home, scrubbed  # noqa: PLC0415
+
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    name = f"exporter-{stamp}-{os.getpid()}.txt"
+    path = None
+    for folder in (home() / "crash", Path(tempfile.gettempdir())):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(f"python -m exporter {' '.join(sys.argv[1:])}\n\n{text}")
+            path = folder / name
+            break
+        except OSError:
+            continue
+    message = _URL_PASSWORD.sub(r"\1***@", scrubbed(str(exc), os.environ.get(ENV_URL, "")))
+    what = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    where_ = f"the traceback is in {path}" if path else f"the traceback could not be written:\n{text}"
+    err.print(f"[bold red]✗ unexpected error (a bug, exit {EXIT_BUG}):[/] {escape(what)}; {escape(where_)}; "
+              "please report both", soft_wrap=True)
+
+
+# `python -m exporter audit verify PATH` (exit 0 intact, 1 a finding, 2 no log)
 from exporter.cli.audit_cmd import audit_app  # noqa: E402
 
 app.add_typer(audit_app, name="audit")

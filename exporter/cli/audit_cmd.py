@@ -3,15 +3,19 @@
 The chain (every record's hash, ``prev`` link and ``seq``, across the rotated files ``PATH.N`` …
 ``PATH.1``, ``PATH``) is checked against the chain's anchors: ``PATH.anchor``, and the guard's
 state store when given (``--state-url`` / ``$TRITONGUARD_STATE_URL`` for Redis, ``--repository``
-for the file store). Exit codes:
+for the file store). Exit codes (:mod:`exporter.cli.exits`, one table for every command):
 
 - 0: intact and anchored (also: unanchored without ``--require-anchor``, gaps with ``--allow-gaps``)
-- 1: tampered: a record was edited, inserted, deleted or reordered (the first bad one is named),
-  or an anchor is forged, altered or signed with another key
-- 2: no audit log at PATH (and no anchor for it)
-- 3: truncated: fewer records than an anchor counts, or the anchored head is not in the chain
-- 4: gaps: the writer lost records (queue or disk full) and said so in gap records
-- 5: unanchored, with ``--require-anchor``: no anchor found, a lost tail cannot be detected
+- 1: a finding, named by the first word on stderr (``status`` in ``--json``): TAMPERED (a record
+  was edited, inserted, deleted or reordered, the first bad one named; or an anchor is forged,
+  altered or signed with another key), TRUNCATED (fewer records than an anchor counts, or the
+  anchored head is not in the chain), GAPS (the writer lost records and said so in gap records),
+  UNANCHORED (with ``--require-anchor``: no anchor found, a lost tail cannot be detected)
+- 2: no audit log at PATH (and no anchor for it), or the anchors' key cannot be read
+
+The findings share 1 rather than a number each: every one says the log cannot be trusted as
+complete, the flags above choose which of them fail, and 3 and 4 mean "not finished" and
+"stopped part way" in every other command.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Annotated, Any
 
 import typer
 
+from exporter.cli.exits import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_OK
 from tritonguard.core.errors import ConfigError
 from tritonguard.privacy.audit.anchors import (
     ANCHOR_PREFIX,
@@ -33,12 +38,6 @@ from tritonguard.privacy.audit.anchors import (
 from tritonguard.privacy.audit.anchors import anchor_name as default_name
 from tritonguard.privacy.audit.chain import rotated_files, utc_iso
 from tritonguard.privacy.audit.verify import verify as verify_chain
-
-EXIT_TAMPERED = 1
-EXIT_NO_LOG = 2
-EXIT_TRUNCATED = 3
-EXIT_GAPS = 4
-EXIT_UNANCHORED = 5
 
 audit_app = typer.Typer(help="Audit log tools.", no_args_is_help=True, add_completion=False)
 
@@ -59,7 +58,7 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result on stdout.")] = False,
     allow_gaps: Annotated[bool, typer.Option("--allow-gaps", help="Exit 0 when the only findings are gap "
                                              "records (records the writer lost and reported).")] = False,
-    require_anchor: Annotated[bool, typer.Option("--require-anchor", help="Exit 5 when no anchor is found "
+    require_anchor: Annotated[bool, typer.Option("--require-anchor", help="Exit 1 when no anchor is found "
                                                  "(default: a warning, exit 0).")] = False,
     state_url: Annotated[str, typer.Option("--state-url", envvar="TRITONGUARD_STATE_URL",
                                            help="Redis holding the guards' anchors.")] = "",
@@ -80,7 +79,7 @@ def verify(
         key = load_audit_key(key_env, os.environ)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_NO_LOG) from None
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     stores: list[Any] = []
     if state_url:
         stores.append(RedisAnchors(state_url))
@@ -92,9 +91,9 @@ def verify(
     for s in stores:
         if hasattr(s, "close"):
             s.close()
-    code = {"tampered": EXIT_TAMPERED, "missing": EXIT_NO_LOG, "truncated": EXIT_TRUNCATED,
-            "gaps": 0 if allow_gaps else EXIT_GAPS,
-            "unanchored": EXIT_UNANCHORED if require_anchor else 0}.get(result.status, 0)
+    code = {"tampered": EXIT_NEGATIVE, "missing": EXIT_BAD_INPUT, "truncated": EXIT_NEGATIVE,
+            "gaps": EXIT_OK if allow_gaps else EXIT_NEGATIVE,
+            "unanchored": EXIT_NEGATIVE if require_anchor else EXIT_OK}.get(result.status, EXIT_OK)
     if as_json:
         typer.echo(json.dumps({"path": str(path), "ok": result.ok and code == 0, "status": result.status,
                                "exit_code": code, "records": result.records, "first_bad": result.first_bad,

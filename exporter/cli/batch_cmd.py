@@ -5,8 +5,9 @@ Progress and the summary go to stderr (``--json``: the summary as JSON on stdout
 counts rows answered, committed or not (a block of text rows takes minutes to commit); where
 stderr is not a terminal, a plain line every ``$TRITONGUARD_BATCH_PROGRESS_S`` seconds (10). Exit 0 when
 every input row is in the output or the dead-letter folder, exactly once (rejected rows do not
-fail a job); 1 when the job stopped (servers gone longer than ``--retry-timeout``, a worker
-died): run the same command again to resume; 2 on bad input (arguments, mapping, an output
+fail a job); 4 when the job stopped (servers gone longer than ``--retry-timeout``, a worker
+died): run the same command again to resume; 1 when every block committed but the output is not
+exactly once; 2 on bad input (arguments, mapping, an output
 folder that holds another job).
 """
 
@@ -37,12 +38,11 @@ from exporter.batch.eta import Eta, eta_text
 from exporter.batch.run import run_job, summary
 from exporter.batch.scorer import Scorer
 from exporter.cli.consoles import console
+from exporter.cli.exits import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_STOPPED
 from exporter.cli.server_opt import GRPC, help_text, servers
-from exporter.errors import EXIT_BAD_INPUT
 
 out = console()
 err = console(stderr=True)
-EXIT_JOB_FAILED = 1
 
 
 class RowsPerSecond(ProgressColumn):
@@ -164,8 +164,10 @@ def batch_command(
                   f"  {result['scored'] + result['rejected']:,} of {total:,} rows committed; "
                   "run the same command again to resume", soft_wrap=True)
     _print_summary(result, as_json)
-    if failed is not None or not result["exactly_once"]:
-        raise typer.Exit(EXIT_JOB_FAILED)
+    if failed is not None:
+        raise typer.Exit(EXIT_STOPPED)
+    if not result["exactly_once"]:
+        raise typer.Exit(EXIT_NEGATIVE)
 
 
 def _cause(exc: BaseException) -> str:

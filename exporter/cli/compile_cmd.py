@@ -20,8 +20,8 @@ from rich.table import Table
 from exporter.build.compile import compile_model, environment
 from exporter.build.variants import CompileError
 from exporter.cli.consoles import console
+from exporter.cli.exits import EXIT_BAD_INPUT
 from exporter.cli.repository_opt import Repository
-from exporter.errors import EXIT_BAD_INPUT
 from exporter.records.registry import default_uri
 
 # full-width lines when piped (a CI log, `| cat`); $COLUMNS respected

@@ -7,7 +7,7 @@ requests that carried an id (:mod:`tritonguard.rollout.feedback`). This command 
 gate then weighs exactly like labels sent with the requests. A label whose request is unknown
 (not sampled, expired, never answered here) or already joined is counted and skipped.
 
-Exit codes: 0 labels joined, 1 none could be joined, 2 bad input (unreadable file, missing
+Exit codes (:mod:`exporter.cli.exits`): 0 labels joined, 1 none could be joined, 2 bad input (unreadable file, missing
 columns, an unknown model, an unreachable store).
 """
 
@@ -22,13 +22,13 @@ from typing import Annotated, Any
 import typer
 
 from exporter.cli.consoles import WideConsole
+from exporter.cli.exits import EXIT_BAD_INPUT, EXIT_NEGATIVE
 from exporter.errors import ExporterError
 from tritonguard.core import repository as repo_mod
 from tritonguard.rollout.feedback import FeedbackUnavailable, join, open_feedback_log
 
 out = WideConsole(soft_wrap=True)
 err = WideConsole(stderr=True, soft_wrap=True)
-EXIT_NONE_JOINED, EXIT_BAD_INPUT = 1, 2
 COLUMNS = ("request_id", "label")
 
 
@@ -125,4 +125,4 @@ def feedback_command(
         if skipped:
             err.print("skipped: " + "; ".join(skipped))
     if not res.joined:
-        raise typer.Exit(EXIT_NONE_JOINED)
+        raise typer.Exit(EXIT_NEGATIVE)

@@ -5,7 +5,8 @@ through the traffic steps with the statistical gates between them; PRODUCTION co
 rollout's last passing gate (through the approvers, if any), ARCHIVED from a failing one. In
 MLflow's words (:mod:`exporter.records.registry`): the staged version is the ``challenger``, the
 promoted one the ``champion``; ``--to`` takes either word or the old stage name.
-Exit codes: 0 promoted/done, 1 rolled back or aborted, 2 bad input, 3 paused/holding.
+Exit codes (:mod:`exporter.cli.exits`): 0 promoted/done, 1 rolled back or aborted, 2 bad input, 3 still
+running or paused.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Annotated
 import typer
 
 from exporter.cli.consoles import where
+from exporter.cli.exits import EXIT_BAD_INPUT, EXIT_NEGATIVE
 from exporter.cli.rollout_common import (
-    EXIT_ROLLED_BACK,
     Model,
     PrometheusSelector,
     PrometheusUrl,
@@ -32,7 +33,7 @@ from exporter.cli.rollout_common import (
     reconcile,
     servers_or_fleet,
 )
-from exporter.errors import EXIT_BAD_INPUT, BadInput, ExporterError
+from exporter.errors import BadInput, ExporterError
 from exporter.records.registry import RegistryError, check_alias
 from exporter.rollout.gates.config import GateConfig, parse_increase
 from exporter.rollout.generation import MAX_REGRESSION, judge_generation
@@ -227,7 +228,7 @@ def promote(
             if on_stop in ("DRAFT", "STAGING"):
                 reg.transition(model, version, "ARCHIVED", on_stop, approver, reason=judged.summary())
             out.print(f"[bold]{model}[/] v{version}: [red]rolled_back[/] before any traffic: {judged.summary()}")
-            raise typer.Exit(EXIT_ROLLED_BACK)
+            raise typer.Exit(EXIT_NEGATIVE)
         progress = ctl.start(version, primary=primary)
         if detach:
             out.print(f"[bold]{model}[/] v{version}: rollout started at {progress.steps[0]:g} %; "

@@ -19,7 +19,7 @@ import typer
 from rich.markup import escape
 
 from exporter.cli.consoles import WideConsole
-from exporter.errors import EXIT_BAD_INPUT
+from exporter.cli.exits import EXIT_BAD_INPUT
 from exporter.records.remote import RemoteRepositoryError, working_copy
 from tritonguard.core.objectstore import ENV_REPOSITORY, is_object_store
 from tritonguard.core.store import ENV_URL

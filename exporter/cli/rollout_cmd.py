@@ -2,8 +2,8 @@
 progressive rollout, or restore the previous production version (``rollout undo``, kubectl's
 word for it, is ``rollback``: the same function).
 
-Exit codes: 0 done, 1 rolled back or aborted, 2 bad input, 3 paused/holding
-(:mod:`exporter.cli.rollout_common`). ``promote`` is :mod:`exporter.cli.promote_cmd`.
+Exit codes (:mod:`exporter.cli.exits`): 0 done, 1 rolled back or aborted, 2 bad input, 3 still
+running or paused. ``promote`` is :mod:`exporter.cli.promote_cmd`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from exporter.cli.consoles import where
+from exporter.cli.exits import EXIT_BAD_INPUT
 from exporter.cli.rollout_common import (
     Model,
     PrometheusSelector,
@@ -32,7 +33,7 @@ from exporter.cli.rollout_common import (
     servers_or_fleet,
     who_text,
 )
-from exporter.errors import EXIT_BAD_INPUT, ExporterError
+from exporter.errors import ExporterError
 from exporter.records.progress import ControllerError
 from exporter.records.registry import RegistryError
 from exporter.rollout.controller import RolloutController

@@ -13,6 +13,9 @@ from typing import Annotated
 import typer
 
 from exporter.cli.consoles import WideConsole
+from exporter.cli.exits import EXIT_NEGATIVE, EXIT_NOT_FINISHED
+from exporter.cli.exits import EXIT_NEGATIVE as EXIT_ROLLED_BACK  # noqa: F401 - the old names, still imported
+from exporter.cli.exits import EXIT_NOT_FINISHED as EXIT_HOLDING  # noqa: F401 - (tests/deploy/test_scripts.py)
 from exporter.cli.repository_opt import Repository, repository_command  # noqa: F401 - the rollout commands' option
 from exporter.cli.server_opt import HTTP, help_text, servers
 from exporter.records.registry import open_registry
@@ -28,7 +31,6 @@ from tritonguard.core.store import ENV_URL
 # no wraps at 80 columns when piped (tables included): a CI log keeps whole lines
 out = WideConsole(soft_wrap=True)
 err = WideConsole(stderr=True, soft_wrap=True)
-EXIT_ROLLED_BACK, EXIT_HOLDING = 1, 3  # and EXIT_BAD_INPUT (2), exporter.errors
 
 Model = Annotated[str, typer.Argument(help="Guard model name, e.g. digits.")]
 
@@ -117,9 +119,9 @@ def exit_for(progress) -> None:
               f"{progress.step_index + 1}/{len(progress.steps)} ({progress.steps[progress.step_index]:g} %): "
               f"{progress.reason}")
     if progress.status in ("rolled_back", "aborted"):
-        raise typer.Exit(EXIT_ROLLED_BACK)
+        raise typer.Exit(EXIT_NEGATIVE)
     if progress.status in ("running", "paused"):
-        raise typer.Exit(EXIT_HOLDING)
+        raise typer.Exit(EXIT_NOT_FINISHED)
 
 
 Servers = Annotated[list[str] | None, typer.Option("--server", callback=servers(HTTP), help=help_text(

@@ -2,8 +2,8 @@
 
 Progress goes to stderr, the table of points to stdout; ``tune_report.json`` and ``tune.png``
 go to ``--out``. Exit 0 when the run completed (whether or not a point beat the current config),
-1 when ``--apply`` left a file alone (changed meanwhile or conflicting), 2 on bad input, 3 when
-the server or the baseline measurement failed. The user's repository is written only with
+1 when ``--apply`` left a file alone (changed meanwhile or conflicting), 2 on bad input, 4 when
+the server or the baseline measurement failed (:mod:`exporter.cli.exits`). The user's repository is written only with
 ``--apply``.
 """
 
@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from exporter.cli.consoles import console
-from exporter.errors import EXIT_BAD_INPUT
+from exporter.cli.exits import EXIT_BAD_INPUT, EXIT_NEGATIVE, EXIT_OK, EXIT_STOPPED
 from exporter.tune import sweep as tune
 from exporter.tune.apply import apply_configs
 from exporter.tune.knobs import KNOBS, TuneError, describe, discover, fmt_value
@@ -32,8 +32,6 @@ from exporter.tune.search import Objective
 
 out = console()
 err = console(stderr=True)
-EXIT_APPLY_SKIPPED = 1
-EXIT_RUN_FAILED = 3
 LONE_REQUEST_WARN_PCT = 5.0  # c=1 throughput lost by the chosen layout that the summary warns about
 
 
@@ -230,7 +228,7 @@ def tune_command(
     except TuneError as exc:
         err.print(f"[bold red]✗ tune {escape(model)}:[/] {escape(str(exc))} [dim](after {time.monotonic() - t0:.0f} s; "
                   f"server log {escape(str(folder / 'tritonserver.log'))})[/]", soft_wrap=True)
-        raise typer.Exit(EXIT_RUN_FAILED) from None
+        raise typer.Exit(EXIT_STOPPED) from None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -239,7 +237,7 @@ def tune_command(
         out.print(line, soft_wrap=True)
 
     applied = None
-    code = EXIT_RUN_FAILED if result.aborted else 0
+    code = EXIT_STOPPED if result.aborted else EXIT_OK
     if apply:
         chosen = result.chosen
         if result.aborted:
@@ -252,7 +250,7 @@ def tune_command(
             err.print("[yellow]--apply: not written: the chosen point's gain was not confirmed[/] "
                       "(run again, or with --no-confirm to trust the search)", soft_wrap=True)
             applied = []
-            code = EXIT_APPLY_SKIPPED
+            code = EXIT_NEGATIVE
         else:
             applied = apply_configs(repository, result.pipe, start_texts, result.base, chosen.knobs, stamp)
             for a in applied:
@@ -261,7 +259,7 @@ def tune_command(
                               soft_wrap=True)
                 elif a.status == "skipped":
                     err.print(f"[yellow]✗ not written[/] {escape(a.model)}: {escape(a.detail)}", soft_wrap=True)
-                    code = EXIT_APPLY_SKIPPED
+                    code = EXIT_NEGATIVE
             written = sorted((a.model for a in applied if a.status == "written"), key=lambda n: n != result.pipe.target)
             if written:
                 err.print(f"[dim]a running server picks them up on a reload: POST /v2/repository/models/<name>/load "

@@ -557,22 +557,22 @@ def test_cli_exit_codes(tmp_path):
     bad = run_cli(path)
     assert bad.exit_code == 1 and "TAMPERED: first bad record is #3" in bad.output
     path.write_text("\n".join(text) + "\n")
-    # truncated: 3
+    # truncated: 1, named TRUNCATED
     keep_lines(path, 9)
     cut = run_cli(path)
-    assert cut.exit_code == 3 and "TRUNCATED: 3 records missing after seq 8" in cut.output, cut.output
+    assert cut.exit_code == 1 and "TRUNCATED: 3 records missing after seq 8" in cut.output, cut.output
     out = json.loads(run_cli(path, "--json").stdout)
-    assert out["status"] == "truncated" and out["exit_code"] == 3 and out["missing"] == 3 and not out["ok"]
+    assert out["status"] == "truncated" and out["exit_code"] == 1 and out["missing"] == 3 and not out["ok"]
     path.write_text("")
-    assert run_cli(path).exit_code == 3
+    assert (r := run_cli(path)).exit_code == 1 and "TRUNCATED" in r.output, r.output
     # no log at all: 2
     assert run_cli(tmp_path / "none.jsonl").exit_code == 2
-    # unanchored: 0 with a warning, 5 with --require-anchor
+    # unanchored: 0 with a warning, 1 (UNANCHORED) with --require-anchor
     path.write_text("\n".join(text) + "\n")
     (tmp_path / "audit.jsonl.anchor").unlink()
     un = run_cli(path)
     assert un.exit_code == 0 and "warning: unanchored" in un.output
-    assert run_cli(path, "--require-anchor").exit_code == 5
+    assert (r := run_cli(path, "--require-anchor")).exit_code == 1 and "UNANCHORED" in r.output, r.output
 
 
 def test_cli_gaps_and_stores(tmp_path, redis_server):
@@ -586,7 +586,7 @@ def test_cli_gaps_and_stores(tmp_path, redis_server):
     log.record("b")
     log.close()
     gaps = run_cli(path)
-    assert gaps.exit_code == 4 and "GAPS: 4 records lost in 1 gap" in gaps.output, gaps.output
+    assert gaps.exit_code == 1 and "GAPS: 4 records lost in 1 gap" in gaps.output, gaps.output
     allowed = run_cli(path, "--allow-gaps")
     assert allowed.exit_code == 0 and "ok: 3 records" in allowed.stdout
     # the Redis anchor: found with --state-url (hash key of this test) once the local one is gone
@@ -610,12 +610,12 @@ def test_cli_gaps_and_stores(tmp_path, redis_server):
     keep_lines(path2, 4)
     assert run_cli(path2).exit_code == 0
     cut = run_cli(path2, "--repository", repo)
-    assert cut.exit_code == 3 and "2 records missing after seq 3" in cut.output, cut.output
-    assert run_cli(path2, "-r", repo, "--model", "guard").exit_code == 3
+    assert cut.exit_code == 1 and "TRUNCATED: 2 records missing after seq 3" in cut.output, cut.output
+    assert (r := run_cli(path2, "-r", repo, "--model", "guard")).exit_code == 1 and "TRUNCATED" in r.output, r.output
 
 
 def test_cli_module_entry_point(tmp_path):
-    """``python -m exporter audit verify`` as operators run it: exit 0, then 3 once cut."""
+    """``python -m exporter audit verify`` as operators run it: exit 0, then 1 (TRUNCATED) once cut."""
     import subprocess
     import sys
     from pathlib import Path
@@ -628,4 +628,4 @@ def test_cli_module_entry_point(tmp_path):
     assert ok.returncode == 0 and "ok: 4 records, chain intact" in ok.stdout, ok.stdout + ok.stderr
     keep_lines(path, 3)
     cut = subprocess.run(cli, cwd=root, capture_output=True, text=True, timeout=120)
-    assert cut.returncode == 3 and "TRUNCATED: 1 record missing after seq 2" in cut.stderr, cut.stderr
+    assert cut.returncode == 1 and "TRUNCATED: 1 record missing after seq 2" in cut.stderr, cut.stderr
