@@ -8,7 +8,9 @@ guard), and:
 1. perf_analyzer over gRPC on `digits` at concurrency C (the stream's protocol), before and after
    the stream runs (the machine's load moves; the mean of the two is the reference);
 2. `exporter stream` consumers (K processes, each ``--max-inflight C/K``, so at most C requests
-   are at Triton at once, as perf_analyzer's C), warmed with a few hundred events, then a burst of
+   are at Triton at once, as perf_analyzer's C; each request carries up to ``--batch-size``
+   events, perf_analyzer's one: a third perf_analyzer run with as many rows a request says what
+   Triton does with those), warmed with a few hundred events, then a burst of
    N real digits images produced as fast as the client can: events/s = N / (last result's
    timestamp - first event's timestamp), the pipeline's fill and drain included;
 3. a paced phase at about half that rate: end-to-end latency p50/p99 per event, from the event's
@@ -84,8 +86,9 @@ def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 
 def perf_analyzer_grpc(server: Server, model: str, concurrency: int, data: Path, window_ms: int = 3000,
-                       trials: int = 4) -> dict[str, float]:
-    """One perf_analyzer run over gRPC; a loose stability bound (a shared machine never settles)."""
+                       trials: int = 4, batch: int = 1) -> dict[str, float]:
+    """One perf_analyzer run over gRPC; a loose stability bound (a shared machine never settles).
+    ``batch``: rows per request (its inferences/s count rows)."""
     binary, _, env = resolve_perf_analyzer([])
     with tempfile.NamedTemporaryFile(suffix=".csv", delete=False) as fh:
         csv_path = Path(fh.name)
@@ -93,7 +96,7 @@ def perf_analyzer_grpc(server: Server, model: str, concurrency: int, data: Path,
         for stability in (25, 1000):
             cmd = [binary, "-m", model, "-u", server.grpc_url, "-i", "grpc", "--input-data", str(data),
                    "--concurrency-range", str(concurrency), "-p", str(window_ms), "--max-trials", str(trials),
-                   "-s", str(stability), "-f", str(csv_path)]
+                   "-s", str(stability), "-f", str(csv_path), "-b", str(batch)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=600)
             rows = list(csv.DictReader(csv_path.open())) if csv_path.stat().st_size else []
             if proc.returncode == 0 and rows:
@@ -205,10 +208,13 @@ def _pct(xs: list[float], q: float) -> float:
 
 def run(repository: Path, workdir: Path, events: int = 20_000, concurrency: int = 16, consumers: int = 1,
         partitions: int = 4, paced_s: float = 10.0, inflight: int | None = None,
-        kafka: dict[str, str] | None = None) -> dict:
+        kafka: dict[str, str] | None = None, batch_size: int = 32) -> dict:
     """``inflight``: each consumer's --max-inflight (default: concurrency / consumers, so Triton never
     has more than ``concurrency`` of the stream's requests at once, as perf_analyzer's); ``kafka``:
-    the consumers' librdkafka settings (``--kafka KEY=VALUE``), default :data:`CONSUMER_KAFKA`."""
+    the consumers' librdkafka settings (``--kafka KEY=VALUE``), default :data:`CONSUMER_KAFKA`;
+    ``batch_size``: the stream's --batch-size (events per request). perf_analyzer sends one row a
+    request, the stream up to ``batch_size``: a second reference, perf_analyzer with ``-b
+    batch_size`` at the same concurrency after the stream, says what Triton does with such requests."""
     kafka = CONSUMER_KAFKA if kafka is None else kafka
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -234,6 +240,7 @@ def run(repository: Path, workdir: Path, events: int = 20_000, concurrency: int 
                         [sys.executable, "-m", "exporter", "stream", "--bootstrap", bootstrap, "--topic", IN,
                          "--output", OUT, "--dlq", DLQ, "--model", "digits", "--url", server.grpc_url, "--group", "bench",
                          "--max-batch", str(min(inflight, concurrency)), "--max-wait-ms", "5", "--max-inflight", str(inflight),
+                         "--batch-size", str(batch_size),
                          "--metrics-port", str(port), *(f"--kafka={k}={v}" for k, v in kafka.items())],
                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
                     log.close()
@@ -256,6 +263,9 @@ def run(repository: Path, workdir: Path, events: int = 20_000, concurrency: int 
                 _wait_count("the paced results", produced, total)
                 pa.append(perf_analyzer_grpc(server, "digits", concurrency, data))
                 sys.stderr.write(f"perf_analyzer grpc digits c={concurrency}: {pa[1]['throughput']:.0f} inf/s\n")
+                batched = perf_analyzer_grpc(server, "digits", concurrency, data, batch=batch_size)
+                sys.stderr.write(f"perf_analyzer grpc digits c={concurrency} b={batch_size}: "
+                                 f"{batched['throughput']:.0f} inf/s\n")
                 results = read_results(bootstrap, partitions, total, 120)
             finally:  # the consumers leave while Triton still answers
                 for p in procs:
@@ -273,10 +283,11 @@ def run(repository: Path, workdir: Path, events: int = 20_000, concurrency: int 
     reference = sum(m["throughput"] for m in pa) / len(pa)
     out = {
         "events": events, "concurrency": concurrency, "consumers": consumers, "partitions": partitions,
-        "max_inflight": inflight, "kafka": kafka,
+        "max_inflight": inflight, "batch_size": batch_size, "kafka": kafka,
         "load_average": os.getloadavg(), "cpus": os.cpu_count(),
         "stream_events_per_s": round(rate, 1), "perf_analyzer_grpc": pa,
         "perf_analyzer_mean_inf_per_s": round(reference, 1), "ratio": round(rate / reference, 3),
+        "perf_analyzer_grpc_batched": batched, "ratio_same_batch": round(rate / batched["throughput"], 3),
         "paced_rate_per_s": round(pace, 1), "paced_events": len(paced),
         "e2e_paced_p50_ms": round(_pct(e2e_paced, 50), 1), "e2e_paced_p99_ms": round(_pct(e2e_paced, 99), 1),
         "e2e_burst_p50_ms": round(_pct(e2e_burst, 50), 1), "e2e_burst_p99_ms": round(_pct(e2e_burst, 99), 1),
@@ -294,6 +305,8 @@ def print_result(r: dict) -> None:
         f"  exporter stream      {r['stream_events_per_s']:9.1f} events/s\n"
         f"  perf_analyzer (grpc) {r['perf_analyzer_mean_inf_per_s']:9.1f} inf/s (before / after: {pa})\n"
         f"  ratio                {r['ratio']:9.3f}  (target >= {TARGET}) -> {'met' if r['meets_target'] else 'MISSED'}\n"
+        f"  perf_analyzer -b {r['batch_size']:<3} {r['perf_analyzer_grpc_batched']['throughput']:9.1f} inf/s (the "
+        f"stream's requests carry up to {r['batch_size']} events): ratio {r['ratio_same_batch']:.3f}\n"
         f"  e2e at {r['paced_rate_per_s']:.0f} events/s: p50 {r['e2e_paced_p50_ms']} ms, p99 {r['e2e_paced_p99_ms']} ms; "
         f"in the burst (queueing): p50 {r['e2e_burst_p50_ms']} ms, p99 {r['e2e_burst_p99_ms']} ms\n"
         f"  lost {r['lost']}, duplicate results {r['duplicates']}\n")

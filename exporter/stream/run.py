@@ -211,7 +211,7 @@ class Stream:
         self.outage = Backoff(start_s=0.2, max_s=5.0)
         self.paused = False  # Triton unavailable: every assigned partition paused, nothing new sent
         self.fatal: str | None = None
-        self.counts = {"consumed": 0, "results": 0, "dead": 0}
+        self.counts = {"consumed": 0, "results": 0, "dead": 0, "requests": 0, "sent": 0}
         self.progressed = (0, time.monotonic())  # results + dead letters at the last progress line
         self.answered = Answered()
         self.quiet: set[str] = set()  # versions reported silent (rolled back?), until they answer again
@@ -375,6 +375,8 @@ class Stream:
         """One request: the events' rows stacked along the batch dimension (their group shares
         the routing key, the forwarded headers and the shapes)."""
         self.sending += 1
+        self.counts["requests"] += 1
+        self.counts["sent"] += len(ps)
         first = ps[0]
         inputs = []
         for name in first.arrays or {}:
@@ -766,6 +768,7 @@ class Stream:
         done, (done_before, then) = c["results"] + c["dead"], self.progressed
         self.progressed = (done, now)
         lag = sum(s.value for m in self.metrics.families["lag"].collect() for s in m.samples)
-        log.info("stream %s: %d consumed, %d results, %d dead letters, %d in flight, %.0f events/s, lag %d%s",
-                 self.cfg.topic, c["consumed"], c["results"], c["dead"], self.tracker.pending(),
-                 (done - done_before) / max(now - then, 1e-6), lag, ", PAUSED (Triton unavailable)" if self.paused else "")
+        log.info("stream %s: %d consumed, %d results, %d dead letters, %d in flight, %.0f events/s, "
+                 "%.1f events a request, lag %d%s", self.cfg.topic, c["consumed"], c["results"], c["dead"],
+                 self.tracker.pending(), (done - done_before) / max(now - then, 1e-6),
+                 c["sent"] / max(1, c["requests"]), lag, ", PAUSED (Triton unavailable)" if self.paused else "")
