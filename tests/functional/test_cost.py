@@ -37,6 +37,7 @@ pytestmark = pytest.mark.functional
 SLOW, SAME = 2, 3
 TENANTS = ("acme", "beta")
 REPORT: dict[str, object] = {}
+FIRST: dict[tuple[str, str], int] = {}  # (model, tenant) -> requests the first-request test sent
 
 
 def slow_onnx(src: Path, dst: Path, width: int = 1024, steps: int = 2) -> None:
@@ -166,12 +167,52 @@ def wait_for(env, model: str, requests: float, timeout: float = 15.0) -> dict:
         time.sleep(0.5)
 
 
+LATER = 10  # requests after the first one, their guard times the noise the first one is judged by
+
+
+@pytest.mark.parametrize("model", ["digits", "digits_bls"])
+def test_a_fresh_servers_first_request_costs_what_a_later_one_does(env, model):
+    """Issue 45 item 2: no request pays for load work. A BLS guard checks its primary's goldens in
+    its first batch, on the serving thread (no BLS call in ``initialize()``): that batch's request
+    was charged 12-30 ms of guard time against ~2 ms for each later one. The first of this module
+    (so of a fresh server), one request at a time, each charge read from the server's counters.
+
+    Noise bound, measured on the 2-core machine at load average 9-13 (fixed code): a later
+    request's guard time is 1.3-3.1 ms (digits_bls) and 0.3-1.2 ms (digits), the first one's at
+    most 1.5x the median of the later ones; the goldens add 4-30 ms of CPU to an unfixed first
+    request. Judged: first <= 2 x the median of the later ones + 1.5 ms."""
+    client, images = env["client"], env["images"]
+    tenant = TENANTS[0]
+    key = ("tritonguard_compute_seconds_total", "1", tenant, "guard")
+    requests = ("tritonguard_cost_requests_total", "1", tenant, "")
+    charges, before = [], 0.0
+    for k in range(LATER + 1):
+        inp = httpclient.InferInput("IMAGE", [1, 8, 8], "FP32")
+        inp.set_data_from_numpy(images[k:k + 1])
+        client.infer(model, [inp], parameters={"tenant": tenant})
+        FIRST[(model, tenant)] = k + 1  # the next test counts these too
+        deadline = time.monotonic() + 15
+        while True:  # the guard pushes its counters right after a request
+            got = cost_series(env, model)
+            if got.get(requests, 0) >= k + 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert got.get(requests) == k + 1, got
+        charges.append(got.get(key, 0.0) - before)
+        before = got.get(key, 0.0)
+    first, later = charges[0], sorted(charges[1:])
+    median = later[len(later) // 2]
+    REPORT[f"first request {model}"] = {"first_ms": round(1e3 * first, 3),
+                                        "later_ms": [round(1e3 * c, 3) for c in charges[1:]]}
+    assert first <= 2 * median + 0.0015, (first, charges[1:])
+
+
 @pytest.mark.parametrize("model", ["digits", "digits_bls"])
 def test_the_meter_charges_every_answered_request(env, model):
     n = send(env, model, 300, seed=1)
-    got = wait_for(env, model, n)
+    got = wait_for(env, model, n + sum(v for (m, _), v in FIRST.items() if m == model))
     charged = {k[2]: v for k, v in got.items() if k[0] == "tritonguard_cost_requests_total" and k[1] == "1"}
-    assert charged == {"acme": 150, "beta": 150}, got
+    assert charged == {t: 150 + FIRST.get((model, t), 0) for t in TENANTS}, got
     for tenant in TENANTS:
         guard = got[("tritonguard_compute_seconds_total", "1", tenant, "guard")]
         target = got[("tritonguard_compute_seconds_total", "1", tenant, "target")]

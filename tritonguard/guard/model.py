@@ -10,6 +10,7 @@ Two placements of the same pipeline:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -188,6 +189,7 @@ class GuardModel:
                                params=params,
                                instance_kind=a.instance_kind, metrics=self.metrics,
                                label=self.privacy.label)
+        self.router.goldens.uncharged = self.cost.uncharged  # a golden check is nobody's request
         # spans per safety stage (OpenTelemetry); None when tracing.endpoint is unset: then the
         # SDK is never imported and each batch pays one `is None` test
         self.tracer: Tracer | None = None
@@ -224,6 +226,10 @@ class GuardModel:
                 self.privacy.close()
                 raise ConfigError(f"model '{self.name}': primary {tcfg.target} v{primary} failed its goldens "
                                   f"on this server: {figures}")
+        # the collector's counts are where the load left them (a BLS digits guard: 9 of 10 gen-1
+        # passes toward a full one, 28 ms over the load's objects; a text guard's takes 50-150 ms):
+        # that full pass runs now, in the load, not in one of the first requests
+        gc.collect()
         # the load above (engines, goldens) ran on the serving thread: no tenant's request pays it
         load_s = self.cost.loaded()
         log.info("guard %s v%s -> %s primary v%d (%s); load took %.2f CPU s, charged to no tenant", self.name,

@@ -18,7 +18,9 @@ Cache hits are charged guard time only, under ``target_version="cache"``; defaul
 ``"default"``. Not measured: canary re-runs and shadow calls (a background worker), golden checks,
 and anything the target does for other callers. Load work is nobody's request: the guard calls
 :meth:`CostMeter.loaded` once its ``initialize()`` is done, so the engine loads and start-up goldens
-that ran on the serving thread before the first batch are logged, not charged to its tenant.
+that ran on the serving thread before the first batch are logged, not charged to its tenant; a
+version's golden check that runs later on the serving thread (a BLS guard's primary is checked in
+its first batch: no BLS call in ``initialize()``) runs through :meth:`CostMeter.uncharged`.
 
 Exported through :class:`tritonguard.triton.metrics.Metrics` (which adds the guard's ``model`` and
 ``version``): ``tritonguard_compute_seconds_total{target_version,tenant,part}``,
@@ -39,13 +41,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tritonguard.core.config import model_parameters
 
 log = logging.getLogger(__name__)
 
 CACHE = "cache"  # target_version label of cache hits
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -150,6 +153,20 @@ class CostMeter:
         self._cpu_last[threading.get_ident()] = now
         self._carry = 0.0
         return max(now - last, 0) / 1e9 if last is not None else 0.0
+
+    def uncharged(self, work: Callable[[], T]) -> T:
+        """``work()``, its CPU on the calling thread charged to no tenant: one-off work of a version
+        (its golden check) that the next batch would otherwise pay. A BLS guard checks its primary
+        in its first batch, on the serving thread: 7-30 ms of BLS calls and comparisons that made a
+        fresh server's first request cost 4-10x a later one. Other threads are not metered."""
+        tid = threading.get_ident()
+        start = self.cpu_clock()
+        try:
+            return work()
+        finally:
+            last = self._cpu_last.get(tid)
+            if last is not None:  # the next batch is charged from here, less the work's CPU
+                self._cpu_last[tid] = last + max(self.cpu_clock() - start, 0)
 
     def record(self, batch: Any, routed: Any, calls: Sequence[tuple[int, list[int], int, int, bool]]) -> None:
         """Charge one execute() batch. Never raises: cost is reporting, not serving."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import pytest
@@ -160,6 +161,40 @@ def test_load_work_is_charged_to_no_tenant_so_the_first_request_costs_what_a_lat
     fresh, _, clock = meter()
     clock.cpu_ns += 2_500_000_000
     assert fresh.loaded() == pytest.approx(2.5)  # returned for the guard's log line
+
+
+def test_a_golden_check_in_the_first_batch_is_charged_to_no_tenant(repo):
+    """Issue 45 item 2: a BLS guard checks its primary's goldens in its first batch, on the serving
+    thread (no BLS call in ``initialize()``), and that batch's request paid for them. The real
+    Router and goldens checker, wired as the guard wires them; each target call takes 5 ms of the
+    serving thread's (hand-moved) CPU clock, as a BLS call's marshalling does."""
+    m, metrics, clock = meter()  # a BLS guard: target calls are not on the serving thread's clock
+
+    class Cpu(Linear):
+        def infer(self, inputs):
+            clock.cpu_ns += 5_000_000
+            return super().infer(inputs)
+
+    target = Cpu(W1)
+    router, _ = make(repo, {1: target}, goldens=rows(8))
+    router.goldens.uncharged = m.uncharged  # as GuardModel.initialize does
+    m.loaded()
+    charged = []
+    for seed in range(3):
+        before = totals(metrics, "compute_seconds").get(("1", "a", "guard"), 0.0)
+        calls = len(target.calls)
+        routed = router.infer({"X": rows(2, seed)}, [1, 1])
+        m.record(PrivacyBatch(tenants=["a", "a"], route=[0, 1], sizes=[1, 1]), routed, router.calls)
+        charged.append((totals(metrics, "compute_seconds")[("1", "a", "guard")] - before, len(target.calls) - calls))
+    router.close()
+    assert charged[0][1] > 1 and charged[1][1] == 1  # the goldens ran in the first batch, on this thread
+    assert [c for c, _ in charged] == pytest.approx([0.005] * 3)  # and that batch paid only its own call
+    # a thread that is not metered (the reconciler's) runs its checks as before
+    done = []
+    t = threading.Thread(target=lambda: done.append(m.uncharged(lambda: "PASS")))
+    t.start()
+    t.join()
+    assert done == ["PASS"] and threading.get_ident() in m._cpu_last and t.ident not in m._cpu_last
 
 
 def test_the_publisher_thread_sets_the_gauge(monkeypatch):

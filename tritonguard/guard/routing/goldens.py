@@ -48,6 +48,9 @@ class GoldensChecker:
         # whether a version is on this replica yet (the router sets it): one that is not is no
         # verdict, and is not checked (its goldens file, its artifact may be on their way)
         self.present: Callable[[int], bool] = lambda _v: True
+        # runs a check (the guard sets its cost meter's: a check is nobody's request, even when a
+        # batch's routing runs it on the serving thread)
+        self.uncharged: Callable[[Callable[[], str]], str] = lambda work: work()
 
     def verdict(self, version: int) -> str:
         """PASS / MARGINAL / FAIL for ``version``, checking it on this server the first time."""
@@ -65,7 +68,7 @@ class GoldensChecker:
             last = self._unready.get(version)
             if last is not None and self.clock() - last < UNREADY_RETRY_S:
                 return FAIL  # its target was unreachable a moment ago: not routable yet
-            return self._check_and_record(version)
+            return self.uncharged(lambda: self._check_and_record(version))
 
     def _check_and_record(self, version: int) -> str:
         result = self.check(version)
