@@ -34,10 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GUARD = "tinylm_guard"
 
 
-def build(repo: Path) -> None:
+def build(repo: Path, steps: int | None = None) -> None:
+    """``steps``: tinylm's training steps (the default the example's); fewer build faster, and the
+    model's size, so its speed, is the same."""
     from examples import generator as example  # noqa: PLC0415 - torch only for the build
 
-    example.build(repo, "tinylm")
+    example.build(repo, "tinylm", **({"steps": steps} if steps else {}))
     write_config(repo / GUARD, example.stream_guard_config(GUARD, "tinylm", placement="inprocess",
                                                            validation__max_tokens="256"))
     (repo / GUARD / "1").mkdir(exist_ok=True)
@@ -77,12 +79,13 @@ def measure_front(base: str, concurrency: int, prompts: list[str], tokens: int) 
             "tokens_per_s": sum(n for _, n in flat) / wall, "without_text": len(flat) - len(ttfts)}
 
 
-def run(workdir: Path, *, rounds: int = 3, concurrency: tuple[int, ...] = (1, 8), tokens: int = 128) -> dict[str, Any]:
+def run(workdir: Path, *, rounds: int = 3, concurrency: tuple[int, ...] = (1, 8), tokens: int = 128,
+        steps: int | None = None) -> dict[str, Any]:
     from examples.texts import stdlib_sentences  # noqa: PLC0415
 
     repo = workdir / "repo"
     repo.mkdir(parents=True, exist_ok=True)
-    build(repo)
+    build(repo, steps)
     requests = {c: max(16, 8 * c) for c in concurrency}
     sentences = [s[:80] for s in stdlib_sentences(max(requests.values()))]
     points: dict[str, Any] = {}
@@ -144,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.openai_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--steps", type=int, help="tinylm's training steps (default: the example's)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="openai_bench_") as tmp:
-        result = run(Path(tmp), rounds=args.rounds)
+        result = run(Path(tmp), rounds=args.rounds, steps=args.steps)
     print_result(result)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
