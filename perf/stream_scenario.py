@@ -24,6 +24,11 @@ first promote, and the primary is v2 now), and both topics are read back. One ta
 produced, results, lost, duplicates, dead letters (expected vs got), the rollouts, the lag, the
 output offsets v3 answered, the replay, wall time. Exit 1 when a count is wrong, 2 on misuse.
 
+Two settings differ from the functional tests, both measured: the producer batches for 0.5 s
+(Tansu 0.6's memory storage slows with the number of batches a partition holds), and the guard's
+breaker trips on latency at 4x the primary's p95, not 2x (at the 100 % step the primary serves
+nothing, so its p95 is from a lighter load: at 2x the genuine retrain tripped at 2.38x).
+
 It reuses the broker and producer of perf/kafka_bench.py and the consumer process, the metrics
 reader and the promote gates of the functional tests (tests/functional/test_stream.py,
 test_promote.py). Not part of ``make test`` (10+ minutes at 200k events); its counting is tested in
@@ -213,7 +218,10 @@ def build_repository(repo: Path) -> dict[str, int]:
     params.update({"target_version": str(v["v1"]), "routing.poll_interval_s": "0.2",
                    "breaker.window": "200", "breaker.min_requests": "20", "breaker.min_compared": "40",
                    "breaker.max_fail_rate": "0.015", "breaker.max_error_rate": "0.05", "breaker.max_nan_rate": "0.0",
-                   "routing.latency_ratio": "2.0", "breaker.min_off_s": "300"})
+                   # the breaker's latency trip at 4x, not test_promote's 2x: at the 100 % step the primary
+                   # serves nothing and its p95 is from a lighter load; at 2x that tripped the genuine
+                   # retrain (2.38x, load 15 on 2 CPUs). The slow candidate read 8.7x
+                   "routing.latency_ratio": "4.0", "breaker.min_off_s": "300"})
     cfg["parameters"] = {k: {"string_value": x} for k, x in params.items()}
     write_config(repo / "digits", cfg)
     return v
@@ -228,7 +236,13 @@ def _source(bootstrap: str, poison_every: int):
 
     class Steady(Source):
         def __init__(self) -> None:
+            from confluent_kafka import Producer
+
             super().__init__(bootstrap)
+            # batches of 0.5 s, not 5 ms: Tansu 0.6's memory storage slows with the batches a
+            # partition holds (one-record batches: a fetch in a 30k-record partition returned
+            # nothing in 20 s; 120k records in 0.2 s batches: 30 ms)
+            self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 500, "acks": "all"})
             images = self.values
             bad = json.loads(images[0])
             arr = np.asarray(bad["inputs"]["IMAGE"], dtype=np.float32)
@@ -276,6 +290,8 @@ class Lag:
                 self.samples.append((time.monotonic(), sum(max(0, e - self.committed.get(p, 0)) for p, e in ends.items())))
             except Exception as exc:  # noqa: BLE001 - one missed sample
                 sys.stderr.write(f"lag: {exc}\n")
+            if len(self.samples) % 60 == 0:
+                sys.stderr.write(f"{len(self.source.stamps)} events produced, group lag {self.now()}\n")
             self.done.wait(0.5)
 
     def now(self) -> int:
@@ -326,7 +342,7 @@ def _wait(what: str, ok, timeout: float) -> None:
 def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from perf.kafka_bench import CONSUMER_KAFKA, start_broker, stop
+    from perf.kafka_bench import start_broker, stop
     from tests.functional.test_stream import _backlog, _consumer, _metric, _stream_args, _up
     from tests.processes import stop_process
     from tritonguard.ops.server import Server, free_port
@@ -338,7 +354,8 @@ def run(args: argparse.Namespace) -> tuple[dict, list[str]]:
     repo = work / "repo"
     versions = build_repository(repo)
     candidate = f"digits_raw:{versions['slow']}"
-    kafka = tuple(f"--kafka={k}={v}" for k, v in CONSUMER_KAFKA.items())
+    kafka: tuple[str, ...] = ()  # not the bench's fetch.wait.max.ms=10: latency is not measured here, and
+    # Tansu answers each of those fetches (4 a partition-second per consumer, idle or not)
     broker, bootstrap = start_broker(work / "tansu.log")
     consumers: list[tuple[subprocess.Popen, int, Path]] = []  # (process, metrics port, record)
     servers: list[Any] = []
@@ -498,7 +515,8 @@ def table(r: dict, bad: list[str]) -> str:
         ("promote retrain", "done", "{outcome} in {seconds} s, primary v{primary_after}".format(**ro.get("retrain", {
             "outcome": "-", "seconds": "-", "primary_after": "-"}))),
         ("promote slow candidate", "rolled_back", "{outcome} in {seconds} s at {step} % ({reason})".format(
-            **{"step": "-", "reason": "-", **ro.get("slow", {"outcome": "-", "seconds": "-"})})),
+            **{"step": "-", **ro.get("slow", {"outcome": "-", "seconds": "-"}),
+               "reason": str(ro.get("slow", {}).get("reason"))[:150]})),
         (f"events {r['candidate']} answered", "-", f"{t['candidate_answered']} (records: {t['candidate_recorded']}); "
                                                     f"output offsets {t['candidate_output_offsets']}"),
         ("replayed through the primary", t["candidate_answered"],

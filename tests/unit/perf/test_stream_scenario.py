@@ -128,3 +128,16 @@ def test_defaults_are_the_issues_scenario():
     args = sc.parse([])
     assert (args.events, args.poison_every, args.outage_s) == (200_000, 1000, 10.0)
     assert (sc.PARTITIONS, sc.CONSUMERS) == (4, 2)
+
+
+def test_the_table_says_pass_or_every_failure_even_for_a_run_cut_short():
+    t = sc.tally({f"{sc.IN}/0/0"}, set(), sc.Read(results=[(f"{sc.IN}/0/0", "digits_raw:2", False, 0, 0)]), CAND)
+    run = {"tally": t, "rollouts": {"retrain": {"outcome": "done", "seconds": 30.0, "primary_after": 2},
+                                    "slow": {"outcome": "rolled_back", "seconds": 20.0, "step": 50.0, "reason": None}},
+           "lag": LAG_OK, "notes": {"killed_at_event": 3, "killed_holding": 2}, "args": {"events": 1},
+           "candidate": CAND, "wall_s": 61.0, "load_average": (3.0, 2.0, 1.0), "cpus": 2}
+    text = sc.table(run, [])
+    assert text.splitlines()[-1] == "PASS" and "rolled_back in 20.0 s at 50.0 %" in text
+    assert "900 / 300 after 4.0 s" in text
+    cut = sc.table({**run, "rollouts": {}, "lag": {}}, ["the slow rollout ended None, expected 'rolled_back'"])
+    assert cut.splitlines()[-1] == "FAIL: the slow rollout ended None, expected 'rolled_back'"
