@@ -81,12 +81,14 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "served": ("served_by",), "target_errors": ("code", "target_version"), "redactions": ("type", "direction", "tenant"),
     "audit_drops": (), "state_errors": (), "route_share": ("target_version", "role"), "latency": ("target_version",),
 }
-# what a host that calls the model versions itself adds: fused calls, fallbacks and breakers
+# what a host that calls the model versions itself adds: fused calls, fallbacks, breakers and
+# the canary's comparisons (the families `exporter promote`'s gates read besides served and errors)
 MODEL_FAMILIES: dict[str, tuple[str, ...]] = {
     **FAMILIES, "target_calls": (), "fallbacks": ("reason",), "trips": ("target_version", "reason"),
-    "breaker_state": ("target_version",),
+    "breaker_state": ("target_version",), "compared": ("kind", "verdict", "target_version"), "compare_drops": (),
+    "validator_score": ("target_version", "kind", "figure"), "output_drift": ("target_version",),
 }
-ZERO_AT_LOAD = ("requests", "audit_drops", "state_errors", "quota_degraded", "target_calls")
+ZERO_AT_LOAD = ("requests", "audit_drops", "state_errors", "quota_degraded", "target_calls", "compare_drops")
 
 
 class HostMetrics:

@@ -12,9 +12,10 @@ When ``model`` is a guard in the repository (``exporter export`` writes ``digits
 ``digits_raw``), it is served as the Triton guard serves it: the rollout state, the metrics'
 ``model`` label and the audit by the guard's name, the versions from its ``target``'s folder, and
 the guard's keys that apply here from its ``config.pbtxt`` (:func:`settings`), so ``exporter route``
-moves both hosts. Versions come from the same model repository the exporter writes
+and ``exporter promote`` (``--metrics-url <route_prefix>/metrics``) move both hosts. Versions come from the same model repository the exporter writes
 (``<repository>/<target>/<N>/`` with ``model.onnx`` and ``manifest.json``; a version without a
-manifest is not served, as on Triton), each in an onnxruntime session; ``versions={3: fn}`` adds (or replaces) a version with a
+manifest is not served, as on Triton), each in an onnxruntime session; a version the rollout
+state names that was exported after the replica started is loaded then; ``versions={3: fn}`` adds (or replaces) a version with a
 Python callable ``fn(inputs: dict[str, ndarray]) -> dict[str, ndarray]`` (sync or async) or a bound
 Ray Serve deployment (``MyModel.bind()``: called through its handle with the same dict). The
 tensor signature (names, dtypes, dims, ``max_batch_size``) is the model's ``config.pbtxt``.
@@ -45,14 +46,21 @@ On each request, in the guard's order:
    version whose call fails (or answers NaN/Inf) has its rows answered by the primary, counted in
    ``tritonguard_target_errors_total`` and ``tritonguard_fallbacks_total``; an open breaker sends
    its band to the primary;
-7. **audit** (``audit.*``): ``reject``, ``quota_reject`` and ``inference`` records.
+7. **canary** (``routing.canary_compare``, ``validator.*``): the rows a version under test
+   answered are run on the primary in the guard's comparison worker (a thread of the replica) and
+   counted in ``tritonguard_compared_total`` by the candidate's judge; each call's time goes to the
+   latency log in the state's store (and the canary's paired timings): what ``exporter promote``'s
+   gates read besides these metrics;
+8. **audit** (``audit.*``): ``reject``, ``quota_reject`` and ``inference`` records.
 
-Not here (Triton guard only): the response cache, goldens at load, canary/shadow comparison,
-input drift, cost metering and tracing; their keys fail at start, naming them.
+Not here (Triton guard only): the response cache, goldens at load, shadow traffic, input drift,
+cost metering and tracing; their keys fail at start, naming them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import hmac
 import inspect
@@ -76,10 +84,12 @@ from starlette.responses import JSONResponse, Response
 
 from tritonguard.core import repository as repo_mod
 from tritonguard.core.config import model_parameters
-from tritonguard.core.errors import ConfigError, InvalidInput
+from tritonguard.core.errors import ConfigError, InvalidInput, TargetError
 from tritonguard.core.store import store_url
 from tritonguard.core.tensors import ModelSignature, offsets, rows_any
 from tritonguard.guard.routing.breakers import Breakers
+from tritonguard.guard.routing.comparison import BatchComparator, ComparisonWorker
+from tritonguard.guard.routing.config import TASK_TO_WORKLOAD, RoutingConfig
 from tritonguard.guard.validation import BatchValidator, ValidationConfig
 from tritonguard.hosts.common import (
     HOST_SECTIONS,
@@ -96,15 +106,20 @@ from tritonguard.hosts.common import (
 )
 from tritonguard.privacy.redaction import Redactor
 from tritonguard.rollout.breaker import BreakerConfig
+from tritonguard.rollout.latency import LatencyRecorder, open_latency_log
 from tritonguard.rollout.stores import open_store
+from tritonguard.rollout.validators import ValidatorConfig, ValidatorRegistry
 
 log = logging.getLogger(__name__)
 
 SERVED_BY_HEADER = "x-tritonguard-served-by"
 VERSION_HEADER = "x-tritonguard-version"
 TOP_KEYS = ("target",)
-ROUTING_KEYS = ("poll_interval_s",)
-SECTIONS = {**HOST_SECTIONS, "validation": ValidationConfig, "breaker": BreakerConfig}
+# the canary comparison (what `exporter promote`'s agreement and disagreement gates count) and
+# its output-drift trip are the guard's; shadow traffic, goldens and latency ratios are not here
+ROUTING_KEYS = ("poll_interval_s", "canary_compare", "compare_queue", "output_drift_alpha", "output_drift_threshold",
+                "output_drift_min_rows")
+SECTIONS = {**HOST_SECTIONS, "validation": ValidationConfig, "breaker": BreakerConfig, "validator": ValidatorConfig}
 # KServe v2 datatype -> numpy
 V2_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
              "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -123,6 +138,8 @@ class ServeConfig:
     audit: Any
     validation: ValidationConfig
     breaker: BreakerConfig
+    validator: ValidatorConfig = field(default_factory=ValidatorConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     poll_interval_s: float = 1.0
 
     @classmethod
@@ -131,7 +148,8 @@ class ServeConfig:
         cfg = parse_sections({"target": model, **params}, SECTIONS, model=model, host="Ray Serve deployment",
                              only={"": TOP_KEYS, "routing": ROUTING_KEYS})
         return cls(target=cfg[""].target, tenancy=cfg["tenancy"], redaction=cfg["redaction"], audit=cfg["audit"],
-                   validation=cfg["validation"], breaker=cfg["breaker"], poll_interval_s=cfg["routing"].poll_interval_s)
+                   validation=cfg["validation"], breaker=cfg["breaker"], validator=cfg["validator"],
+                   routing=cfg["routing"], poll_interval_s=cfg["routing"].poll_interval_s)
 
 
 def settings(model: str, repository: Path | None, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -145,8 +163,8 @@ def settings(model: str, repository: Path | None, config: Mapping[str, Any]) -> 
         return dict(config)
     params = model_parameters(found[1])
     applies = {k: v for k, v in params.items()
-               if k == "target" or k == "routing.poll_interval_s"
-               or k.partition(".")[0] in ("tenancy", "redaction", "audit", "validation", "breaker")}
+               if k == "target" or (k.startswith("routing.") and k.removeprefix("routing.") in ROUTING_KEYS)
+               or k.partition(".")[0] in ("tenancy", "redaction", "audit", "validation", "breaker", "validator")}
     return {**applies, **config}
 
 
@@ -190,6 +208,32 @@ def _handle_fn(handle: Any) -> ModelFn:
     return call
 
 
+class _Target:
+    """A version as the comparison worker calls it (``infer``, :class:`TargetError` on a failure),
+    from its thread: an async version runs on the replica's event loop."""
+
+    def __init__(self, host: GuardedModel, version: int):
+        self.host, self.version = host, version
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        fn = self.host.fns.get(self.version)
+        if fn is None:
+            raise TargetError(f"v{self.version} is not served here", "NOT_FOUND")
+        try:
+            if self.host._async[self.version]:
+                loop = self.host._loop
+                if loop is None:
+                    raise TargetError("no event loop yet", "UNAVAILABLE")
+                out = asyncio.run_coroutine_threadsafe(fn(inputs), loop).result(timeout=60)
+            else:
+                out = fn(inputs)
+            return {k: np.asarray(a) for k, a in out.items()}
+        except TargetError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failing version is an error of the comparison
+            raise TargetError(f"v{self.version}: {type(exc).__name__}: {exc}") from None
+
+
 @dataclass
 class _Item:
     """One request in a batch, and what the batch decided for it."""
@@ -220,6 +264,7 @@ class GuardedModel:
         model_config: dict[str, Any] = {}
         if self.repository is not None:
             fns, model_config = load_versions(self.repository, target)
+        self._model_params = {k: v.get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
         on_disk = sorted(fns)
         for v, fn in (versions or {}).items():
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -264,6 +309,27 @@ class GuardedModel:
             self.breakers.get(v)
         self.breakers.publish()
         self.routes.publish()
+        # what `exporter promote`'s gates read besides the metrics, as the Triton guard keeps it:
+        # exact per-call latencies in the state's store, and the canary comparisons (the primary
+        # run on the candidate's rows in a worker thread: tritonguard_compared_total, paired timings)
+        self.latency: LatencyRecorder | None = None
+        if not isinstance(store, StaticStore):
+            try:
+                self.latency = LatencyRecorder(open_latency_log(name, self.repository or Path("."), url or None))
+                self.latency.start()
+            except Exception as exc:  # noqa: BLE001 - serving never depends on it; the gate then holds
+                log.warning("ray_serve %s: latency samples not kept (%s: %s)", name, type(exc).__name__, exc)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._revision = self.view.state.revision
+        self.worker = ComparisonWorker(guard=name, size=cfg.routing.compare_queue, metrics=self.metrics)
+        self.comparator = BatchComparator(
+            guard=name, target=target, config=cfg.routing, view=self.view, breakers=self.breakers, signals=None,
+            target_for=self._target_for, validator_for=self._validator_for,
+            registry=ValidatorRegistry.from_config(cfg.validator), output_names=[s.name for s in signature.outputs],
+            metrics=self.metrics, latency=self.latency, clock=time.time)
+        self.worker.compare = self.comparator.compare
+        self.worker.share_breaker = self.breakers.share
+        self.worker.start()
         self.audit, self.audit_key = open_audit(cfg.audit, target=name, repository=self.repository, url=url,
                                                 environ=self.environ)
         self._audit_dropped = 0
@@ -281,6 +347,52 @@ class GuardedModel:
         self._batch.set_batch_wait_timeout_s(wait)
         self.batching = (mbs, wait)
 
+    def _target_for(self, version: int) -> _Target:
+        return _Target(self, version)
+
+    def _validator_for(self, version: int) -> ValidatorConfig:
+        """As the guard judges ``version``: the workload its manifest's task names."""
+        v = self.config.validator
+        if self.repository is None:
+            return v
+        manifest = repo_mod.read_manifest(self.repository / self.target / str(version)) or {}
+        workload = TASK_TO_WORKLOAD.get(manifest.get("task", ""), "")
+        return dataclasses.replace(v, workload=workload) if workload and not v.custom and workload != v.workload else v
+
+    def _follow_versions(self) -> None:
+        """A version the rollout state names that this replica does not serve yet is loaded from
+        the repository, as `exporter promote` loads it on Triton servers: a version exported
+        after the deployment is rolled out without deploying again. Checked once per revision."""
+        state = self.view.state
+        if state.revision == self._revision or self.repository is None:
+            return
+        self._revision = state.revision
+        missing = [v for v in self.view.named_versions() if v not in self.fns]
+        if not missing:
+            return
+        model_dir = self.repository / self.target
+        complete = set(repo_mod.complete_versions(model_dir)) if model_dir.is_dir() else set()
+        threads = int((self._model_params or {}).get("intra_op_threads") or 1)
+        for v in missing:
+            if v not in complete:
+                continue
+            manifest = json.loads((model_dir / str(v) / repo_mod.MANIFEST).read_text())
+            artifact = str(manifest.get("artifact", "model.onnx"))
+            if not artifact.endswith(".onnx"):
+                log.warning("ray_serve %s: v%d is not ONNX (%s): not served here", self.target, v, artifact)
+                continue
+            try:
+                fn = onnx_version(model_dir / str(v) / artifact, threads)
+            except Exception as exc:  # noqa: BLE001 - its band goes to the primary, as for any absent version
+                log.warning("ray_serve %s: v%d could not be loaded (%s: %s)", self.target, v, type(exc).__name__, exc)
+                continue
+            self.fns[v], self._async[v] = fn, False
+            self.view.handlers = sorted(self.fns)
+            self.routes.handlers.add(v)
+            with self.breakers.lock:
+                self.breakers.get(v)
+            log.info("ray_serve %s: v%d loaded from %s", self.target, v, model_dir)
+
     def _alert(self, event: str, version: int | None, figures: dict[str, Any]) -> None:
         log.warning("ray_serve %s: %s of v%s: %s", self.target, event, version, figures)
 
@@ -289,6 +401,9 @@ class GuardedModel:
         if self._closed:
             return
         self._closed = True
+        self.worker.stop()
+        if self.latency is not None:
+            self.latency.close()
         self.audit.record("guard_stop", model=self.name)
         self.audit.close()
         self.admission.close()
@@ -336,7 +451,7 @@ class GuardedModel:
         pin: int | None = None
         raw = params.get(VERSION_HEADER)
         if raw is not None:
-            self.view.refresh(time.monotonic())
+            self.view.refresh(time.time())
             got = self.routes.pinned(raw)
             if isinstance(got, Refusal):
                 return self._refuse(got, tenant)
@@ -412,8 +527,10 @@ class GuardedModel:
     # -- the batch: Triton's dynamic batcher, as Ray Serve batching ------------------------------
     @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0)
     async def _batch(self, items: list[_Item]) -> list[_Item]:
-        now = time.monotonic()
+        now = time.time()
+        self._loop = asyncio.get_running_loop()
         self.view.refresh(now)
+        self._follow_versions()
         self.routes.publish()
         verdict = self.validator.validate([it.inputs for it in items])
         for it, err in zip(items, verdict.errors, strict=True):
@@ -468,6 +585,8 @@ class GuardedModel:
             return list(idx) if version != primary else self._all_failed(idx, valid, version)
         latency = time.perf_counter() - t0
         self.metrics.observe("latency", latency, target_version=str(version))
+        if self.latency is not None:
+            self.latency.record(version, int(starts[-1]), latency, time.time())
         bad = np.zeros(n, dtype=bool)
         for a in out.values():
             if np.issubdtype(a.dtype, np.floating) and a.shape[:1] == (int(starts[-1]),):
@@ -483,7 +602,22 @@ class GuardedModel:
                 continue
             valid[i].version = version
             valid[i].outputs = {name: a[starts[k]:starts[k + 1]] for name, a in out.items()}
+        if version != primary and self.config.routing.canary_compare and version in self.view.experiments():
+            self._canary(version, primary, fused, out, starts, [k for k in range(n) if not bad[k]])
         return back
+
+    def _canary(self, version: int, primary: int, fused: dict[str, np.ndarray], out: dict[str, np.ndarray],
+                starts: np.ndarray, keep: list[int]) -> None:
+        """The guard's canary: the rows ``version`` answered (``keep``: the sub-batch's requests
+        without NaN/Inf) go to the comparison worker, which runs the primary on them, counts
+        ``tritonguard_compared_total`` by the candidate's judge, feeds its breaker and times the pair."""
+        if not keep:
+            return
+        if len(keep) < len(starts) - 1:
+            rows = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in keep])
+            fused = {k: a[rows] for k, a in fused.items()}
+            out = {k: a[rows] if a.shape[:1] == (int(starts[-1]),) else a for k, a in out.items()}
+        self.worker.submit(("canary", primary, version, fused, out))
 
     def _all_failed(self, idx: list[int], valid: list[_Item], version: int) -> list[int]:
         for i in idx:
@@ -492,7 +626,7 @@ class GuardedModel:
         return []
 
     def _feed(self, version: int, n: int, *, errors: int = 0, non_finite: int = 0, latency_s: float) -> None:
-        now = time.monotonic()
+        now = time.time()
         with self.breakers.lock:
             b = self.breakers.get(version)
             trip = b.record_batch(now, n, errors=errors, non_finite=non_finite, latency_ms=latency_s * 1000)

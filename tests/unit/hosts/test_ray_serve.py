@@ -9,6 +9,10 @@ import http.client
 import json
 import os
 import shutil
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +89,11 @@ def served(tmp_path_factory):
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", path)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # the replicas' runtime files (latency log, quota buckets) where this session's tests and
+        # the CLI they start look (tests/unit/conftest.py sets it per test, after this fixture)
+        mp.setenv("TRITONGUARD_HOME", str(tmp_path_factory.getbasetemp() / "tritonguard-home"))
+        # logical CPUs: each replica reserves one (Ray Serve's default), and the module runs three
+        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = guarded(MODEL, repository=repo, config=config, versions={3: broken_candidate})
@@ -121,10 +129,10 @@ def probs(doc: dict) -> np.ndarray:
     return np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
 
 
-def metrics(port: int) -> str:
+def metrics(port: int, prefix: str = PREFIX) -> str:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request("GET", f"{PREFIX}/metrics")
+        conn.request("GET", f"{prefix}/metrics")
         r = conn.getresponse()
         assert r.status == 200
         return r.read().decode()
@@ -209,13 +217,11 @@ def test_an_unknown_guard_key_fails_at_build_naming_it():
 
     with pytest.raises(ConfigError, match="cache.l1_entries"):
         ServeConfig.from_parameters({"cache.l1_entries": "8"}, "m")
-    with pytest.raises(ConfigError, match="routing.canary_compare"):
-        ServeConfig.from_parameters({"routing.canary_compare": "false"}, "m")
+    with pytest.raises(ConfigError, match="routing.golden_check"):
+        ServeConfig.from_parameters({"routing.golden_check": "false"}, "m")
 
 
 def test_answers_and_refusals_are_audited(served):
-    import time  # noqa: PLC0415
-
     port, path = served["port"], served["audit"]
     assert infer(port, v2_body(images(1)), {"x-tenant-id": "acme"})[0] == 200
     bad = {"inputs": [{"name": "IMAGE", "shape": [1, 8, 8], "datatype": "FP32", "data": [-1.0] * 64}]}
@@ -242,3 +248,136 @@ def test_a_callable_without_a_repository_gets_its_text_redacted_both_ways(served
     (out,) = doc["outputs"]
     # the model saw the redacted text, and the e-mail it answered with left redacted
     assert out["datatype"] == "BYTES" and out["data"] == ["seen: mail [EMAIL] now from [EMAIL]"]
+
+
+# -- `exporter promote` against the Ray Serve application ------------------------------------------
+# two steps, short dwells and cut minimums (the gates and their statistics are the production
+# ones; tests/functional/test_classical.py promotes the same retrain on Triton)
+GATES = ["--steps", "50,100", "--dwell-s", "1", "--interval-s", "0.5", "--min-requests", "60",
+         "--max-error-rate", "0.05", "--min-compared", "60", "--min-latency-samples", "40", "--max-step-s", "90"]
+ROLLOUT, SCORER = "/cancer", "cancer"
+SLOW_MEMBERS = 24  # soft vote of identical pipelines: v1's answers, ~SLOW_MEMBERS/3 times its time a call
+
+
+class Traffic:
+    """Rows of ``features``, 4 a request, from ``threads`` client threads (one request in flight
+    each) until stopped; counts the answers by who served them and every answer that is not a 200."""
+
+    def __init__(self, port: int, features: np.ndarray, threads: int = 4):
+        self.port, self.features = port, features
+        self.served: dict[str, int] = {}
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(threads)]
+
+    def __enter__(self) -> Traffic:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+    def _run(self, k: int) -> None:
+        rng = np.random.default_rng(k)
+        deadline = time.monotonic() + 240
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            x = self.features[rng.integers(0, len(self.features), 4)]
+            body = {"inputs": [{"name": "FEATURES", "shape": list(x.shape), "datatype": "FP32",
+                                "data": x.ravel().tolist()}]}
+            try:
+                status, headers, doc = infer(self.port, body, prefix=ROLLOUT)
+            except OSError as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            if status != 200:
+                self.errors.append(f"{status}: {doc}")
+                continue
+            who = headers.get("x-tritonguard-served-by", "")
+            self.served[who] = self.served.get(who, 0) + 1
+
+
+@pytest.fixture(scope="module")
+def rollout(served, tmp_path_factory):
+    """A second application on the module's Ray: a scikit-learn pipeline trained here (breast
+    cancer, as tests/functional/test_classical.py) exported with `exporter export`'s code into a
+    private repository and deployed; then, exported *after* the deployment, a genuine retrain
+    (more data, another C) and a slow build of v1 (a soft vote of identical copies: v1's answers,
+    several times its work). The replica loads each from the repository when the rollout state
+    names it."""
+    import joblib  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+    from sklearn.datasets import load_breast_cancer  # noqa: PLC0415
+    from sklearn.ensemble import VotingClassifier  # noqa: PLC0415
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
+    from sklearn.pipeline import Pipeline  # noqa: PLC0415
+    from sklearn.preprocessing import StandardScaler  # noqa: PLC0415
+
+    from exporter.build.export import export_source  # noqa: PLC0415
+    from tritonguard.hosts.ray_serve import guarded  # noqa: PLC0415
+
+    base = tmp_path_factory.mktemp("ray_rollout")
+    repo = base / "repo"
+    x, y = load_breast_cancer(return_X_y=True)
+    order = np.random.default_rng(1).permutation(len(x))
+    x, y = x[order], y[order]
+    gold = x[450:].astype(np.float32)  # 119 rows no model was trained on: goldens, evaluation set, traffic
+    np.savez(base / "cancer.npz", features=gold, labels=y[450:])
+
+    def pipeline(c: float) -> Pipeline:
+        return Pipeline([("scale", StandardScaler()), ("clf", LogisticRegression(C=c, max_iter=2000))])
+
+    def export(model, name: str) -> int:
+        joblib.dump(model, base / f"{name}.joblib")
+        return export_source(str(base / f"{name}.joblib"), name=SCORER, repository=repo, inputs=base / "cancer.npz",
+                             register=False).version
+
+    export(pipeline(0.05).fit(x[:200], y[:200]), "v1")
+    serve.run(guarded(SCORER, repository=repo, config={"routing.poll_interval_s": 0}), name="rollout",
+              route_prefix=ROLLOUT, blocking=False)
+    v = {"retrain": export(pipeline(1.0).fit(x[:450], y[:450]), "retrain"),
+         "slow": export(VotingClassifier([(f"m{i}", pipeline(0.05)) for i in range(SLOW_MEMBERS)], voting="soft",
+                                         flatten_transform=False).fit(x[:200], y[:200]), "slow")}
+    yield {"repo": repo, "v": v, "port": served["port"], "gold": gold}
+    serve.delete("rollout")
+
+
+def promote(ctx, version: int, *extra: str) -> tuple[subprocess.CompletedProcess, Traffic]:
+    """`python -m exporter promote` as a user runs it, its gates reading the application's metrics
+    route (no --server: nothing to load on Triton), under traffic."""
+    url = f"http://127.0.0.1:{ctx['port']}{ROLLOUT}/metrics"
+    with Traffic(ctx["port"], ctx["gold"]) as traffic:
+        r = subprocess.run([sys.executable, "-m", "exporter", "promote", SCORER, "--version", str(version), *GATES,
+                            "--metrics-url", url, "--repository", str(ctx["repo"]), *extra],
+                           cwd=ROOT, capture_output=True, text=True, timeout=240)
+    return r, traffic
+
+
+def test_promote_rolls_back_a_slow_build_served_by_ray_serve(rollout):
+    v = rollout["v"]["slow"]
+    r, traffic = promote(rollout, v)
+    assert r.returncode == 1, r.stdout + r.stderr
+    progress = json.loads((rollout["repo"] / SCORER / "rollout_controller.json").read_text())
+    # the latency gate failed it (not a step that stayed inconclusive until --max-step-s)
+    assert progress["status"] == "rolled_back", progress["reason"]
+    assert progress["reason"].startswith("gate failed at 50%") and "latency FAIL" in progress["reason"], progress["reason"]
+    assert traffic.errors == []
+    assert traffic.served.get(f"{SCORER}_raw:{v}", 0) > 0  # judged on traffic it served
+    state = open_store(SCORER, rollout["repo"]).load()
+    assert state.primary == 1 and state.candidate is None
+
+
+def test_promote_rolls_out_a_genuine_retrain_served_by_ray_serve(rollout):
+    v = rollout["v"]["retrain"]
+    # this retrain changes ~5 % of the answers on the evaluation rows (offline: 6/119): the
+    # operator's limit, as tests/functional/test_classical.py gives it on Triton
+    r, traffic = promote(rollout, v, "--max-disagreement", "0.2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert open_store(SCORER, rollout["repo"]).load().primary == v
+    assert traffic.errors == []
+    assert traffic.served.get(f"{SCORER}_raw:{v}", 0) > 0
+    # the gates judged the canary's comparisons, which the host counts as the Triton guard does
+    text = metrics(rollout["port"], ROLLOUT)
+    assert f'tritonguard_compared_total{{kind="canary",model="{SCORER}",target_version="{v}",verdict="AGREE"}}' in text
