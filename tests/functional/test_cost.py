@@ -155,13 +155,15 @@ def cost_series(env, model: str) -> dict[tuple[str, str, str, str], float]:
 
 
 def wait_for(env, model: str, requests: float, timeout: float = 15.0) -> dict:
-    """Cost series once the counters show ``requests`` charged and the gauge is there (the guard
+    """Cost series once the counters show ``requests`` charged and v1's gauges are there (the guard
     flushes every second; the gauge is recomputed at most every 5 s)."""
     deadline = time.monotonic() + timeout
     while True:
         got = cost_series(env, model)
         charged = sum(v for k, v in got.items() if k[0] == "tritonguard_cost_requests_total")
-        gauge = any(k[0] == "tritonguard_cost_per_1k_requests" for k in got)
+        # every tenant's gauge: one that had requests earlier (the first-request test) has its
+        # gauge a publish before the other's
+        gauge = all(("tritonguard_cost_per_1k_requests", "1", t, "") in got for t in TENANTS)
         if (charged >= requests and gauge) or time.monotonic() > deadline:
             return got
         time.sleep(0.5)
