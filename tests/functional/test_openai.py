@@ -40,19 +40,22 @@ def stack(tmp_path_factory):
     common = {"placement": "inprocess", "validation__max_tokens": "256"}
     for name, params in (("tinylm_guard", {}),
                          ("tinylm_keyed", {"tenancy__auth": "api_key", "tenancy__keys_file": str(keys)}),
-                         ("tinylm_budget", {"tokens__per_minute": "30"})):
+                         ("tinylm_budget", {"tokens__per_minute": "30"}),
+                         # the 40-step tinylm answers blanks: eight in a row are "blocked" (the
+                         # pattern is not judged on the prompt), before the 16-token window releases any
+                         ("tinylm_rails", {"rails__pattern__BLANKS": " {8}", "rails__check_prompt": "false"})):
         cfg = example.stream_guard_config(name, "tinylm", **common, **params)
-        if name == "tinylm_budget":  # the guard names its finish reason (a budget's cut is only known there)
+        if name in ("tinylm_budget", "tinylm_rails"):  # the guard names its finish reason (a budget's cut is only known there)
             cfg["output"].append({"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [1]})
         write_config(repo / name, cfg)
         (repo / name / "1").mkdir()
     logs = tmp_path_factory.mktemp("openailogs")
     srv = Server(repository=repo, log_path=logs / "tritonserver.log")
-    srv.start(wait_models=("tinylm", "tinylm_guard", "tinylm_keyed", "tinylm_budget"))
+    srv.start(wait_models=("tinylm", "tinylm_guard", "tinylm_keyed", "tinylm_budget", "tinylm_rails"))
     port = free_port()
     front = subprocess.Popen(
         [sys.executable, "-m", "exporter", "openai", "--server", srv.grpc_url, "--port", str(port),
-         "--model", "tinylm_guard", "--model", "tinylm_keyed", "--model", "tinylm_budget"],
+         "--model", "tinylm_guard", "--model", "tinylm_keyed", "--model", "tinylm_budget", "--model", "tinylm_rails"],
         cwd=ROOT, stdout=open(logs / "front.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
     base = f"http://127.0.0.1:{port}"
     try:
@@ -91,7 +94,8 @@ def guard_text(srv, prompt: str, max_tokens: int, model: str = "tinylm_guard") -
 
 
 def test_models_lists_the_guards(stack):
-    assert sorted(m.id for m in client(stack).models.list()) == ["tinylm_budget", "tinylm_guard", "tinylm_keyed"]
+    assert sorted(m.id for m in client(stack).models.list()) == ["tinylm_budget", "tinylm_guard", "tinylm_keyed",
+                                                                  "tinylm_rails"]
     with pytest.raises(openai.NotFoundError):
         client(stack).completions.create(model="no_such_model", prompt=PROMPT, max_tokens=4)
 
@@ -186,6 +190,18 @@ def test_a_used_token_budget_is_a_429_with_retry_after(stack):
     retry = int(info.value.response.headers["retry-after"])
     assert info.value.status_code == 429 and 1 <= retry <= 60, info.value.response.headers
     assert info.value.body["code"] == "rate_limit_exceeded" and "token budget" in info.value.body["message"]
+
+
+def test_an_answer_a_rail_blocked_ends_with_content_filter(stack):
+    """The guard declares finish_reason: its block is a final response, not an error, and the
+    front passes its reason on (streamed and not, chat and completion); nothing held back leaks."""
+    c = client(stack)
+    whole = c.completions.create(model="tinylm_rails", prompt=PROMPT, max_tokens=40, temperature=0)
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == ("", "content_filter")
+    chunks = list(c.chat.completions.create(model="tinylm_rails", messages=[{"role": "user", "content": PROMPT}],
+                                            max_tokens=40, temperature=0, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "content_filter" and chunks[-1].usage.completion_tokens == 0
 
 
 def test_curl_reads_the_sse_stream(stack):
