@@ -263,9 +263,12 @@ def build_app(config: FrontConfig) -> Starlette:
         up = front._up()
         for model in config.models:  # the guards' settings now; one not reachable yet is read later
             try:
-                await up.info(model)
+                info = await up.info(model)
             except OpenAIError as exc:
                 log.warning("openai front: %s (read again on its first request)", exc.message)
+                continue
+            if info.unsure_length:
+                log.warning("openai front: %s", info.unsure_length)
         yield
         await up.close()
 

@@ -50,6 +50,16 @@ class GuardInfo:
     default_max_tokens: int = 16
     max_tokens: int = 256
     reasons: bool = False  # the config declares the output ``finish_reason``
+    budget: bool = False  # tokens.per_minute is set: the guard may cut an answer short
+
+    @property
+    def unsure_length(self) -> str | None:
+        """Why this front cannot tell a budget's cut from the model's end (None: it can)."""
+        if self.budget and not self.reasons:
+            return (f"guard '{self.name}' has a token budget (tokens.per_minute) but no output 'finish_reason': "
+                    "an answer the budget cuts reads finish_reason 'stop' here; declare the output "
+                    "(TYPE_STRING, dims [1]) in its config.pbtxt")
+        return None
 
     @classmethod
     def from_config(cls, name: str, config: dict[str, Any]) -> GuardInfo:
@@ -63,7 +73,8 @@ class GuardInfo:
         return cls(name=name, auth=t.auth if t.enabled else "none", credential=credential,
                    tenant_parameter=t.parameter, refuse_anonymous=t.unauthenticated == "refuse",
                    default_max_tokens=s.validation.default_max_tokens, max_tokens=s.validation.max_tokens,
-                   reasons=REASON in {o.get("name") for o in config.get("output") or []})
+                   reasons=REASON in {o.get("name") for o in config.get("output") or []},
+                   budget=s.tokens.per_minute > 0)
 
     def parameters(self, key: str | None, tenant: str | None) -> dict[str, str]:
         """The request parameters that carry the client's credential (or the tenant the front

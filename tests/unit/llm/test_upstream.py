@@ -53,3 +53,14 @@ def test_the_guards_finish_reason_is_read_from_its_final_response():
         ending = Ending()
         ending.read(result)
         assert ending.reason is None  # none sent, or not a reason OpenAI has: the front counts
+
+
+def test_a_budget_without_the_finish_reason_output_is_named_at_start():
+    """Only the guard knows its budget cut an answer: without its finish_reason output the front
+    says at start that such a cut will read 'stop'."""
+    cfg = stream_guard_config("g", "tinylm", tokens__per_minute="30")
+    why = GuardInfo.from_config("g", cfg).unsure_length
+    assert why is not None and "'g'" in why and "finish_reason" in why
+    cfg["output"].append({"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [1]})
+    assert GuardInfo.from_config("g", cfg).unsure_length is None
+    assert info().unsure_length is None  # no budget: nothing is cut
