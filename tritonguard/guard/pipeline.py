@@ -83,6 +83,8 @@ class Batch:
     primary_label: str = ""  # "<target>:<version>" whose answers may be cached
     cache_label: str = ""  # SERVED_BY of cache hits
     calls: Sequence[Any] = ()  # the router's target calls for this batch (cost, tracing)
+    # the serving thread's CPU time spent inside those calls (an in-process target runs on it)
+    calls_cpu_ns: int | None = None
 
     @property
     def valid(self) -> bool:

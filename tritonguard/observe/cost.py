@@ -10,7 +10,8 @@ end ``perf_counter_ns``). Each answered request is charged
   then answered), priced at ``cost.target_cores`` x ``cost.cpu_core_hour`` per hour, or
   ``cost.gpu_hour`` when the target runs on a GPU;
 - **guard**: its row share of the guard's own CPU time (the serving thread's CPU clock since the
-  last batch, less the in-process target calls that ran on it), priced at one CPU core. Batches
+  last batch, less that thread's CPU time inside the in-process target calls), priced at one CPU
+  core. Batches
   with no answered request (all rejected, all failed) hand their guard time to the next batch
   that answers something: every CPU second of the guard is paid by an answered request.
 
@@ -168,18 +169,24 @@ class CostMeter:
             if last is not None:  # the next batch is charged from here, less the work's CPU
                 self._cpu_last[tid] = last + max(self.cpu_clock() - start, 0)
 
-    def record(self, batch: Any, routed: Any, calls: Sequence[tuple[int, list[int], int, int, bool]]) -> None:
-        """Charge one execute() batch. Never raises: cost is reporting, not serving."""
+    def record(self, batch: Any, routed: Any, calls: Sequence[tuple[int, list[int], int, int, bool]],
+               calls_cpu_ns: int | None = None) -> None:
+        """Charge one execute() batch. Never raises: cost is reporting, not serving.
+
+        ``calls_cpu_ns``: the serving thread's CPU time inside the target calls (what an
+        in-process target ran on it), left out of the guard's time; without it, the calls' wall
+        time is left out instead, which under load also removes the time the thread waited."""
         if not self.config.enabled:
             return
         try:
-            self._record(batch, routed, calls)
+            self._record(batch, routed, calls, calls_cpu_ns)
         except Exception:  # noqa: BLE001
             if not self._failed:  # once: a bug here must not flood the server log
                 log.exception("cost meter failed; cost figures are incomplete from now on")
             self._failed = True
 
-    def _record(self, batch: Any, routed: Any, calls: Sequence[tuple[int, list[int], int, int, bool]]) -> None:
+    def _record(self, batch: Any, routed: Any, calls: Sequence[tuple[int, list[int], int, int, bool]],
+                calls_cpu_ns: int | None = None) -> None:
         now_cpu = self.cpu_clock()
         tid = threading.get_ident()
         last = self._cpu_last.get(tid)
@@ -221,7 +228,10 @@ class CostMeter:
             answered.append(((CACHE, tenant(i)), n))
         guard_s = self._carry
         if last is not None:
-            guard_s += max((now_cpu - last) / 1e9 - (target_s if self.inprocess else 0.0), 0.0)
+            inside = 0.0
+            if self.inprocess:
+                inside = target_s if calls_cpu_ns is None or routed is None else calls_cpu_ns / 1e9
+            guard_s += max((now_cpu - last) / 1e9 - inside, 0.0)
         rows = sum(n for _, n in answered)
         if rows:
             self._carry = 0.0

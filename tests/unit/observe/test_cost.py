@@ -270,6 +270,33 @@ def test_the_real_router_records_its_calls_and_a_slower_version_pays_for_them(re
     assert 2.0 < ratio < 4.0, ratio
 
 
+def _burn(cpu_s: float) -> None:
+    """Spend ``cpu_s`` of this thread's CPU time (the guard's own work between target calls)."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+def test_an_inprocess_guard_is_charged_its_cpu_even_when_the_target_call_waited(repo):
+    """The guard's time is the serving thread's CPU less its CPU inside the in-process target
+    calls. It was the CPU less the calls' wall time: a call that waited (for a core under load,
+    here a sleep) erased the guard's own CPU, and in-process guards read 0 ms a request under load
+    (issue 45 item 2, a helper's finding, 2026-11-28). With the calls' wall time it reads 0 here."""
+    router, _ = make(repo, {1: Slow(W1, 0.05)})  # each call waits 50 ms a row, using no CPU
+    m = CostMeter(CostConfig(), metrics=(metrics := Metrics()), inprocess=True)  # the real thread clock
+    m.loaded()
+    for seed in range(5):
+        _burn(0.02)  # 20 ms of guard work a batch, against a 50 ms call
+        routed = router.infer({"X": rows(1, seed)}, [1])
+        m.record(PrivacyBatch(tenants=["a"], route=[0], sizes=[1]), routed, router.calls,
+                 calls_cpu_ns=router.calls_cpu_ns)
+    router.close()
+    secs = totals(metrics, "compute_seconds")
+    assert secs[("1", "a", "target")] >= 5 * 0.05  # the calls' wall time, as before
+    # the 5 x 20 ms burnt, plus the router's own work (well under 20 ms a batch)
+    assert 0.1 <= secs[("1", "a", "guard")] < 0.2, secs
+
+
 def test_a_version_whose_fused_call_failed_pays_for_the_failed_call(repo):
     router, _ = make(repo, {1: Linear(W1), 2: Linear(W1, max_rows=2)}, candidate=2, share=1.0)
     m, metrics, _clock = meter()

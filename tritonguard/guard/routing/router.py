@@ -90,6 +90,10 @@ class Router:
         # the target calls of the last infer(): (version, request indices, start ns, end ns, ok), in
         # call order (time.perf_counter_ns): what tracing's target spans and the cost meter read
         self.calls: list[tuple[int, list[int], int, int, bool]] = []
+        # the calling thread's CPU inside this batch's target calls: what an in-process target
+        # ran on the serving thread (the cost meter's guard time leaves it out; wall time would
+        # also leave out the time the thread waited for a core, and read 0 under load)
+        self.calls_cpu_ns = 0
         self._whole: dict[str, np.ndarray] | None = None
         # the collaborators (they read the router's clock, which tests and tools may replace)
         now = self.now
@@ -226,6 +230,7 @@ class Router:
 
         served: list[str] = [""] * n
         self.calls = []
+        self.calls_cpu_ns = 0
         self._whole = None  # the outputs of one call that answered the whole batch, if one did
         self._last_error: dict[int, TargetError] = {}  # request -> the last target error it met
         errors: list[TritonGuardError | None] = [None] * n
@@ -338,13 +343,15 @@ class Router:
         else:
             sub = {k: concat([v[starts[i]:starts[i + 1]] for i in idx]) for k, v in fused.items()}
             sub_sizes = [int(starts[i + 1] - starts[i]) for i in idx]
-        t0_ns = time.perf_counter_ns()
+        t0_ns, c0_ns = time.perf_counter_ns(), 0
         try:
             target = self.target_for(version)  # the first call in process loads the version: not its latency
-            t0_ns = time.perf_counter_ns()
+            t0_ns, c0_ns = time.perf_counter_ns(), time.thread_time_ns()
             out = target.infer(sub)
         except TargetError as exc:
             self.calls.append((version, idx, t0_ns, time.perf_counter_ns(), False))
+            if c0_ns:
+                self.calls_cpu_ns += time.thread_time_ns() - c0_ns
             if len(idx) > 1:  # isolate: one poisonous request must not fail its neighbours
                 ok: list[int] = []
                 for i in idx:
@@ -366,6 +373,7 @@ class Router:
             log.warning("guard %s: %s v%d failed a request: %s", self.guard, self.target, version, exc)
             return []
         t1_ns = time.perf_counter_ns()
+        self.calls_cpu_ns += time.thread_time_ns() - c0_ns
         self.calls.append((version, idx, t0_ns, t1_ns, True))
         latency = (t1_ns - t0_ns) / 1e6
         self.metrics.inc("target_calls", 1)

@@ -15,7 +15,7 @@ class CostStage(Stage):
 
     def run(self, b: Batch) -> None:
         if b.valid:
-            self.meter.record(b, b.routed, b.calls)
+            self.meter.record(b, b.routed, b.calls, calls_cpu_ns=b.calls_cpu_ns)
 
     def close(self) -> None:
         self.meter.close()

@@ -64,7 +64,7 @@ class RouteStage(Stage):
                 b.draws = apply_keys(b.params, router.rng.random(len(b.responses)))
             b.routed = router.infer(b.fused, b.sizes, pins if any(x is not None for x in pins) else None,
                                     traced=traced or None, draws=None if b.draws is None else b.draws[b.route])
-            b.calls = router.calls
+            b.calls, b.calls_cpu_ns = router.calls, router.calls_cpu_ns
             if tb is not None:
                 self._trace(b)
         router.publish()
