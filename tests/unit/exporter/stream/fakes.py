@@ -16,8 +16,8 @@ from exporter.stream.run import Stream, StreamConfig
 
 
 class Message:
-    def __init__(self, tp: tuple[str, int], offset: int, value: bytes) -> None:
-        self.tp, self.off, self.val = tp, offset, value
+    def __init__(self, tp: tuple[str, int], offset: int, value: bytes, headers: list | None = None) -> None:
+        self.tp, self.off, self.val, self.hdrs = tp, offset, value, headers
 
     def error(self) -> None:
         return None
@@ -37,8 +37,8 @@ class Message:
     def value(self) -> bytes:
         return self.val
 
-    def headers(self) -> None:
-        return None
+    def headers(self) -> list | None:
+        return self.hdrs
 
     def timestamp(self) -> tuple[int, int]:
         return (0, 0)
@@ -55,6 +55,7 @@ class Consumer:
         self.pauses = dict.fromkeys(logs, 0)
         self.commits: list[dict[tuple[str, int], int]] = []
         self.assigned: list[TopicPartition] = []
+        self.headers: dict[tuple[tuple[str, int], int], list] = {}  # (partition, offset): an event's headers
 
     def assign(self, parts: list[TopicPartition]) -> None:
         self.assigned = parts
@@ -66,7 +67,7 @@ class Consumer:
             if not ready:
                 break
             for tp in ready[: num_messages - len(out)]:
-                out.append(Message(tp, self.pos[tp], self.logs[tp][self.pos[tp]]))
+                out.append(Message(tp, self.pos[tp], self.logs[tp][self.pos[tp]], self.headers.get((tp, self.pos[tp]))))
                 self.pos[tp] += 1
         return out
 

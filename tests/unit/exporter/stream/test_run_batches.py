@@ -136,3 +136,19 @@ def test_a_group_is_sent_full_at_once_or_when_it_waited_and_chunks_keep_groups_a
     events = [E(g, n) for n, g in enumerate("aabaaa")]
     assert [[e.n for e in r] for r in chunks(events, 3)] == [[0, 1, 3], [2], [4, 5]]
     assert not any(e.sent for e in events)  # chunks() marks nothing sent: the loop sends them
+
+
+def test_a_request_holds_one_tenants_events_and_an_event_with_its_own_trace_goes_alone():
+    consumer = Consumer({A: 24})
+    for o in range(24):  # two tenants, alternating; offset 5 carries its own trace context
+        consumer.headers[(A, o)] = [("x-tenant-id", f"t{o % 2}".encode())]
+    consumer.headers[(A, 5)].append(("traceparent", b"00-" + b"a" * 32 + b"-" + b"b" * 16 + b"-01"))
+    s = stream(consumer, max_inflight=8, max_batch=24, batch_size=8, sticky=False)
+    written = run_to_end(s, consumer, 24)
+    assert written == {A: list(range(24))}
+    for rid, (rows, _, headers) in s.client.requests.items():
+        offsets = rows[:, 0].astype(int).tolist()
+        assert {f"t{o % 2}" for o in offsets} == {headers["x-tenant-id"]}, rid  # the tenant forwarded is each row's
+        assert ("traceparent" in headers) == (offsets == [5]), rid
+    # t0: 12 events (8 + 4), t1: 11 (8 + 3), and offset 5 alone
+    assert sorted(len(rows) for rows, _, _ in s.client.requests.values()) == [1, 3, 4, 8, 8]
