@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from confluent_kafka import TopicPartition
 from tritonclient.utils import InferenceServerException
 
 from exporter.stream.batches import Batcher, chunks
@@ -152,3 +153,25 @@ def test_a_request_holds_one_tenants_events_and_an_event_with_its_own_trace_goes
         assert ("traceparent" in headers) == (offsets == [5]), rid
     # t0: 12 events (8 + 4), t1: 11 (8 + 3), and offset 5 alone
     assert sorted(len(rows) for rows, _, _ in s.client.requests.values()) == [1, 3, 4, 8, 8]
+
+
+def test_a_revoke_sends_the_events_left_between_sent_ones_and_commits_no_further():
+    class Answering(Triton):
+        def async_infer(self, *args, **kwargs) -> None:
+            super().async_infer(*args, **kwargs)
+            self.answer()
+
+    consumer = Consumer({A: 30})  # keys k0, k1, k2 (offset % 3)
+    s = stream(consumer, max_inflight=1, max_batch=30, batch_size=4, read_ahead=100, session_timeout_ms=2000)
+    for _ in range(3):
+        s._step()
+    assert [rid for rid, _ in s.client.calls] == ["in/0/0+3"]  # k0: 0, 3, 6, 9
+    held = s.client
+    held.answer()  # its answer is in the queue when the partition is revoked
+    s.client = Answering()
+    s._revoked(consumer, [TopicPartition("in", 0)])
+    # the events after 9 were never sent: dropped, the next owner reads them; those between 0 and 9
+    # (other keys' requests) were sent by the revoke's drain, so the commit reaches 10 and no further
+    assert committed(consumer) == {A: 10}
+    assert sorted(int(rid.split("/")[2]) for _, rid in s.producer.sent) == list(range(10))
+    assert sorted(len(rows) for rows, _, _ in s.client.requests.values()) == [3, 3]  # k1: 1, 4, 7; k2: 2, 5, 8
