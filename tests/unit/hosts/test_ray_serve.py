@@ -323,7 +323,7 @@ def rollout(served, tmp_path_factory):
     x, y = load_breast_cancer(return_X_y=True)
     order = np.random.default_rng(1).permutation(len(x))
     x, y = x[order], y[order]
-    gold = x[450:].astype(np.float32)  # 119 rows no model was trained on: goldens, evaluation set, traffic
+    gold = x[450:].astype(np.float32)  # 119 rows no model was trained on: goldens, evaluation set
     np.savez(base / "cancer.npz", features=gold, labels=y[450:])
 
     def pipeline(c: float) -> Pipeline:
@@ -340,15 +340,45 @@ def rollout(served, tmp_path_factory):
     v = {"retrain": export(pipeline(1.0).fit(x[:450], y[:450]), "retrain"),
          "slow": export(VotingClassifier([(f"m{i}", pipeline(0.05)) for i in range(SLOW_MEMBERS)], voting="soft",
                                          flatten_transform=False).fit(x[:200], y[:200]), "slow")}
-    yield {"repo": repo, "v": v, "port": served["port"], "gold": gold}
+    # v1's own ONNX answering NaN on the rows with the largest first feature (mean radius), none
+    # of them in the evaluation set (there, promote's offline judgement stops it before any
+    # traffic): a fault only live traffic shows. As `exporter export --source model.onnx` takes it
+    above = float(gold[:, 0].max())
+    np.savez(base / "nan_goldens.npz", FEATURES=gold[:32])
+    v["nan"] = export_source(str(nan_build(repo / f"{SCORER}_raw" / "1" / "model.onnx", base / "nan.onnx", above)),
+                             name=SCORER, repository=repo, inputs=base / "nan_goldens.npz", task="classifier",
+                             register=False).version
+    traffic = x[:450].astype(np.float32)
+    assert (traffic[:, 0] > above).sum() >= 3  # rows the NaN build answers NaN on
+    yield {"repo": repo, "v": v, "port": served["port"], "traffic": traffic}
     serve.delete("rollout")
+
+
+def nan_build(src: Path, dst: Path, above: float) -> Path:
+    """``src`` (an exported classifier: FEATURES -> PROBS, LABEL) with PROBS set to NaN on the
+    rows whose first feature is above ``above``."""
+    import onnx  # noqa: PLC0415
+    from onnx import TensorProto, helper  # noqa: PLC0415
+
+    m = onnx.load(str(src))
+    g = m.graph
+    for node in g.node:
+        node.output[:] = ["PROBS_inner" if o == "PROBS" else o for o in node.output]
+    g.initializer.extend([helper.make_tensor("nan_value", TensorProto.FLOAT, [], [float("nan")]),
+                          helper.make_tensor("nan_above", TensorProto.FLOAT, [], [above]),
+                          helper.make_tensor("col0", TensorProto.INT64, [1], [0])])
+    g.node.extend([helper.make_node("Gather", ["FEATURES", "col0"], ["first"], axis=1),
+                   helper.make_node("Greater", ["first", "nan_above"], ["hit"]),
+                   helper.make_node("Where", ["hit", "nan_value", "PROBS_inner"], ["PROBS"])])
+    onnx.save(m, str(dst))
+    return dst
 
 
 def promote(ctx, version: int, *extra: str) -> tuple[subprocess.CompletedProcess, Traffic]:
     """`python -m exporter promote` as a user runs it, its gates reading the application's metrics
     route (no --server: nothing to load on Triton), under traffic."""
     url = f"http://127.0.0.1:{ctx['port']}{ROLLOUT}/metrics"
-    with Traffic(ctx["port"], ctx["gold"]) as traffic:
+    with Traffic(ctx["port"], ctx["traffic"]) as traffic:
         r = subprocess.run([sys.executable, "-m", "exporter", "promote", SCORER, "--version", str(version), *GATES,
                             "--metrics-url", url, "--repository", str(ctx["repo"]), *extra],
                            cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -365,6 +395,20 @@ def test_promote_rolls_back_a_slow_build_served_by_ray_serve(rollout):
     assert progress["reason"].startswith("gate failed at 50%") and "latency FAIL" in progress["reason"], progress["reason"]
     assert traffic.errors == []
     assert traffic.served.get(f"{SCORER}_raw:{v}", 0) > 0  # judged on traffic it served
+    state = open_store(SCORER, rollout["repo"]).load()
+    assert state.primary == 1 and state.candidate is None
+
+
+def test_promote_rolls_back_a_build_answering_nan_with_no_client_error(rollout):
+    v = rollout["v"]["nan"]
+    # its three added nodes make a call of this tiny model slower too: the breaker is what is shown here
+    r, traffic = promote(rollout, v, "--latency-tolerance", "20")
+    assert r.returncode == 1 and "rolled_back before any traffic" not in r.stdout, r.stdout + r.stderr
+    progress = json.loads((rollout["repo"] / SCORER / "rollout_controller.json").read_text())
+    assert progress["status"] == "rolled_back", progress["reason"]
+    assert progress["reason"].startswith("gate failed at") and "breaker FAIL" in progress["reason"], progress["reason"]
+    assert traffic.errors == []  # its NaN rows were answered by the primary
+    assert traffic.served.get(f"{SCORER}_raw:{v}", 0) > 0
     state = open_store(SCORER, rollout["repo"]).load()
     assert state.primary == 1 and state.candidate is None
 
