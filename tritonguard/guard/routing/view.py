@@ -122,6 +122,13 @@ class RolloutView:
         named += st.route_versions()
         return [v for v in dict.fromkeys(named) if v > 0]
 
+    def primary_share(self) -> float:
+        """The share of requests the primary answers as now routed: 0 at a 100 % step (the
+        candidate takes every request) or when the A/B/n arms' weights add up to 1."""
+        st = self.state
+        taken = st.candidate.share if st.candidate is not None else sum(a.weight for a in st.arms)
+        return max(1.0 - taken, 0.0)
+
     def call_share(self, version: int) -> float:
         """The share of calls ``version`` gets as now routed: its traffic share, plus the shadow
         share for a candidate (mirrored calls keep it as warm as served ones); 1 for the primary."""

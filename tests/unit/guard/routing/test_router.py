@@ -418,6 +418,28 @@ def test_latency_ratio_ignores_a_candidate_whose_p95_moved_but_not_its_median(re
     assert trip is not None and trip.reason == "latency" and trip.figures["p50_ms"] > 1.25 * trip.figures["primary_p50_ms"]
 
 
+def test_latency_ratio_does_not_judge_against_a_primary_that_serves_nothing(repo):
+    """At a 100 % step the primary's latency window holds calls from an earlier, lighter step: a
+    genuine retrain read 2.38x of it under load and was rolled back (the 200k stream scenario,
+    2026-11-28). No comparison there, as the rollout's latency gate; at 50 % the same figures trip."""
+    router, _ = make(repo, {1: Linear(W1), 2: Linear(W1)}, candidate=2, share=1.0,
+                     routing={"latency_ratio": 1.5, "canary_compare": False})
+    now = router.clock()
+    router.breaker(1).record_batch(now, 100, latency_ms=np.full(100, 0.957))  # before the step
+    b2 = router.breaker(2)
+    b2.record_batch(now, 100, latency_ms=np.full(100, 2.28))  # every request, under load
+    assert router.signals.latency_vs_primary(2, b2, now) is None and b2.state == "closed"  # noqa: SLF001
+    router.close()
+    router, _ = make(repo, {1: Linear(W1), 2: Linear(W1)}, candidate=2, share=0.5,
+                     routing={"latency_ratio": 1.5, "canary_compare": False})
+    router.breaker(1).record_batch(now, 100, latency_ms=np.full(100, 0.957))
+    b2 = router.breaker(2)
+    b2.record_batch(now, 100, latency_ms=np.full(100, 2.28))
+    trip = router.signals.latency_vs_primary(2, b2, now)  # noqa: SLF001
+    router.close()
+    assert trip is not None and trip.reason == "latency"
+
+
 def test_drift_monitor_is_built_at_load_and_scored_outside_the_serving_lock(repo, monkeypatch):
     """The primary's drift monitor (its reference read, scipy imported: about a second that used
     to stall a fresh guard's second request) exists when the router does; scoring runs on a copy
