@@ -27,13 +27,25 @@ if TYPE_CHECKING:
 err = console(stderr=True)
 
 
+# librdkafka settings the stream sets itself: its delivery guarantee (offsets committed only after
+# the results are acknowledged; an idempotent producer), or an option of its own names them
+OWNED = {"enable.auto.commit": "offsets are committed after the results are acknowledged",
+         "enable.auto.offset.store": "offsets are committed after the results are acknowledged",
+         "enable.idempotence": "the output producer is idempotent", "acks": "the output producer waits for acks=all",
+         "group.id": "use --group", "bootstrap.servers": "use --bootstrap",
+         "auto.offset.reset": "use --offset-reset", "session.timeout.ms": "use --session-timeout-ms"}
+
+
 def _kafka_settings(items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise typer.BadParameter(f"{item!r}: expected KEY=VALUE (a librdkafka setting)")
-        out[key.strip()] = value
+        if key in OWNED:
+            raise typer.BadParameter(f"{key} is set by the stream ({OWNED[key]})")
+        out[key] = value
     return out
 
 
@@ -66,7 +78,9 @@ def stream_command(
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port.")] = None,
     metrics_address: Annotated[str, typer.Option(help="Address of the metrics endpoint.")] = "127.0.0.1",
     kafka: Annotated[list[str] | None, typer.Option("--kafka", help="Extra librdkafka setting KEY=VALUE (repeat), "
-                                                    "e.g. security.protocol=SASL_SSL.")] = None,
+                                                    "for both clients, e.g. security.protocol=SASL_SSL; "
+                                                    "not those the delivery guarantee rests on "
+                                                    "(acks, enable.idempotence, enable.auto.commit).")] = None,
     record: Annotated[str | None, typer.Option(help="JSON file kept up to date with the input offsets each "
                                                "version answered (one per process; for --replay).")] = None,
     replay: Annotated[list[str] | None, typer.Option(help="Score again through the primary the events of a "

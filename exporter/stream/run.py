@@ -188,7 +188,8 @@ class Stream:
                                   "heartbeat.interval.ms": max(100, cfg.session_timeout_ms // 4),
                                   "on_commit": self._on_commit})
         # idempotent: the broker drops the producer's own retried duplicates and keeps its order
-        self.producer = Producer({**common, "enable.idempotence": True, "acks": "all", "linger.ms": 2})
+        # (--kafka may change linger.ms; the stream's guarantee settings win over it)
+        self.producer = Producer({"linger.ms": 2, **common, "enable.idempotence": True, "acks": "all"})
         self.partitions = {t: self._partitions(t) for t in (cfg.topic, cfg.output, cfg.dead_letters)}
         self._state()
 

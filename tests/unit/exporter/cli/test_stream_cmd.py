@@ -21,6 +21,15 @@ def test_a_kafka_setting_must_be_key_equals_value():
     assert res.exit_code == 2 and "expected KEY=VALUE" in res.output
 
 
+def test_a_kafka_setting_the_stream_owns_is_refused_naming_why():
+    """--kafka passes librdkafka settings to both clients, but not the ones the delivery guarantee
+    rests on (before, they were overridden without a word)."""
+    res = CliRunner().invoke(app, [*BASE, "--kafka", "enable.auto.commit=true"])
+    assert res.exit_code == 2 and "enable.auto.commit is set by the stream" in res.output
+    res = CliRunner().invoke(app, [*BASE, "--kafka", "acks=1"])
+    assert res.exit_code == 2 and "acks is set by the stream" in res.output
+
+
 def test_the_command_is_registered_with_its_options():
     res = CliRunner().invoke(app, ["stream", "--help"])
     assert res.exit_code == 0
