@@ -194,6 +194,27 @@ def test_a_stream_over_what_the_budget_holds_is_cut_with_finish_reason_length():
     assert budget.balance(gen.tenant) == 0
 
 
+def test_tokens_that_arrive_together_past_the_budget_are_cut_too():
+    """The target made all 40 tokens before the guard read any (a fast target, a busy guard): they
+    arrive as one batch, and the cut still falls at the 30 the budget holds. Before, the whole batch
+    went out (40 sent; seen once in `make unit` with three lanes, 2026-11-28)."""
+    budget = TokenBudget(TokenBudgetConfig(per_minute=30), Clock())
+    stage = TenancyStage(TenancyConfig(), Metrics(), str, budget=budget)
+    gen = Generation(parameters={}, params=SamplingParams(max_tokens=40, temperature=0))
+    stage.admit(gen)
+    assert gen.params.max_tokens == 30
+    sender = Sender(reasons=True)
+    gen.request, gen.sender, gen.stream = Request(), sender, True
+    stream = LocalStream()
+    target(stream, 40, delay=0).join(10)  # every token is queued before the forwarder starts
+    fwd = StreamForwarder(gen, calls=TargetCalls(name="g", target="t", local=None, idle_s=5),
+                          pipeline=StreamPipeline([]), name="g", target="t", interval_s=0, cancel_poll_s=0.05,
+                          keep=False, on_end=lambda g, o: stage.end(g))
+    fwd.forward(1, stream, time.perf_counter())
+    assert "".join(sender.pieces) == "a" * 30 and sender.final[-1][2] == "length"
+    assert budget.balance(gen.tenant) == 0
+
+
 # -- the fleet: one budget in Redis ------------------------------------------------------------------
 def fleet_budget(url, guard, **kw):
     kw.setdefault("key_prefix", "test:")

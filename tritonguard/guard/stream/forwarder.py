@@ -172,6 +172,10 @@ class StreamForwarder:
                         if text is not None:
                             texts.append(text)
                     if gen.stream:
+                        if tokens + len(texts) > max_tokens:
+                            # responses that arrived together past max_tokens (a budget's cut, or a
+                            # target that ignores it): not one token more reaches the client
+                            texts = texts[:max(max_tokens - tokens, 0)]
                         tokens += len(texts)
                         piece = "".join(texts)
                         if keep:

@@ -55,6 +55,8 @@ VALUES = {
     "routing.poll_interval_s": "0.5",
     "routing.latency_ratio": "3",
     "routing.latency_min_share": "0.5",
+    "routing.canary_compare": "false",
+    "routing.compare_queue": "16",
     "routing.input_drift_interval_s": "7",
     "routing.reconcile_interval_s": "4",
     "routing.alert_webhook": "http://alerts.example/hook",
