@@ -159,9 +159,12 @@ def test_a_streamed_answer_comes_through_as_the_server_sends_it(upstream):
     assert done is not None
     text, first, _call_s, tokens = done
     assert text == want and "".join(sender.pieces) + (sender.final[0][1] or "") == want
-    # streamed piece by piece, not whole; 12 tokens counted, as the server's usage says (some
-    # of the random model's tokens end inside a UTF-8 character and come with the next one)
-    assert tokens == 12 and len(sender.pieces) >= 2
+    # streamed piece by piece, not whole: the server's answer was read as several pieces. (How
+    # many pieces the guard then sends depends on timing: it sends what arrived together, and a
+    # fast server's 12 tokens were all there at one read in 1 of 6 quiet runs, 2026-11-28; the
+    # test counted those.) 12 tokens counted, as the server's usage says (some of the random
+    # model's tokens end inside a UTF-8 character and come with the next one)
+    assert tokens == 12 and responses.received >= 2 and sender.pieces
     assert sender.final[0][2] == "length" and first is not None
     # a whole-text answer (stream false) gets the prompt in front, as the vLLM backend's does
     whole = calls.run_text(1, "hello world", sampling(max_tokens=12, temperature=0))
