@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.processes import stop_process
+from tests.unit.exporter.rollout.test_prometheus import Page  # the same page of Prometheus text
 from tritonguard.ops.server import free_port
 
 PROMETHEUS = shutil.which("prometheus")
@@ -73,18 +74,6 @@ def page(n: int) -> bytes:
               # a text guard with target_per_version: version 3 is Triton's minilm_raw_v3, version 1
               f'tritonguard_served_total{{model="minilm",version="1",served_by="minilm_raw:3"}} {100 + 20 * n}']
     return ("\n".join(lines) + "\n").encode()
-
-
-class Page(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
-        body = self.server.body  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 def query(url: str, expr: str) -> list[dict]:
