@@ -16,8 +16,9 @@ redacts PII in the answer *across token boundaries*:
   at once. Output redaction sees each piece and holds back what may still grow into a PII match.
   Their ``end`` charges the tokens, releases the slots, fills the caches and writes the audit
   record, however the generation ended.
-- The version picked is called (:class:`~tritonguard.guard.stream.target.TargetCalls`: BLS, or in
-  process for a ``generator`` target) and its answer forwarded
+- The version picked is called (:class:`~tritonguard.guard.stream.target.TargetCalls`: BLS, in
+  process for a ``generator`` target, or an OpenAI-compatible server for a version declared at a
+  URL in the target's ``endpoints.json``) and its answer forwarded
   (:class:`~tritonguard.guard.stream.forwarder.StreamForwarder`); while nothing reached the client
   a failing version falls back down the chain.
 - A client cancel (``request.is_cancelled()``, polled every ``cancel_poll_ms``) stops the
@@ -61,7 +62,7 @@ from tritonguard.guard.routing.stream import NON_FINITE, StreamRouter, embedding
 from tritonguard.guard.stages.validate import target_sampling
 from tritonguard.guard.stream.config import SimilarityConfig, parse_settings
 from tritonguard.guard.stream.forwarder import ReasonSink, StreamForwarder
-from tritonguard.guard.stream.openai_target import openai_client
+from tritonguard.guard.stream.openai_target import VersionTargets, openai_client
 from tritonguard.guard.stream.rails import Blocked, Rails, bls_classifier
 from tritonguard.guard.stream.services import StreamServices
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed
@@ -111,9 +112,13 @@ class StreamGuardModel:
                       openai_client(g.target_url, g.target_model, g.target_api_key_env, g.target_api_key_file,
                                     guard=self.name, target=self.target, timeout_s=g.target_idle_timeout_s)
                       if g.placement == "openai" else None)
+        # versions of the target served at a URL (endpoints.json beside its config.pbtxt), called
+        # there whatever the placement: a rollout can move traffic from Triton to another runtime
+        self.remote = VersionTargets(repo / self.target, guard=self.name, target=self.target,
+                                     timeout_s=g.target_idle_timeout_s)
         self.calls = TargetCalls(name=self.name, target=self.target, local=self.local,
                                  idle_s=s.guard.target_idle_timeout_s,
-                                 stop_requests=s.guard.stop_requests and self._stoppable(repo))
+                                 stop_requests=s.guard.stop_requests and self._stoppable(repo), remote=self.remote)
         # output rails; a final response with finish_reason where the config declares that output
         self.reasons = "finish_reason" in {o["name"] for o in cfg.get("output", [])}
         self.rails: Rails | None = None
@@ -309,6 +314,8 @@ class StreamGuardModel:
         self.router.close()
         if self.local is not None:
             self.local.close()
+        if getattr(self, "remote", None) is not None:
+            self.remote.close()
         self.services.close()
         self.metrics.close()
         log.info("stream guard %s: %s", self.name, json.dumps(self.stats))

@@ -41,6 +41,9 @@ from typing import Any
 
 from tritonguard.core.errors import ConfigError
 from tritonguard.generation.local import LocalStream
+from tritonguard.rollout.endpoints import Endpoint, EndpointsView, check_url
+
+__all__ = ["OpenAIClient", "OpenAIStream", "VersionTargets", "check_url", "openai_client"]
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +51,6 @@ SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed")  # the guard's ke
 MAX_ERROR_BODY = 4096  # bytes of an error answer read for its message
 MAX_LINE = 1 << 20  # one SSE line; a longer one is a broken stream
 MAX_TOKENS_PADDED = 1 << 20  # a usage figure above this is not believed
-
-
-def check_url(url: str) -> str:
-    """``url`` without a trailing slash; ValueError when it is not http(s)://host[:port][/path],
-    or carries credentials (they would end up in log lines: use ``target_api_key_env``)."""
-    parts = urllib.parse.urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"parameter 'target_url' must be http(s)://host[:port]/v1, got {url!r}")
-    if parts.username or parts.password or parts.query or parts.fragment:
-        raise ValueError("parameter 'target_url' must not carry credentials, a query or a fragment "
-                         "(the API key goes in target_api_key_env or target_api_key_file)")
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError:
-        raise ValueError(f"parameter 'target_url' has a bad port: {url!r}") from None
-    return url.strip().rstrip("/")
 
 
 def read_key(env: str, file: str, *, model: str = "?") -> str | None:
@@ -303,3 +290,60 @@ def openai_client(url: str, model: str, key_env: str, key_file: str, *, guard: s
     """The client a guard with ``placement: openai`` reads its target through."""
     return OpenAIClient(url, model or target, key=read_key(key_env, key_file, model=guard), guard=guard,
                         target=target, timeout_s=timeout_s)
+
+
+class _Unusable:
+    """A declared version whose client cannot be made (its API key is not there): every
+    generation fails with UNAVAILABLE naming why, so the guard falls back and its breaker counts it."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def open(self, version: int, prompt: str, stream: bool, sampling: str, exclude: bool | None) -> OpenAIStream:
+        out = OpenAIStream()
+        out.closed = True
+        out.fail(self.message, "UNAVAILABLE")
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class VersionTargets:
+    """The versions of a guard's target that are served at a URL
+    (:mod:`tritonguard.rollout.endpoints`: ``endpoints.json`` beside the target's config.pbtxt):
+    ``self(version)`` is that version's client, or None for a version served as the guard's
+    placement says (BLS, in process, or its one ``target_url``). A client is made when a
+    version is first called and again when its declaration changes."""
+
+    def __init__(self, model_dir: str | os.PathLike, *, guard: str, target: str, timeout_s: float,
+                 view: EndpointsView | None = None) -> None:
+        self.view = view if view is not None else EndpointsView(model_dir)
+        self.guard, self.target, self.timeout_s = guard, target, timeout_s
+        self._clients: dict[int, tuple[Endpoint, Any]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, version: int) -> Any:
+        endpoint = self.view.get(version)
+        if endpoint is None:
+            return None
+        with self._lock:
+            known = self._clients.get(version)
+            if known is not None and known[0] == endpoint:
+                return known[1]
+            try:
+                client: Any = openai_client(endpoint.url, endpoint.model or self.target, endpoint.api_key_env,
+                                            endpoint.api_key_file, guard=self.guard,
+                                            target=f"{self.target} v{version}", timeout_s=self.timeout_s)
+            except ConfigError as exc:
+                log.warning("stream guard %s: v%d of '%s' is declared at %s but cannot be called: %s", self.guard,
+                            version, self.target, endpoint.url, exc)
+                client = _Unusable(f"v{version} of '{self.target}' (at {endpoint.url}) cannot be called: {exc}")
+            self._clients[version] = (endpoint, client)
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            for _, client in self._clients.values():
+                client.close()
+            self._clients.clear()

@@ -1,6 +1,7 @@
 """The target of a decoupled guard, one generation at a time: opening the call (a BLS stream
 to the target's version through the Triton adapter, an in-process one for a ``generator``
-target, or a streamed HTTP call to an OpenAI-compatible server), reading its responses in lists with an idle limit, stopping it (a cancel where
+target, or a streamed HTTP call to an OpenAI-compatible server, for the whole target or for the
+versions declared at a URL), reading its responses in lists with an idle limit, stopping it (a cancel where
 python_backend can; else, for a ``generator`` target, a stop request naming the call, then the
 rest read and dropped), keeping a finished BLS iterator alive a few
 seconds before it is freed (python_backend 24.10), and a whole answer for goldens and comparisons.
@@ -101,11 +102,16 @@ class TargetCalls:
     OpenAI-compatible server's client, or None for BLS: each ``open`` returns a
     :class:`LocalStream`) and the idle limit of a call. ``stop_requests``: the target honours
     :data:`~tritonguard.generation.contract.STOP_PREFIX` requests (this project's ``generator``
-    backend): each BLS call gets an id, and :meth:`stop` names it in a stop request."""
+    backend): each BLS call gets an id, and :meth:`stop` names it in a stop request.
+    ``remote(version)``: the client of a version served at a URL
+    (:class:`~tritonguard.guard.stream.openai_target.VersionTargets`), None for the others: such a
+    version is called there whatever the placement, so one rollout can move traffic between a
+    Triton generator and a server outside Triton."""
 
     def __init__(self, *, name: str, target: str, local: LocalGenerator | None, idle_s: float,
-                 stop_requests: bool = False) -> None:
+                 stop_requests: bool = False, remote: Callable[[int], Any] | None = None) -> None:
         self.name, self.target, self.local, self.idle_s = name, target, local, idle_s
+        self.remote = remote
         self.stop_requests = stop_requests and local is None
         self._ids: dict[int, tuple[int, str]] = {}  # id(responses) -> (version, request id) of open BLS calls
         self._retired: collections.deque = collections.deque(maxlen=65536)
@@ -114,6 +120,9 @@ class TargetCalls:
     def open(self, version: int, prompt: str, stream: bool, sampling: str, exclude: bool | None,
              request: Any = None) -> Any:
         """The responses of ``version`` for one generation (an iterator)."""
+        remote = self.remote(version) if self.remote is not None else None
+        if remote is not None:
+            return remote.open(version, prompt, stream, sampling, exclude)
         if self.local is not None:
             return self.local.open(version, prompt, stream, sampling, exclude)
         inputs = {"text_input": np.array([prompt.encode("utf-8")], dtype=np.object_),
