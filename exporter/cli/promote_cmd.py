@@ -43,6 +43,7 @@ from exporter.rollout.progress import RolloutConfig
 from exporter.rollout.route import RouteChange, apply, parse_arms
 from exporter.rollout.serving import ensure_loaded
 from tritonguard.core.repository import read_manifest, versions
+from tritonguard.rollout.endpoints import EndpointError, read_endpoints
 from tritonguard.rollout.state import JUDGES
 from tritonguard.rollout.stores import open_store
 
@@ -140,7 +141,8 @@ def promote(
         if min_labels < 0:
             raise BadInput(f"--min-labels must be >= 0, got {min_labels}")
         target = guard_target(repository, model)
-        exported = [v for v in versions(repository / target) if read_manifest(repository / target / str(v))]
+        exported = sorted({*(v for v in versions(repository / target) if read_manifest(repository / target / str(v))),
+                           *_served_at_url(repository, target)})  # and the versions served at a URL
         for v in (version, *(arm_weights or ())):
             if v is not None and v not in exported:
                 there = "has a folder but no manifest (not an exported version)" \
@@ -173,7 +175,7 @@ def promote(
 
         def register(v: int):
             vdir = repository / target / str(v)
-            manifest = read_manifest(vdir)
+            manifest = read_manifest(vdir) or _served_at_url(repository, target).get(v)
             if manifest is None:
                 raise RegistryError(f"'{model}' v{v} (in '{target}') has no manifest in {vdir}: not an exported version")
             return reg.register(model, v, manifest, {}, source=str(vdir.resolve()))
@@ -243,6 +245,14 @@ def promote(
     exit_for(progress)
 
 
+def _served_at_url(repository: Path, target: str) -> dict[int, dict]:
+    """Manifests of the target's versions served at a URL (``endpoints.json``, tritonguard.rollout.endpoints)."""
+    try:
+        return {v: e.manifest(target) for v, e in read_endpoints(repository / target).items()}
+    except EndpointError as exc:
+        raise BadInput(str(exc)) from None
+
+
 # --to in MLflow's words (the aliases) or the deprecated stage names
 _TO = {"challenger": "staging", "staging": "staging", "champion": "production", "production": "production"}
 
@@ -266,7 +276,7 @@ def _judge_before_traffic(repository: Path, model: str, target: str, version: in
         return None
     name = judge or manifest_judge(repository, target, version)
     config.gates.judge = name
-    manifest = read_manifest(repository / target / str(version)) or {}
+    manifest = read_manifest(repository / target / str(version)) or _served_at_url(repository, target).get(version, {})
     if manifest.get("task") == "generation":
         return _judge_generation(repository, model, target, version, primary, name, config, margin)
     outputs = manifest.get("outputs") or [{}]

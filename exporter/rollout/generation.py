@@ -16,6 +16,13 @@ own decoder: :func:`examples.generator.decoder`), never through a server.
   finite or above the primary's by more than ``max_regression`` *relative* (0.03: at most 3 %
   more bits per char), else PASS. Greedy texts of two training runs differ almost always, so
   disagreement is recorded here for the live gates, not judged.
+- **a version served at a URL** (declared in the target's ``endpoints.json``,
+  :mod:`tritonguard.rollout.endpoints`: another runtime, e.g. vLLM): there is no artifact to run
+  here, and running the server from the exporter would judge the exporter's view of it, not the
+  guards'. The judgement is INCONCLUSIVE, and the live gates decide on what the guards measure
+  through that server: its errors and stalls (breaker, error rate), its paired timings against
+  the primary (latency) and the canary's comparisons (agreement; reported, not judged, for a task
+  judge: another runtime writes other text).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any
 
 from exporter.rollout.judge import (
     FAIL,
+    INCONCLUSIVE,
     PASS,
     JudgeError,
     OfflineJudgement,
@@ -36,6 +44,7 @@ from exporter.rollout.judge import (
 from tritonguard.core import repository as repo_mod
 from tritonguard.generation.contract import SamplingParams
 from tritonguard.generation.decoder import CharTokenizer
+from tritonguard.rollout.endpoints import EndpointError, endpoint_of
 from tritonguard.rollout.state import JUDGES
 
 PROMPT_CHARS = 40
@@ -112,6 +121,16 @@ def judge_generation(repository: Path, target: str, primary: int, candidate: int
     if judge not in JUDGES:
         raise ValueError(f"judge must be one of {', '.join(JUDGES)}, got {judge!r}")
     repository = Path(repository)
+    try:
+        served_at = endpoint_of(repository / target, candidate)
+    except EndpointError as exc:
+        raise JudgeError(str(exc)) from None
+    if served_at is not None:
+        return OfflineJudgement(judge=judge, verdict=INCONCLUSIVE, data=f"v{candidate} is served at {served_at.url}",
+                                rows=0, disagreement=0.0, expected_disagreement=1.0, max_regression=max_regression,
+                                reason=f"v{candidate} is served at {served_at.url} (another runtime): no offline "
+                                       "run; judged live on what the guards measure through it (errors, paired "
+                                       "latency, canary comparisons)")
     texts, eval_from = eval_data(repository, target, primary, candidate)
     golden = list(dict.fromkeys(golden_prompts(repository, target, candidate)))
     prompts = list(dict.fromkeys(golden + [t[:PROMPT_CHARS] for t in texts]))
@@ -165,7 +184,8 @@ def judge_generation(repository: Path, target: str, primary: int, candidate: int
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m exporter.rollout.generation REPOSITORY TARGET PRIMARY CANDIDATE [--judge task]``:
-    print the judgement; exit 0 on PASS, 1 on FAIL, 2 when it cannot be made."""
+    print the judgement; exit 0 on PASS, 1 on FAIL, 2 when it cannot be made (INCONCLUSIVE: a
+    version served at a URL)."""
     import argparse  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
@@ -187,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"no judgement: {exc}\n")
         return 2
     sys.stdout.write(res.summary() + "\n")
-    return 0 if res.verdict == PASS else 1
+    return 0 if res.verdict == PASS else 2 if res.verdict == INCONCLUSIVE else 1
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from tritonguard.guard.config import GuardConfig
 from tritonguard.privacy.cache.config import CacheConfig, PrivacyMode
 from tritonguard.privacy.cache.tiers import RedisTier as _Redis
 from tritonguard.privacy.cache.tiers import SqliteTier as _Sqlite
+from tritonguard.rollout.endpoints import endpoint_of
 from tritonguard.rollout.stores import open_store
 from tritonguard.triton import http as triton_http
 
@@ -66,6 +67,8 @@ def models_to_load(repo: Path, model: str, version: int) -> list[tuple[str, int]
     if params.get("placement", "inprocess") == "inprocess":
         return []
     target = params["target"]
+    if endpoint_of(repo / target, version) is not None:
+        return []  # served at a URL (endpoints.json): nothing of it runs in Triton
     per_version = params.get("target_per_version", "")
     if per_version:
         name = per_version.format(version=version)
