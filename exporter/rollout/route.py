@@ -17,6 +17,7 @@ from exporter.rollout.guards import guard_target, validator_limits
 from exporter.rollout.reconcile import reconcile_registry
 from tritonguard.core import repository
 from tritonguard.rollout.breaker import CLOSED
+from tritonguard.rollout.endpoints import read_endpoints
 from tritonguard.rollout.state import Arm, Candidate, RolloutState, StateError
 from tritonguard.rollout.stores import open_store
 
@@ -63,7 +64,7 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli", reaso
     for ``exporter rollback``) or ``superseded``, with ``reason``."""
     repo = Path(repo)
     target = guard_target(repo, model)
-    versions = set(repository.versions(repo / target))
+    versions = set(repository.versions(repo / target)) | set(read_endpoints(repo / target))  # and those at a URL
 
     def known(v: int, what: str) -> None:
         if versions and v not in versions:

@@ -180,3 +180,13 @@ def test_promote_loads_nothing_and_judges_a_url_version_live(tmp_path):
     # the URL version is INCONCLUSIVE, for the live gates to decide
     res = judge_generation(repo, "tinylm_raw", 1, 7, judge="task")
     assert res.verdict == INCONCLUSIVE and "served at http://127.0.0.1:9/v1" in res.reason
+
+
+def test_route_takes_a_url_version_as_a_version_of_the_target(tmp_path):
+    from exporter.rollout.route import RouteChange, RouteError, apply
+
+    repo = _guarded_repo(tmp_path)
+    with pytest.raises(RouteError, match="v7 is not a version"):
+        apply(repo, "tinylm", RouteChange(primary=7))
+    declare(repo / "tinylm_raw", Endpoint(version=7, url="http://127.0.0.1:9/v1"))
+    assert apply(repo, "tinylm", RouteChange(primary=7)).primary == 7  # e.g. promote --no-rollout
