@@ -29,6 +29,7 @@ there. A declared version number may therefore not be a folder of the target.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -99,10 +100,14 @@ class Endpoint:
 
     def manifest(self, target: str) -> dict[str, Any]:
         """What a version folder's manifest.json says, for the registry and the rollout's judge
-        (``task: generation``; ``endpoint`` marks it as served at a URL: no artifact to run)."""
+        (``task: generation``; ``endpoint`` marks it as served at a URL: no artifact to run). Its
+        ``sha256`` is the hash of what is served, the URL and the model name: the registry keeps a
+        version number bound to it, so one number never names two servers."""
+        served = {"url": self.url, "model": self.model or target}
+        sha = hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()
         return {"format_version": FORMAT_VERSION, "name": target, "version": self.version, "task": "generation",
-                "judge": self.judge, "format": "openai", "source": ENDPOINTS_FILE,
-                "endpoint": {"url": self.url, "model": self.model or target}}
+                "judge": self.judge, "format": "openai", "source": ENDPOINTS_FILE, "sha256": sha,
+                "endpoint": served}
 
 
 def _parse(doc: Any, where: str) -> dict[int, Endpoint]:

@@ -81,8 +81,13 @@ def test_declarations_are_written_read_and_withdrawn(tmp_path):
         "7": {"url": "http://10.0.0.5:8000/v1", "model": "llama", "api_key_env": "VLLM_KEY", "judge": "task"},
         "9": {"url": "https://h/v1", "judge": "task"}}}
     got = read_endpoints(target)
-    assert set(got) == {7, 9} and got[7].model == "llama" and got[7].manifest("tinylm_raw")["endpoint"] == {
+    manifest = got[7].manifest("tinylm_raw")
+    assert set(got) == {7, 9} and got[7].model == "llama" and manifest["endpoint"] == {
         "url": "http://10.0.0.5:8000/v1", "model": "llama"}
+    # the registry binds the number to what is served (a manifest's sha256): another URL, another hash
+    assert len(manifest["sha256"]) == 64 and manifest["task"] == "generation"
+    assert Endpoint(version=7, url="http://10.0.0.6:8000/v1", model="llama").manifest("tinylm_raw")["sha256"] \
+        != manifest["sha256"]
     assert withdraw(target, 9) and not withdraw(target, 9) and set(read_endpoints(target)) == {7}
     # a Triton version folder keeps its number: Triton would try to load a folder without a model
     with pytest.raises(EndpointError, match="v1 is a version folder"):
