@@ -8,21 +8,15 @@ and never appears in a message or a log line."""
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
 import logging
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
-from tests.processes import stop_process
 from tests.unit.guard.stream.recording import Sender
+from tests.unit.guard.stream.upstream import free_port, transformers_serve
 from tritonguard.core.errors import ConfigError
 from tritonguard.generation.contract import SamplingParams
 from tritonguard.guard.pipeline import Generation, StreamPipeline
@@ -32,80 +26,14 @@ from tritonguard.guard.stream.openai_target import OpenAIClient, completion_requ
 from tritonguard.guard.stream.rails import CONTENT_FILTER, Rails, RailsConfig
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed
 
-# a tiny GPT-2 with a byte-level BPE tokenizer trained on one sentence: random weights, no network
-BUILD = r"""
-import sys, torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-tok = Tokenizer(models.BPE())
-tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-tok.train_from_iterator(["hello world the quick brown fox jumps over the lazy dog"] * 10, trainer)
-fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
-fast.save_pretrained(sys.argv[1])
-torch.manual_seed(0)
-GPT2LMHeadModel(GPT2Config(vocab_size=len(fast), n_positions=4096, n_embd=16, n_layer=1, n_head=2,
-                           bos_token_id=fast.eos_token_id, eos_token_id=fast.eos_token_id)).save_pretrained(sys.argv[1])
-"""
-# `transformers serve` as shipped, except that its model manager always passes --device as
-# device_map, which needs `accelerate` (not installed here): the model loads with none, on the CPU
-SERVE = r"""
-import sys
-from transformers.cli.serving import model_manager as mm
-_load = mm.ModelManager._load_model
-def _load_cpu(self, *a, **k):
-    device, self.device = self.device, None
-    try:
-        return _load(self, *a, **k)
-    finally:
-        self.device = device
-mm.ModelManager._load_model = _load_cpu
-from transformers.cli.transformers import main
-sys.argv = ["transformers", "serve", *sys.argv[1:]]
-sys.exit(main())
-"""
 KEY = "sk-test-" + "9f3c1a7e5b2d4c6e8a0f"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory):
     """(base URL, model name) of a real `transformers serve` on a loopback port."""
-    for mod in ("torch", "transformers", "tokenizers", "fastapi", "uvicorn"):
-        if importlib.util.find_spec(mod) is None:
-            pytest.skip(f"transformers serve needs {mod}")
-    root = tmp_path_factory.mktemp("tiny")
-    model = root / "tiny-gpt2"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run([sys.executable, "-c", BUILD, str(model)], check=True, env=env, timeout=300,
-                   capture_output=True)
-    port = free_port()
-    log = open(root / "serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(model), "--host", "127.0.0.1", "--port", str(port),
-                             "--device", "cpu", "--log-level", "info"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("transformers serve did not start: " + (root / "serve.log").read_text()[-2000:])
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1", str(model)
-    finally:
-        stop_process(proc)
-        log.close()
+    with transformers_serve(tmp_path_factory.mktemp("tiny")) as served:
+        yield served
 
 
 class Request:
