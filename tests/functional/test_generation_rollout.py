@@ -408,3 +408,62 @@ def test_slower_build_is_rolled_back_by_the_latency_gate(ctx):
     assert st["primary"]["version"] == 4 and st["candidate"] is None
     assert st["goldens"]["6"]["verdict"] == "PASS"
     assert not traffic.errors, traffic.report()
+
+
+def test_traffic_moves_to_a_runtime_outside_triton(ctx, tmp_path):
+    """A version served by an OpenAI-compatible server this project does not write (`transformers
+    serve`, a tiny GPT-2), declared at its URL in tinylm_raw's endpoints.json, rolled out from the
+    Triton generator (the primary, v4 in file order) like any version. First v8, declared at a URL where nothing listens: every
+    call to it fails before its first token, the primary answers instead (no client error), its
+    breaker trips and the rollout rolls it back. Then v7 at the real server: traffic moves to it
+    (served_by tinylm_raw:7), the gates judge it on what the guard measured through the server,
+    and it is promoted: the guard's greedy answer is then the server's own."""
+    from tests.unit.guard.stream.upstream import free_port, transformers_serve
+
+    t0 = time.monotonic()
+    primary = state(ctx)["primary"]["version"]
+    with transformers_serve(tmp_path / "upstream") as (url, model):
+        dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+        for v, at in ((8, dead), (7, url)):
+            r = subprocess.run([sys.executable, "-m", "exporter.rollout.endpoint", "tinylm", str(v), "--url", at,
+                                "--model", model, "--repository", str(ctx["repo"])],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0 and f"served at {at}" in r.stdout, r.stdout + r.stderr
+        before = served_total(ctx)
+        r, traffic = promote_under_traffic(ctx, 8, "50,100", seed=8)
+        out = r.stdout + r.stderr
+        assert r.returncode == 1 and "rolled_back" in r.stdout, out
+        assert "INCONCLUSIVE" in out and "is served at" in out, out  # no offline run of a URL version
+        assert state(ctx)["primary"]["version"] == primary and state(ctx)["candidate"] is None
+        assert not traffic.errors, traffic.report()  # every failed call of v8 was answered by the primary
+        text = urllib.request.urlopen(metrics_url(ctx), timeout=10).read().decode()
+        assert any(line.startswith("tritonguard_breaker_trips_total{") and 'target_version="8"' in line
+                   and not line.endswith(" 0") for line in text.splitlines()), text[-2000:]
+
+        failed_s = time.monotonic() - t0
+        # a real server: another runtime writing other text, and far slower per call than tinylm
+        # (a random GPT-2 through HTTP; the paired timings measured 157x under load, 2026-11-28,
+        # which --latency-tolerance 100 rolled back): the operator allows it here, errors decide
+        r, traffic = promote_under_traffic(ctx, 7, "50,100", "--latency-tolerance", "1000", seed=7)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0 and "done" in r.stdout, out
+        st = state(ctx)
+        assert st["primary"]["version"] == 7 and st["candidate"] is None
+        assert not traffic.errors, traffic.report()
+        after = served_total(ctx)
+        for v in (primary, 7):  # both served during the rollout: the traffic moved
+            assert after.get(f"tinylm_raw:{v}", 0) > before.get(f"tinylm_raw:{v}", 0), (before, after)
+        assert after.get("tinylm_raw:8", 0) == before.get("tinylm_raw:8", 0)  # it never answered
+        prompt, sampling = "Return the 4242 ", {"max_tokens": 12, "temperature": 0}
+        openai = pytest.importorskip("openai")
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:  # the server itself
+            direct = "".join(c.choices[0].text for c in client.completions.create(
+                model=model, prompt=prompt, stream=True, **sampling) if c.choices)
+        guarded = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"http://{ctx['server'].http_url}/v2/models/tinylm/generate",
+            data=json.dumps({"text_input": prompt, "sampling_parameters": json.dumps(sampling),
+                             "exclude_input_in_output": True}).encode(),
+            headers={"Content-Type": "application/json"}), timeout=60).read())["text_output"]
+        assert direct and guarded == direct, (guarded, direct)
+    print(f"runtime rollout test: {time.monotonic() - t0:.1f} s (to v8's rollback {failed_s:.1f} s); "
+          f"served {before} -> {after}")
