@@ -46,6 +46,11 @@ pytestmark = [pytest.mark.functional, pytest.mark.fleet]
 ROOT = Path(__file__).resolve().parents[2]
 HTTP_THREADS = 3
 GRPC_THREADS = 1
+# each client thread's requests per second (batches of 4 images): 100/s through nginx in all. Unpaced,
+# the four threads sent ~440/s and held both cores for the whole rollout (30,298 requests in test 1,
+# 2026-11-27), which the gates do not need (60 requests, 30 latency samples a step) and which starved
+# the other lane of the suite; 100/s is still over 1,000 candidate calls in a 10 s step at 25 %
+THREAD_RPS = 25.0
 PROMOTE_GATES = ["--dwell-s", "10", "--interval-s", "1", "--min-requests", "60", "--max-error-rate", "0.05",
                  "--min-compared", "40", "--min-latency-samples", "30", "--max-step-s", "120"]
 
@@ -133,8 +138,8 @@ def exporter(fleet: Fleet, *args: str, timeout: float = 600, env: dict[str, str]
 
 
 class Traffic:
-    """Client threads sending digits infers through nginx until stopped; every request kept as
-    (protocol, start, end, error or None, versions served)."""
+    """Client threads sending digits infers through nginx until stopped, each ``THREAD_RPS`` a
+    second; every request kept as (protocol, start, end, error or None, versions served)."""
 
     def __init__(self, fleet: Fleet):
         from sklearn.datasets import load_digits
@@ -159,7 +164,13 @@ class Traffic:
 
     def _loop(self, proto: str, seed: int, client, mod) -> None:
         rng = np.random.default_rng(seed)
+        due = time.monotonic()
         while not self.stop.is_set():
+            # paced, never bursting to catch up: a slow answer delays the next request, as a
+            # client's own timer would
+            due = max(due + 1.0 / THREAD_RPS, time.monotonic())
+            if self.stop.wait(max(0.0, due - time.monotonic())):
+                break
             x = self.images[rng.integers(0, len(self.images), 4)]
             inp = mod.InferInput("IMAGE", list(x.shape), "FP32")
             inp.set_data_from_numpy(x)
