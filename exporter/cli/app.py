@@ -428,3 +428,8 @@ app.command("stream")(stream_command)
 from exporter.cli.openai_cmd import openai_command  # noqa: E402
 
 app.command("openai")(openai_command)
+
+# `python -m exporter endpoint GUARD VERSION --url URL`: a version served outside Triton (issue 42)
+from exporter.cli.endpoint_cmd import endpoint_command  # noqa: E402
+
+app.command("endpoint")(repository_command(needs_state=False)(endpoint_command))

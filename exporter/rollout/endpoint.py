@@ -1,68 +1,54 @@
-"""``python -m exporter.rollout.endpoint GUARD VERSION --url URL``: declare that version VERSION
-of the guard's target is served by an OpenAI-compatible server at URL (vLLM, TGI, ``transformers
-serve``), in ``<repository>/<target>/endpoints.json`` (:mod:`tritonguard.rollout.endpoints`).
+"""What ``python -m exporter endpoint GUARD VERSION --url URL`` does (exporter/cli/endpoint_cmd.py):
+declare that version VERSION of the guard's target is served by an OpenAI-compatible server at
+URL (vLLM, TGI, ``transformers serve``), in ``<repository>/<target>/endpoints.json``
+(:mod:`tritonguard.rollout.endpoints`), or withdraw that declaration.
 
 The version is then a version like the others to ``exporter promote``, ``route`` and
 ``rollback``: the guard calls it at the URL (whatever its placement), canary and shadow traffic
 reach it, ``served_by`` names it, and the live gates judge it on what the guards measure through
-that server (there is nothing to run offline). ``--remove`` withdraws a declaration. The API key
-is never written: ``--api-key-env`` / ``--api-key-file`` say where each guard reads it.
-Exit codes: 0 done, 2 bad input (one line).
+that server (there is nothing to run offline). The API key is never written: ``api_key_env`` /
+``api_key_file`` say where each guard reads it.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-from exporter.rollout.guards import NotAGuard, guard_target
-from tritonguard.rollout.endpoints import JUDGES, Endpoint, EndpointError, declare, withdraw
+from exporter.errors import ExporterError
+from exporter.rollout.guards import guard_target
+from tritonguard.rollout.endpoints import Endpoint, EndpointError, declare, withdraw
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m exporter.rollout.endpoint",
-                                 description="Declare (or --remove) a version of a stream guard's target served "
-                                             "at the URL of an OpenAI-compatible server.")
-    ap.add_argument("guard", help="the stream guard (its config.pbtxt names the target)")
-    ap.add_argument("version", type=int, help="the version number (not a version folder of the target)")
-    ap.add_argument("--url", default="", help="the server's base URL, http(s)://host:port/v1")
-    ap.add_argument("--model", default="", help="the model name the server serves (default: the target's name)")
-    ap.add_argument("--api-key-env", default="", help="environment variable the guards read its API key from")
-    ap.add_argument("--api-key-file", default="", help="file the guards read its API key from")
-    ap.add_argument("--judge", choices=JUDGES, default="task",
-                    help="how a rollout compares it with the primary (default: task)")
-    ap.add_argument("--remove", action="store_true", help="withdraw the declaration")
-    ap.add_argument("--repository", type=Path, default=Path("model_repository"))
-    args = ap.parse_args(argv)
+class EndpointRefused(ExporterError, ValueError):
+    """The declaration cannot be written or withdrawn: a bad URL or number, a model that is not a
+    guard, a version that is not declared. Nothing was changed."""
 
-    def bad(message: str) -> int:
-        sys.stderr.write(f"error: {message}\n")
-        return 2
 
+def declare_version(repository: Path, guard: str, version: int, *, url: str, model: str = "",
+                    api_key_env: str = "", api_key_file: str = "", judge: str = "task") -> tuple[str, Endpoint]:
+    """Declare ``version`` of ``guard``'s target served at ``url``: the target's name and the
+    endpoint as written (its URL normalised).
+    Raises :class:`~exporter.rollout.guards.NotAGuard` or :class:`EndpointRefused`."""
+    target = guard_target(repository, guard)
+    if not url:
+        raise EndpointRefused("--url is required (or --remove)")
     try:
-        target = guard_target(args.repository, args.guard)
-    except NotAGuard as exc:
-        return bad(str(exc))
-    folder = args.repository / target
+        endpoint = Endpoint(version=version, url=url, model=model, api_key_env=api_key_env,
+                            api_key_file=api_key_file, judge=judge)
+        declare(repository / target, endpoint)
+    except EndpointError as exc:  # its messages never hold credentials (check_url)
+        raise EndpointRefused(str(exc)) from None
+    return target, endpoint
+
+
+def withdraw_version(repository: Path, guard: str, version: int) -> str:
+    """Withdraw ``version``'s declaration; the target's name. Raises ``NotAGuard`` or
+    :class:`EndpointRefused` (not declared, or an unreadable ``endpoints.json``)."""
+    target = guard_target(repository, guard)
     try:
-        if args.remove:
-            if not withdraw(folder, args.version):
-                return bad(f"v{args.version} of '{target}' is not declared at a URL")
-            sys.stdout.write(f"{args.guard}: v{args.version} of '{target}' is no longer served at a URL\n")
-            return 0
-        if not args.url:
-            return bad("--url is required (or --remove)")
-        endpoint = Endpoint(version=args.version, url=args.url, model=args.model, api_key_env=args.api_key_env,
-                            api_key_file=args.api_key_file, judge=args.judge)
-        declare(folder, endpoint)
+        withdrawn = withdraw(repository / target, version)
     except EndpointError as exc:
-        return bad(str(exc))
-    sys.stdout.write(f"{args.guard}: v{args.version} of '{target}' is served at {endpoint.url} "
-                     f"(model {endpoint.model or target!r}); roll it out with "
-                     f"`python -m exporter promote {args.guard} --version {args.version} --server …`\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        raise EndpointRefused(str(exc)) from None
+    if not withdrawn:
+        raise EndpointRefused(f"v{version} of '{target}' is not declared at a URL")
+    return target

@@ -425,9 +425,7 @@ def test_traffic_moves_to_a_runtime_outside_triton(ctx, tmp_path):
     with transformers_serve(tmp_path / "upstream") as (url, model):
         dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
         for v, at in ((8, dead), (7, url)):
-            r = subprocess.run([sys.executable, "-m", "exporter.rollout.endpoint", "tinylm", str(v), "--url", at,
-                                "--model", model, "--repository", str(ctx["repo"])],
-                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+            r = cli(ctx, "endpoint", "tinylm", str(v), "--url", at, "--model", model, timeout=60)
             assert r.returncode == 0 and f"served at {at}" in r.stdout, r.stdout + r.stderr
         before = served_total(ctx)
         r, traffic = promote_under_traffic(ctx, 8, "50,100", seed=8)

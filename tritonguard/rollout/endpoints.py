@@ -24,7 +24,7 @@ there. A declared version number may therefore not be a folder of the target.
   nature, so live disagreement is reported, not judged).
 - The guards re-read the file when it changes (a ``stat`` at most every
   :data:`CHECK_INTERVAL_S`), so a version declared while they serve is routable without a reload.
-- ``python -m exporter.rollout.endpoint`` writes and removes declarations.
+- ``python -m exporter endpoint`` writes and removes declarations.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Versions of a stream guard's target served at a URL (tritonguard.rollout.endpoints): the
 ``endpoints.json`` declarations beside the target's config.pbtxt, the guards' view of them, the
-exporter's command that writes them, what `promote` learns from them (no Triton load, no offline
+exporter's command that writes them (`exporter endpoint`, through the Typer app), what `promote` learns from them (no Triton load, no offline
 run: INCONCLUSIVE, the live gates decide), and a guard's calls routed by version: a declared
 version to its URL, every other one as the placement says (real HTTP servers on loopback ports)."""
 
@@ -11,9 +11,11 @@ import json
 import threading
 
 import pytest
+from typer.testing import CliRunner
 
 from examples import generator as example
-from exporter.rollout.endpoint import main as endpoint_cli
+from exporter.cli.app import app
+from exporter.cli.endpoint_cmd import EndpointJudge
 from exporter.rollout.generation import judge_generation
 from exporter.rollout.judge import INCONCLUSIVE
 from exporter.rollout.serving import models_to_load
@@ -23,6 +25,7 @@ from tritonguard.guard.stream.openai_target import OpenAIClient, VersionTargets
 from tritonguard.guard.stream.target import TargetCalls
 from tritonguard.rollout.endpoints import (
     ENDPOINTS_FILE,
+    JUDGES,
     Endpoint,
     EndpointError,
     EndpointsView,
@@ -158,22 +161,39 @@ def _guarded_repo(tmp_path, placement: str = "bls"):
     return repo
 
 
-def test_the_command_declares_a_version_and_refuses_misuse(tmp_path, capsys):
+def test_the_command_declares_a_version_and_refuses_misuse(tmp_path):
     repo = _guarded_repo(tmp_path)
-    base = ["--repository", str(repo)]
-    assert endpoint_cli(["tinylm", "7", "--url", "http://127.0.0.1:9/v1", "--model", "m", *base]) == 0
-    assert "served at http://127.0.0.1:9/v1" in capsys.readouterr().out
-    assert read_endpoints(repo / "tinylm_raw")[7].model == "m"
+
+    def endpoint(*args: str):
+        return CliRunner().invoke(app, ["endpoint", *args, "--repository", str(repo)])
+
+    res = endpoint("tinylm", "7", "--url", "http://127.0.0.1:9/v1/", "--model", "m", "--api-key-env", "K")
+    assert res.exit_code == 0, res.output
+    assert "tinylm: v7 of 'tinylm_raw' is served at http://127.0.0.1:9/v1 (model 'm')" in res.stdout
+    got = read_endpoints(repo / "tinylm_raw")[7]
+    assert (got.model, got.api_key_env, got.judge) == ("m", "K", "task")
+    res = endpoint("tinylm", "9", "--url", "http://h:1/v1", "--judge", "equivalence", "--model-repository", str(repo))
+    assert res.exit_code == 0 and read_endpoints(repo / "tinylm_raw")[9].judge == "equivalence", res.output
+    before = (repo / "tinylm_raw" / ENDPOINTS_FILE).read_bytes()
     for args, needle in ((["tinylm", "1", "--url", "http://h:1/v1"], "v1 is a version folder"),
                          (["tinylm", "8"], "--url is required"),
                          (["tinylm", "8", "--url", "http://u:secret@h:1/v1"], "must not carry credentials"),
+                         (["tinylm", "8", "--url", "http://h:1/v1", "--api-key-env", "A", "--api-key-file", "/k"],
+                          "exclude each other"),
                          (["tinylm_raw", "8", "--url", "http://h:1/v1"], "no model 'tinylm_raw'"),
+                         (["nosuch", "8", "--remove"], "no model 'nosuch'"),
                          (["tinylm", "8", "--remove"], "not declared at a URL")):
-        assert endpoint_cli([*args, *base]) == 2
-        err = capsys.readouterr().err
-        assert needle in err and err.count("\n") == 1 and "secret" not in err, err
-    assert endpoint_cli(["tinylm", "7", "--remove", *base]) == 0
-    assert read_endpoints(repo / "tinylm_raw") == {}
+        res = endpoint(*args)
+        assert res.exit_code == 2, (args, res.output)
+        assert needle in res.stderr and res.stderr.count("\n") == 1 and "secret" not in res.output, res.output
+        assert "Traceback" not in res.output
+    assert (repo / "tinylm_raw" / ENDPOINTS_FILE).read_bytes() == before  # a refusal changes nothing
+    res = endpoint("tinylm", "7", "--judge", "vibes", "--url", "http://h:1/v1")
+    assert res.exit_code == 2 and "vibes" in res.stderr  # Click's usage error: the same code
+    res = endpoint("tinylm", "7", "--remove")
+    assert res.exit_code == 0 and "no longer served at a URL" in res.stdout, res.output
+    assert set(read_endpoints(repo / "tinylm_raw")) == {9}
+    assert tuple(j.value for j in EndpointJudge) == JUDGES  # the command offers every judge there is
 
 
 def test_promote_loads_nothing_and_judges_a_url_version_live(tmp_path):
