@@ -418,11 +418,12 @@ def test_traffic_moves_to_a_runtime_outside_triton(ctx, tmp_path):
     primary answers instead (no client error), its breaker trips and the rollout rolls it back.
     Then v7 at the real server, routed 50 % then made primary: traffic moves to it (served_by
     tinylm_raw:7) with no client error, and the guard's greedy answer is then the server's own."""
-    from tests.unit.guard.stream.upstream import free_port, transformers_serve
+    from tests.unit.guard.stream.upstream import free_port, transformers_serve_starting
 
     t0 = time.monotonic()
     primary = state(ctx)["primary"]["version"]
-    with transformers_serve(tmp_path / "upstream") as (url, model):
+    # the real server builds its model and starts while v8 (which never reaches it) is rolled out
+    with transformers_serve_starting(tmp_path / "upstream") as (url, model, ready):
         dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
         for v, at in ((8, dead), (7, url)):
             r = cli(ctx, "endpoint", "tinylm", str(v), "--url", at, "--model", model, timeout=60)
@@ -439,6 +440,8 @@ def test_traffic_moves_to_a_runtime_outside_triton(ctx, tmp_path):
                    and not line.endswith(" 0") for line in text.splitlines()), text[-2000:]
 
         failed_s = time.monotonic() - t0
+        ready()
+        ready_s = time.monotonic() - t0
         # the real server, routed by hand (`exporter route`): a gated promote of it is not shown
         # here, because the latency gate pairs calls of equal answer length in characters and the
         # two runtimes' answers differ in length (GPT-2's 8-92 characters, tinylm's 8-23): 8 to 18
@@ -473,5 +476,6 @@ def test_traffic_moves_to_a_runtime_outside_triton(ctx, tmp_path):
                              "exclude_input_in_output": True}).encode(),
             headers={"Content-Type": "application/json"}), timeout=60).read())["text_output"]
         assert direct and guarded == direct, (guarded, direct)
-    print(f"runtime rollout test: {time.monotonic() - t0:.1f} s (to v8's rollback {failed_s:.1f} s); "
+    print(f"runtime rollout test: {time.monotonic() - t0:.1f} s (to v8's rollback {failed_s:.1f} s, "
+          f"transformers serve answering at {ready_s:.1f} s); "
           f"served {before} -> {after}")

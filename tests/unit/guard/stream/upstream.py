@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -63,33 +63,46 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def transformers_serve(root: Path) -> Iterator[tuple[str, str]]:
-    """(base URL, model name) of a real `transformers serve` on a loopback port, stopped (by
-    its PID) on exit; the test is skipped where its packages are missing."""
+    """(base URL, model name) of a real `transformers serve` on a loopback port, answering;
+    stopped (by its PID) on exit; the test is skipped where its packages are missing."""
+    with transformers_serve_starting(root) as (url, model, ready):
+        ready()
+        yield url, model
+
+
+@contextlib.contextmanager
+def transformers_serve_starting(root: Path) -> Iterator[tuple[str, str, Callable[[], None]]]:
+    """(base URL, model name, ``ready``) of a `transformers serve` that is still starting (its
+    model built and loaded in its own process, one import of torch and transformers for both):
+    a test does what does not need it meanwhile, then calls ``ready()``, which waits (at most
+    180 s) until it answers. Stopped (by its PID) on exit."""
     for mod in ("torch", "transformers", "tokenizers", "fastapi", "uvicorn"):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"transformers serve needs {mod}")
     root.mkdir(parents=True, exist_ok=True)
     model = root / "tiny-gpt2"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run([sys.executable, "-c", BUILD, str(model)], check=True, env=env, timeout=300,
-                   capture_output=True)
     port = free_port()
     log = open(root / "serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(model), "--host", "127.0.0.1", "--port", str(port),
-                             "--device", "cpu", "--log-level", "info"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
+    proc = subprocess.Popen([sys.executable, "-c", BUILD + SERVE, str(model), "--host", "127.0.0.1", "--port",
+                             str(port), "--device", "cpu", "--log-level", "info"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180 + 300  # the build's own limit (300 s) and the server's start
+
+    def ready() -> None:
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail("transformers serve did not start: " + (root / "serve.log").read_text()[-2000:])
             time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1", str(model)
+
+    try:
+        yield f"http://127.0.0.1:{port}/v1", str(model), ready
     finally:
         stop_process(proc)
         log.close()
