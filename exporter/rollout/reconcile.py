@@ -21,6 +21,7 @@ from exporter.rollout.controller import RolloutController
 from exporter.rollout.guards import guard_target
 from exporter.rollout.progress import ACTIVE
 from tritonguard.core.repository import read_manifest
+from tritonguard.rollout.endpoints import read_endpoints
 from tritonguard.rollout.stores import open_store
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,12 @@ def reconcile_registry(repository: str | os.PathLike, model: str, *, state: Any 
         progress = RolloutController(model, repo, reader=None).status()  # type: ignore[arg-type]
         if progress is not None and progress.status in ACTIVE:
             return None
-        vdir = repo / guard_target(repo, model) / str(primary)
+        target = guard_target(repo, model)
+        vdir = repo / target / str(primary)
+        manifest, source = read_manifest(vdir), str(vdir.resolve())
+        if manifest is None and (endpoint := read_endpoints(repo / target).get(primary)) is not None:
+            # a version served at a URL has no folder: its declaration is its manifest, as promote reads it
+            manifest, source = endpoint.manifest(target), endpoint.url
     except Exception as exc:  # noqa: BLE001 - a view must not fail on the registry's account
         say(f"registry not reconciled for '{model}': {type(exc).__name__}: {exc}")
         return None
@@ -63,7 +69,7 @@ def reconcile_registry(repository: str | os.PathLike, model: str, *, state: Any 
         try:
             reg = registry or open_registry(repo)
             info, changed = reg.ensure_production(
-                model, primary, manifest=read_manifest(vdir), source=str(vdir.resolve()),
+                model, primary, manifest=manifest, source=source,
                 reason=f"reconcile: v{primary} is the primary of the rollout state (it serves the traffic)")
             box["changed"] = changed
         except Exception as exc:  # noqa: BLE001 - reported below

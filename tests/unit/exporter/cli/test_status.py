@@ -208,6 +208,22 @@ def test_reconcile_repairs_a_stale_production_tag(repo):
     assert reconcile_registry(repo, MODEL, primary=1) is None
 
 
+def test_reconcile_registers_a_primary_served_at_a_url(repo):
+    """A version declared at a URL (endpoints.json, issue 42 item 4) has no folder: made the
+    primary by hand (`route --primary`), it is registered from its declaration and made
+    PRODUCTION. It stayed unregistered (no manifest to register) before."""
+    from tritonguard.rollout.endpoints import Endpoint, declare
+
+    endpoint = Endpoint(version=7, url="http://127.0.0.1:9/v1", model="tiny")
+    declare(repo / "m_raw", endpoint)
+    reg = registry(repo)
+    reg.register(MODEL, 1, _manifest(1), {})
+    reg.transition(MODEL, 1, "PRODUCTION", "DRAFT")
+    assert reconcile_registry(repo, MODEL, primary=7) is not None
+    assert reg.stage(MODEL, 7) == "PRODUCTION" and reg.stage(MODEL, 1) == "ARCHIVED"
+    assert reg.get(MODEL, 7).sha256 == endpoint.manifest("m_raw")["sha256"]  # the URL's, not a file's
+
+
 def test_reconcile_waits_while_a_rollout_runs_and_reads_create_no_registry(repo):
     apply(repo, MODEL, RouteChange(primary=1))
     db = repo.parent / "model_repository.registry" / "mlflow.db"
