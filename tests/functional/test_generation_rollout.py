@@ -455,7 +455,12 @@ def test_traffic_moves_to_a_runtime_outside_triton(ctx, tmp_path):
             split = served_total(ctx)
             r = cli(ctx, "route", "tinylm", "--primary", "7", "--candidate", "0")
             assert r.returncode == 0, r.stdout + r.stderr
-            time.sleep(2)  # the guard polls the state every 0.2 s
+            # the guard polls the state every 0.2 s, but a generation under load takes seconds:
+            # after a fixed 2 s, v7 had answered none yet (63 then 63, a loaded run, 2026-11-28)
+            deadline = time.monotonic() + 60
+            while (served_total(ctx).get("tinylm_raw:7", 0) <= split.get("tinylm_raw:7", 0) + 10
+                   and time.monotonic() < deadline):
+                time.sleep(0.5)
         print(traffic.report())
         st = state(ctx)
         assert st["primary"]["version"] == 7 and st["candidate"] is None
