@@ -64,7 +64,8 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli", reaso
     for ``exporter rollback``) or ``superseded``, with ``reason``."""
     repo = Path(repo)
     target = guard_target(repo, model)
-    versions = set(repository.versions(repo / target)) | set(read_endpoints(repo / target))  # and those at a URL
+    at_url = read_endpoints(repo / target)
+    versions = set(repository.versions(repo / target)) | set(at_url)  # and those at a URL
 
     def known(v: int, what: str) -> None:
         if versions and v not in versions:
@@ -95,6 +96,13 @@ def apply(repo: Path, model: str, change: RouteChange, *, by: str = "cli", reaso
             else:  # a new candidate starts from nothing: no share, no shadow, unless given
                 state.candidate = Candidate(change.candidate, change.share or 0.0)
                 state.shadow_share = 0.0
+                declared = at_url.get(change.candidate)
+                if declared is not None and str(change.candidate) not in state.judges:
+                    # compared with the primary as its declaration says (task by default: another
+                    # runtime's text differs by nature). With no entry the guards judged it for
+                    # equivalence, and the breaker of a real server's version routed by hand
+                    # tripped on the first 20 comparisons (validator_fail), 2026-11-28
+                    state.judges[str(change.candidate)] = {"judge": declared.judge}
         elif change.share is not None:
             if state.candidate is None:
                 raise RouteError("--share needs a candidate (--candidate N)")

@@ -215,3 +215,20 @@ def test_route_takes_a_url_version_as_a_version_of_the_target(tmp_path):
         apply(repo, "tinylm", RouteChange(primary=7))
     declare(repo / "tinylm_raw", Endpoint(version=7, url="http://127.0.0.1:9/v1"))
     assert apply(repo, "tinylm", RouteChange(primary=7)).primary == 7  # e.g. promote --no-rollout
+
+
+def test_a_url_version_routed_by_hand_is_compared_as_declared(tmp_path):
+    """`route --candidate 7` records the declared judge: with none, the guards judged v7 for
+    equivalence and its breaker tripped on disagreement with a Triton primary (validator_fail,
+    20 of 20), so it took no more traffic, as a candidate or as the primary."""
+    from exporter.rollout.route import RouteChange, apply
+
+    repo = _guarded_repo(tmp_path)
+    declare(repo / "tinylm_raw", Endpoint(version=7, url="http://127.0.0.1:9/v1"))
+    declare(repo / "tinylm_raw", Endpoint(version=8, url="http://127.0.0.1:9/v1", judge="equivalence"))
+    (repo / "tinylm_raw" / "2").mkdir()
+    assert apply(repo, "tinylm", RouteChange(primary=1)).judge_of(1)["judge"] == "equivalence"
+    assert apply(repo, "tinylm", RouteChange(candidate=7, share=0.5)).judge_of(7) == {"judge": "task"}
+    assert apply(repo, "tinylm", RouteChange(candidate=8, share=0.5)).judge_of(8) == {"judge": "equivalence"}
+    state = apply(repo, "tinylm", RouteChange(candidate=2, share=0.5))  # a Triton version: as before
+    assert "2" not in state.judges and state.judge_of(2)["judge"] == "equivalence"
