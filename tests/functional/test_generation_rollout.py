@@ -416,8 +416,9 @@ def test_traffic_moves_to_a_runtime_outside_triton(ctx, tmp_path):
     generator (the primary, v4 in file order). First v8, declared at a URL where nothing listens
     and rolled out by `exporter promote`: every call to it fails before its first token, the
     primary answers instead (no client error), its breaker trips and the rollout rolls it back.
-    Then v7 at the real server, routed 50 % by hand: traffic moves to it (served_by
-    tinylm_raw:7) with no client error; then it is withdrawn."""
+    Then v7 at the real server, routed 50 % by hand, then made primary: traffic moves to it
+    (served_by tinylm_raw:7) with no client error, and the guard's greedy answer is then the
+    server's own."""
     from tests.unit.guard.stream.upstream import free_port, transformers_serve_starting
 
     t0 = time.monotonic()
@@ -453,20 +454,37 @@ def test_traffic_moves_to_a_runtime_outside_triton(ctx, tmp_path):
             while served_total(ctx).get("tinylm_raw:7", 0) < 20 and time.monotonic() < deadline:
                 time.sleep(0.5)
             split = served_total(ctx)
-        # NOT shown: v7 made the primary (`route --primary 7 --candidate 0`). In two full runs
-        # it then answered nothing more in 60 s of traffic (61 -> 61, 63 -> 63; 2026-11-28): a
-        # bug, open under issue 42. The assertions that it takes the traffic, and that the
-        # guard's greedy answer is then the server's own, come back with its fix.
+            r = cli(ctx, "route", "tinylm", "--primary", "7", "--candidate", "0")
+            assert r.returncode == 0, r.stdout + r.stderr
+            # the guard polls the state every 0.2 s, but a generation under load takes seconds:
+            # after a fixed 2 s, v7 had answered none yet (63 then 63, a loaded run, 2026-11-28)
+            deadline = time.monotonic() + 60
+            while (served_total(ctx).get("tinylm_raw:7", 0) <= split.get("tinylm_raw:7", 0) + 10
+                   and time.monotonic() < deadline):
+                time.sleep(0.5)
         print(traffic.report())
         st = state(ctx)
-        assert st["primary"]["version"] == primary and st["candidate"]["version"] == 7
+        assert st["primary"]["version"] == 7 and st["candidate"] is None
         assert not traffic.errors, traffic.report()
+        after = served_total(ctx)
         for v in (primary, 7):  # both served at the 50 % split: the traffic moved
             assert split.get(f"tinylm_raw:{v}", 0) > before.get(f"tinylm_raw:{v}", 0), (before, split)
-        assert split.get("tinylm_raw:8", 0) == before.get("tinylm_raw:8", 0)  # it never answered
-        r = cli(ctx, "route", "tinylm", "--candidate", "0")
-        assert r.returncode == 0 and state(ctx)["candidate"] is None, r.stdout + r.stderr
-        after = split
+        # and more once v7 is the primary: before the route recorded a URL candidate's declared
+        # judge (task), v7's breaker tripped on validator_fail while it was the candidate and, made
+        # primary, it answered nothing more (61 -> 61 in 60 s, two full runs, 2026-11-28)
+        assert after["tinylm_raw:7"] > split["tinylm_raw:7"] + 10, (split, after)
+        assert after.get("tinylm_raw:8", 0) == before.get("tinylm_raw:8", 0)  # it never answered
+        prompt, sampling = "Return the 4242 ", {"max_tokens": 12, "temperature": 0}
+        import openai  # a test dependency (pyproject), installed by make setup
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:  # the server itself
+            direct = "".join(c.choices[0].text for c in client.completions.create(
+                model=model, prompt=prompt, stream=True, **sampling) if c.choices)
+        guarded = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"http://{ctx['server'].http_url}/v2/models/tinylm/generate",
+            data=json.dumps({"text_input": prompt, "sampling_parameters": json.dumps(sampling),
+                             "exclude_input_in_output": True}).encode(),
+            headers={"Content-Type": "application/json"}), timeout=60).read())["text_output"]
+        assert direct and guarded == direct, (guarded, direct)
     print(f"runtime rollout test: {time.monotonic() - t0:.1f} s (to v8's rollback {failed_s:.1f} s, "
           f"transformers serve answering at {ready_s:.1f} s); "
           f"served {before} -> {after}")
