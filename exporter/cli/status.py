@@ -28,6 +28,7 @@ from exporter.rollout.route import state_summary
 from exporter.rollout.serving import server_url
 from tritonguard.core import catalogue
 from tritonguard.core import repository as repo_mod
+from tritonguard.rollout.endpoints import EndpointError, read_endpoints
 from tritonguard.rollout.state import StateError
 from tritonguard.rollout.stores import open_store
 from tritonguard.triton import http as triton_http
@@ -78,8 +79,38 @@ def collect(repository: Path) -> list[dict[str, Any]]:
                 "verdict": golden.get("verdict"), "metrics": golden.get("metrics", {}),
                 "n": golden.get("n"), "created": man.get("created"), "part_of": man.get("part_of"),
             })
+        _add_endpoints(entry, model_dir)
         models.append(entry)
     return models
+
+
+def _add_endpoints(entry: dict[str, Any], model_dir: Path) -> None:
+    """The versions of ``model_dir`` served at a URL (``endpoints.json``,
+    :mod:`tritonguard.rollout.endpoints`) among its folder versions, in number order: URL, model
+    name, judge, and where the guard reads the API key (a variable's name or a file's path, never
+    the key). They have no artifact, so no golden; an unreadable file is the entry's
+    ``endpoints_error``."""
+    try:
+        endpoints = read_endpoints(model_dir)
+    except EndpointError as exc:
+        entry["endpoints_error"] = str(exc)
+        return
+    for v, e in endpoints.items():
+        man = e.manifest(model_dir.name)
+        served = {"url": e.url, "model": man["endpoint"]["model"], "judge": e.judge}
+        if e.api_key_env:
+            served["api_key_env"] = e.api_key_env
+        if e.api_key_file:
+            served["api_key_file"] = e.api_key_file
+        entry["versions"].append({"version": v, "sha256": man["sha256"], "task": man["task"], "verdict": None,
+                                  "metrics": {}, "n": None, "created": None, "part_of": None, "endpoint": served})
+    entry["versions"].sort(key=lambda item: item["version"])
+
+
+def _served_at(served: dict[str, Any]) -> str:
+    key = (f", key ${served['api_key_env']}" if served.get("api_key_env")
+           else ", key from a file" if served.get("api_key_file") else "")
+    return f"at {served['url']} ({served['model']})\njudge {served['judge']}{key}"
 
 
 # short labels: the table must stay readable in an 80-column terminal
@@ -116,12 +147,17 @@ def table(models: list[dict[str, Any]], repository: Path) -> Table:
             verdict = v["verdict"] or ""
             style = _VERDICT_STYLE.get(verdict)
             golden = f"[{style}]{verdict}[/] {v['n']}" if style else ""
-            if v["part_of"]:
+            if v.get("endpoint"):  # served outside Triton: no artifact, no golden
+                golden, figures = "URL", escape(_served_at(v["endpoint"]))
+            elif v["part_of"]:
                 figures = f"in {v['part_of']}"
             else:
                 figures = _figures(v["task"], v["metrics"]) or target
             t.add_row(m["name"] if i == 0 else "", m["kind"] if i == 0 else "", str(v["version"]),
                       (v["sha256"] or "")[:8], golden, figures, _created(v["created"]))
+        if m.get("endpoints_error"):
+            t.add_row("", "", "", "", "[red]error[/]",
+                      escape(m["endpoints_error"]), "")
     return t
 
 

@@ -415,3 +415,41 @@ def test_rollout_status_server_shows_the_gates_as_of_now_and_changes_nothing(rep
     # an unreachable replica is said, not raised
     res = cli("rollout", "status", MODEL, "-r", str(repo), "--metrics-url", "http://127.0.0.1:1/metrics")
     assert res.exit_code == 0 and "live: metrics unavailable" in res.stdout, res.output
+
+
+# -- versions served at a URL (issue 42 item 4) ---------------------------------------------------
+def test_status_lists_versions_served_at_a_url_with_their_judge_and_never_a_key(repo, tmp_path, monkeypatch):
+    """`exporter status` lists a version declared in endpoints.json among the folder versions: its
+    URL, model name, judge and where the guard reads its key (the variable's name), and never the
+    key itself nor a key file's contents."""
+    from tritonguard.rollout.endpoints import Endpoint, declare
+
+    write_config(repo / "m_raw", {"name": "m_raw", "backend": "python", "max_batch_size": 4,
+                                  "input": GUARD["input"], "output": GUARD["output"]})
+    secret, in_file = "sk-live-0123456789abcdef", "sk-file-fedcba9876543210"
+    monkeypatch.setenv("VLLM_API_KEY", secret)
+    key_file = tmp_path / "key.txt"
+    key_file.write_text(in_file)
+    declare(repo / "m_raw", Endpoint(version=7, url="http://10.0.0.5:8000/v1", model="tiny-gpt2",
+                                     api_key_env="VLLM_API_KEY"))
+    declare(repo / "m_raw", Endpoint(version=8, url="https://llm.example:9443/v1", api_key_file=str(key_file),
+                                     judge="equivalence"))
+    res = cli("status", "-r", str(repo))
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "at http://10.0.0.5:8000/v1 (tiny-gpt2)" in text and "judge task, key $VLLM_API_KEY" in text, res.output
+    assert "at https://llm.example:9443/v1 (m_raw)" in text and "judge equivalence, key from a file" in text
+    doc = json.loads(cli("status", "--json", "-r", str(repo)).stdout)
+    raw = next(m for m in doc["models"] if m["name"] == "m_raw")
+    assert [v["version"] for v in raw["versions"]] == [1, 2, 3, 7, 8]
+    assert raw["versions"][3]["endpoint"] == {"url": "http://10.0.0.5:8000/v1", "model": "tiny-gpt2",
+                                              "judge": "task", "api_key_env": "VLLM_API_KEY"}
+    assert raw["versions"][4]["endpoint"]["judge"] == "equivalence"
+    for out in (res.output, json.dumps(doc)):
+        assert secret not in out and in_file not in out
+    # an unreadable declaration file is said, the folder versions still listed
+    (repo / "m_raw" / "endpoints.json").write_text("{not json")
+    res = cli("status", "-r", str(repo))
+    assert res.exit_code == 0 and "not JSON" in res.output, res.output
+    raw = next(m for m in json.loads(cli("status", "--json", "-r", str(repo)).stdout)["models"] if m["name"] == "m_raw")
+    assert [v["version"] for v in raw["versions"]] == [1, 2, 3] and "not JSON" in raw["endpoints_error"]
