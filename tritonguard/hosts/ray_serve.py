@@ -24,7 +24,11 @@ A request is KServe v2 JSON, as Triton's HTTP endpoint takes it: ``POST <route_p
 (any POST path) with ``{"inputs": [{"name", "shape", "datatype", "data"}]}``; the answer has
 ``outputs`` in the same shape, ``model_version`` and the ``x-tritonguard-served-by`` header
 (``<model>:<version>``, the guard's ``SERVED_BY``). ``GET <route_prefix>/metrics``: the guard's
-metric families under their catalogue names, from this replica.
+metric families under their catalogue names, for the whole application: each replica publishes
+its counts to the rollout state's store and the route answers their sum (gauges: the max over
+live replicas; :mod:`tritonguard.hosts.replica_metrics`), so ``exporter promote`` judges an
+application of any number of replicas. Without a store (no repository, no state URL) a replica
+answers its own.
 
 On each request, in the guard's order:
 
@@ -68,6 +72,7 @@ import json
 import logging
 import os
 import random
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -104,6 +109,7 @@ from tritonguard.hosts.common import (
     open_audit,
     parse_sections,
 )
+from tritonguard.hosts.replica_metrics import ReplicaMetrics, open_board
 from tritonguard.privacy.redaction import Redactor
 from tritonguard.rollout.breaker import BreakerConfig
 from tritonguard.rollout.latency import LatencyRecorder, open_latency_log
@@ -200,6 +206,15 @@ def load_versions(repository: Path, model: str) -> tuple[dict[int, ModelFn], dic
             raise ConfigError(f"model '{model}' v{v}: artifact {artifact} is not ONNX (the Ray Serve host loads ONNX)")
         out[v] = onnx_version(model_dir / str(v) / artifact, threads)
     return out, config
+
+
+def _replica_names() -> tuple[str, str]:
+    """(application, replica id) as Ray Serve names them; outside a replica, ("", host:pid)."""
+    try:
+        ctx = serve.get_replica_context()
+        return ctx.app_name, ctx.replica_id.unique_id
+    except Exception:  # noqa: BLE001 - built outside Ray Serve (a test, a script)
+        return "", f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _handle_fn(handle: Any) -> ModelFn:
@@ -330,6 +345,18 @@ class GuardedModel:
         self.worker.compare = self.comparator.compare
         self.worker.share_breaker = self.breakers.share
         self.worker.start()
+        # the application's metrics, not this replica's: Ray's proxy sends a look at the metrics
+        # route to any replica, so each publishes its counts to the state's store and the route sums them
+        self.shared: ReplicaMetrics | None = None
+        if not isinstance(store, StaticStore):
+            app, replica = _replica_names()
+            try:
+                board = open_board(name, app, self.repository or Path("."), url or None)
+                self.shared = ReplicaMetrics(self.registry, board, replica,
+                                             on_error=lambda: self.metrics.inc("state_errors"))
+                self.shared.start()
+            except Exception as exc:  # noqa: BLE001 - a store that cannot open: this replica's own counts
+                log.warning("ray_serve %s: metrics not shared (%s: %s)", name, type(exc).__name__, exc)
         self.audit, self.audit_key = open_audit(cfg.audit, target=name, repository=self.repository, url=url,
                                                 environ=self.environ)
         self._audit_dropped = 0
@@ -402,6 +429,8 @@ class GuardedModel:
             return
         self._closed = True
         self.worker.stop()
+        if self.shared is not None:
+            self.shared.close()
         if self.latency is not None:
             self.latency.close()
         self.audit.record("guard_stop", model=self.name)
@@ -417,7 +446,8 @@ class GuardedModel:
     # -- HTTP -----------------------------------------------------------------------------------
     async def __call__(self, request: Request) -> Response:
         if request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics"):
-            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+            page = self.shared.page() if self.shared is not None else generate_latest(self.registry)
+            return Response(page, media_type=CONTENT_TYPE_LATEST)
         if request.method != "POST":
             return self._refuse(Refusal(405, "method", "POST KServe v2 JSON to infer"), "")
         m = self.metrics
@@ -675,8 +705,9 @@ def guarded(model: str, *, repository: str | os.PathLike[str] | None = None, con
     ``config``: the guard's parameters (``tenancy.*``, ``redaction.*``, ``audit.*``, ``validation.*``,
     ``breaker.*``, ``routing.poll_interval_s``; any other fails at start). ``max_ongoing_requests``
     is Ray Serve's: it must exceed the batch size, or batches never fill (Ray's default is 5).
-    Each replica keeps its own metrics and breaker windows; breaker states are shared through the
-    rollout state, quotas through the repository's bucket file or Redis."""
+    Each replica keeps its own breaker windows; breaker states are shared through the rollout
+    state, quotas through the repository's bucket file or Redis, and the metrics route answers
+    every replica's counts summed (through the state's store)."""
     # validated here too, so a bad key fails in the caller's process, not in a replica's log
     ServeConfig.from_parameters(settings(model, None if repository is None else Path(repository), config or {}), model)
     deployment = serve.deployment(GuardedModel, name=f"guard_{model}", num_replicas=num_replicas,

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -92,8 +93,9 @@ def served(tmp_path_factory):
         # the replicas' runtime files (latency log, quota buckets) where this session's tests and
         # the CLI they start look (tests/unit/conftest.py sets it per test, after this fixture)
         mp.setenv("TRITONGUARD_HOME", str(tmp_path_factory.getbasetemp() / "tritonguard-home"))
-        # logical CPUs: each replica reserves one (Ray Serve's default), and the module runs three
-        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # logical CPUs: each replica reserves one (Ray Serve's default), and the module runs four
+        # (digits, echo, and the two of the rollout's application)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = guarded(MODEL, repository=repo, config=config, versions={3: broken_candidate})
@@ -256,6 +258,7 @@ def test_a_callable_without_a_repository_gets_its_text_redacted_both_ways(served
 GATES = ["--steps", "50,100", "--dwell-s", "1", "--interval-s", "0.5", "--min-requests", "60",
          "--max-error-rate", "0.05", "--min-compared", "60", "--min-latency-samples", "40", "--max-step-s", "90"]
 ROLLOUT, SCORER = "/cancer", "cancer"
+REPLICAS = 2
 SLOW_MEMBERS = 24  # soft vote of identical pipelines: v1's answers, ~SLOW_MEMBERS/3 times its time a call
 
 
@@ -335,8 +338,10 @@ def rollout(served, tmp_path_factory):
                              register=False).version
 
     export(pipeline(0.05).fit(x[:200], y[:200]), "v1")
-    serve.run(guarded(SCORER, repository=repo, config={"routing.poll_interval_s": 0}), name="rollout",
-              route_prefix=ROLLOUT, blocking=False)
+    # two replicas: Ray's proxy sends each look at the metrics route to either, and promote judges
+    # the application's counts (every replica's, summed through the state's store)
+    serve.run(guarded(SCORER, repository=repo, config={"routing.poll_interval_s": 0}, num_replicas=REPLICAS),
+              name="rollout", route_prefix=ROLLOUT, blocking=False)
     v = {"retrain": export(pipeline(1.0).fit(x[:450], y[:450]), "retrain"),
          "slow": export(VotingClassifier([(f"m{i}", pipeline(0.05)) for i in range(SLOW_MEMBERS)], voting="soft",
                                          flatten_transform=False).fit(x[:200], y[:200]), "slow")}
@@ -350,7 +355,8 @@ def rollout(served, tmp_path_factory):
                              register=False).version
     traffic = x[:450].astype(np.float32)
     assert (traffic[:, 0] > above).sum() >= 3  # rows the NaN build answers NaN on
-    yield {"repo": repo, "v": v, "port": served["port"], "traffic": traffic}
+    yield {"repo": repo, "v": v, "port": served["port"], "traffic": traffic,
+           "home": tmp_path_factory.getbasetemp() / "tritonguard-home"}
     serve.delete("rollout")
 
 
@@ -383,6 +389,56 @@ def promote(ctx, version: int, *extra: str) -> tuple[subprocess.CompletedProcess
                             "--metrics-url", url, "--repository", str(ctx["repo"]), *extra],
                            cwd=ROOT, capture_output=True, text=True, timeout=240)
     return r, traffic
+
+
+def served_total(text: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f'tritonguard_served_total{{model="{SCORER}",'))
+
+
+def test_the_metrics_route_answers_every_replicas_counts(rollout):
+    """N requests over the application's two replicas: every look at the metrics route, whichever
+    replica answers it, reads N served (one replica's own counts read a part of them)."""
+    from tritonguard.rollout.latency import runtime_dir  # noqa: PLC0415
+
+    port, n = rollout["port"], 40
+    x = rollout["traffic"][:4]
+    body = {"inputs": [{"name": "FEATURES", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+    # concurrent clients: the proxy sends a request to the replica with fewer in flight, so both serve
+    with ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(lambda _: infer(port, body, prefix=ROLLOUT)[0], range(n)))
+    assert statuses == [200] * n
+    deadline = time.monotonic() + 20  # the other replica publishes its counts every 0.5 s
+    while served_total(metrics(port, ROLLOUT)) != n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    looks = [served_total(metrics(port, ROLLOUT)) for _ in range(8)]
+    assert looks == [n] * 8
+    # both replicas served (each published its own snapshot, with a part of the n)
+    board = runtime_dir(rollout["repo"], {"TRITONGUARD_HOME": str(rollout["home"])}) / SCORER / "metrics" / "rollout"
+    parts = []
+    for f in sorted(board.glob("*.json")):
+        fams = {name: samples for name, _, _, samples in json.loads(f.read_text())["families"]}
+        parts.append(sum(v for s, _, v in fams["tritonguard_served"] if s.endswith("_total")))
+    assert len(parts) == REPLICAS and sum(parts) == n and min(parts) > 0, parts
+
+
+def test_a_gone_replica_keeps_its_counts_and_drops_its_gauges():
+    """A replica that stopped publishing: its counters stay in the sum (promote must not read a
+    reset), its gauges leave once it is not fresh; gauges combine by max (an open breaker shows)."""
+    from tritonguard.hosts.replica_metrics import combine  # noqa: PLC0415
+
+    def snap(replica: str, t: float, served: float, breaker: float) -> dict:
+        return {"t": t, "replica": replica, "families": [
+            ["tritonguard_served", "counter", "", [["tritonguard_served_total", {"model": "m"}, served]]],
+            ["tritonguard_breaker_state", "gauge", "", [["tritonguard_breaker_state", {"model": "m"}, breaker]]]]}
+
+    def values(metrics_: list) -> dict[str, float]:
+        return {s.name: s.value for m in metrics_ for s in m.samples}
+
+    live = [snap("a", 100.0, 5, 0.0), snap("b", 100.0, 7, 2.0)]
+    assert values(combine(live, 101.0)) == {"tritonguard_served_total": 12, "tritonguard_breaker_state": 2.0}
+    gone = [snap("a", 160.0, 9, 0.0), snap("b", 100.0, 7, 2.0)]  # b stopped at t=100
+    assert values(combine(gone, 161.0)) == {"tritonguard_served_total": 16, "tritonguard_breaker_state": 0.0}
 
 
 def test_promote_rolls_back_a_slow_build_served_by_ray_serve(rollout):
