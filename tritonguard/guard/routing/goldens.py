@@ -45,6 +45,10 @@ class GoldensChecker:
         self.max_batch = max_batch  # goldens also run at this batch size (0: not known)
         self._lock = threading.Lock()  # one golden check at a time, never two of a version
         self._unready: dict[int, float] = {}  # version -> when its target last could not be reached
+        # versions with no goldens to check (SKIPPED): the state stores verdicts only (PASS,
+        # MARGINAL, FAIL), so a skip is kept here, checked and logged once per process; before,
+        # each reconcile pass checked it again and logged "golden result ... not stored"
+        self._skipped: set[int] = set()
         # whether a version is on this replica yet (the router sets it): one that is not is no
         # verdict, and is not checked (its goldens file, its artifact may be on their way)
         self.present: Callable[[int], bool] = lambda _v: True
@@ -59,6 +63,8 @@ class GoldensChecker:
         known = self.view.state.goldens.get(str(version))
         if known is not None:
             return known.get("verdict", FAIL)
+        if version in self._skipped:
+            return SKIPPED
         if not self.present(version):
             return FAIL  # not routable yet; nothing stored
         with self._lock:  # the reconciler may be checking it right now: wait for its verdict
@@ -76,6 +82,10 @@ class GoldensChecker:
             self._unready[version] = self.clock()
             return FAIL
         self._unready.pop(version, None)
+        if result["verdict"] == SKIPPED:  # nothing to store (see _skipped)
+            self._skipped.add(version)
+            self.metrics.inc("goldens", 1, target_version=str(version), verdict=SKIPPED)
+            return SKIPPED
         self.view.state.goldens[str(version)] = result
 
         def record(current: RolloutState) -> RolloutState:

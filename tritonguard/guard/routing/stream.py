@@ -52,6 +52,7 @@ from tritonguard.guard.routing.config import SKIPPED, UNREADY_CODES, RoutingConf
 from tritonguard.guard.routing.goldens import GoldensChecker
 from tritonguard.guard.routing.router import Router
 from tritonguard.rollout.breaker import CLOSED, BreakerConfig
+from tritonguard.rollout.endpoints import EndpointError, endpoint_of
 from tritonguard.rollout.latency import paired_key
 from tritonguard.rollout.stores import StateStore
 from tritonguard.rollout.validators import FAIL, PASS, ValidatorConfig, ValidatorRegistry
@@ -256,12 +257,24 @@ class StreamRouter(Router):
 class TextGoldensChecker(GoldensChecker):
     """A generator's goldens: ``goldens.json`` cases generated here, each matched exactly."""
 
+    def _served_at_url(self, version: int) -> bool:
+        """Whether ``version`` is declared in the target's ``endpoints.json`` (no artifact, so no
+        goldens: its SKIPPED is no news, logged at info)."""
+        try:
+            return endpoint_of(self.repo / self.target, version) is not None
+        except EndpointError:
+            return False
+
     def check(self, version: int) -> dict[str, Any]:
         now = self.clock()
         path = self.repo / self.target / str(version) / GOLDENS_FILE
         if not path.exists():
-            log.warning("stream guard %s: %s v%d has no %s; golden check SKIPPED", self.guard, self.target,
-                        version, GOLDENS_FILE)
+            if not path.parent.exists() and self._served_at_url(version):
+                log.info("stream guard %s: %s v%d is served at a URL: no %s by design; golden check SKIPPED",
+                         self.guard, self.target, version, GOLDENS_FILE)
+            else:
+                log.warning("stream guard %s: %s v%d has no %s; golden check SKIPPED", self.guard, self.target,
+                            version, GOLDENS_FILE)
             return {"verdict": SKIPPED, "metrics": {"reason": f"no {GOLDENS_FILE}"}, "checked_at": now}
         try:
             cases = load_generation_goldens(path)

@@ -551,3 +551,33 @@ def test_a_candidate_of_equal_speed_that_answers_shorter_is_not_failed(tmp_path)
     assert gate.figures["comparable_candidate"] == 16
     assert 0.85 <= gate.figures["ratio"] <= 1.2, gate.figures
     assert gate.verdict != "FAIL", gate.figures
+
+
+def test_a_url_versions_skipped_goldens_are_checked_and_logged_once(tmp_path, caplog):
+    """A version served at a URL has no goldens by design: its SKIPPED is said once, at info, not
+    warned again at every refresh. (The state keeps verdicts only, so a SKIPPED was never stored:
+    each refresh that brought a new revision checked it again and logged "golden result for v7 not
+    stored" and "has no goldens.json" at warning level.) A Triton version without goldens is still
+    warned about, once."""
+    from tritonguard.rollout.endpoints import Endpoint, declare
+
+    router, metrics, calls, repo = make(tmp_path, {1: echo}, candidate=7, share=0.5)
+    declare(repo / "lm", Endpoint(version=7, url="http://127.0.0.1:9/v1"))
+    caplog.set_level(logging.DEBUG)
+    try:
+        for _ in range(5):
+            open_store("g", repo).update(lambda s: s, by="another writer")  # a new revision
+            router.refresh(router.clock(), wait=True)
+            assert router.golden_verdict(7) == "SKIPPED" and router.golden_verdict(1) == "SKIPPED"
+        assert router.state.revision >= 6
+        said = [(r.levelno, r.getMessage()) for r in caplog.records if "v7" in r.getMessage()]
+        assert said == [(logging.INFO, "stream guard g: lm v7 is served at a URL: no goldens.json by design; "
+                                       "golden check SKIPPED")], said
+        v1 = [r for r in caplog.records if "v1" in r.getMessage() and "golden" in r.getMessage()]
+        assert len(v1) == 1 and v1[0].levelno == logging.WARNING, [r.getMessage() for r in v1]
+        assert not [r for r in caplog.records if "not stored" in r.getMessage()]
+        assert metrics.total("goldens", target_version="7", verdict="SKIPPED") == 1
+        assert calls == []  # nothing generated for it
+        assert 7 in {router.pick()[0] for _ in range(50)}  # and it is routed: a skip refuses nothing
+    finally:
+        router.close()
