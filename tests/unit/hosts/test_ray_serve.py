@@ -441,6 +441,30 @@ def test_a_gone_replica_keeps_its_counts_and_drops_its_gauges():
     assert values(combine(gone, 161.0)) == {"tritonguard_served_total": 16, "tritonguard_breaker_state": 0.0}
 
 
+def test_replicas_share_their_counts_through_redis_and_a_dead_store_answers_their_own(redis_server):
+    """Two replicas' registries on a real Redis board: each one's page is the sum; with the store
+    unreachable, a replica's page is its own counts, and the failure is counted."""
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from tritonguard.hosts.common import MODEL_FAMILIES, HostMetrics  # noqa: PLC0415
+    from tritonguard.hosts.replica_metrics import ReplicaMetrics, open_board  # noqa: PLC0415
+
+    def replica(rid: str, url: str, served: int) -> tuple[ReplicaMetrics, HostMetrics]:
+        m = HostMetrics("m", CollectorRegistry(), MODEL_FAMILIES)
+        m.inc("served", served, served_by="m_raw:1")
+        return ReplicaMetrics(m.registry, open_board("m", "app", ".", url), rid,
+                              on_error=lambda: m.inc("state_errors")), m
+
+    a, _ = replica("a", redis_server.url, 3)
+    b, _ = replica("b", redis_server.url, 4)
+    assert a.publish() and b.publish()
+    line = 'tritonguard_served_total{model="m",served_by="m_raw:1"}'
+    assert f"{line} 7.0" in a.page().decode() and f"{line} 7.0" in b.page().decode()
+    dead, m = replica("c", f"redis://127.0.0.1:{free_port()}/0", 5)
+    page = dead.page().decode()
+    assert f"{line} 5.0" in page and 'tritonguard_state_errors_total{model="m"} 1.0' in page
+
+
 def test_promote_rolls_back_a_slow_build_served_by_ray_serve(rollout):
     v = rollout["v"]["slow"]
     r, traffic = promote(rollout, v)
