@@ -8,7 +8,13 @@ The guarded app runs the middleware with its defaults plus a per-tenant quota fa
 (guarded / bare requests per second): on a shared 2-core machine the client shares the cores
 with the server, so absolute figures drift between runs.
 
-    .venv/bin/python -m perf.asgi_overhead [--concurrency 8] [--seconds 5] [--rounds 2]
+``--topology process`` (the default) runs uvicorn in a process of its own, as a service is
+deployed; ``--topology thread`` runs it in a thread of the client's process (the setup of the
+first measurement). There the client's 8 threads share the server's GIL, and every call of the
+server that releases the GIL (the quota file's ``flock``, a socket write, waking the audit
+writer) waits for a client thread to hand it back: a cost of the bench, not of a service.
+
+    .venv/bin/python -m perf.asgi_overhead [--concurrency 8] [--seconds 5] [--rounds 2] [--topology process]
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
+import socket
 import sys
 import tempfile
 import threading
@@ -46,7 +54,44 @@ def make_app(guarded: bool, workdir: Path) -> FastAPI:
     return app
 
 
+def _run_server(guarded: bool, workdir: str, port: int) -> None:
+    """The child process of ``--topology process``: one uvicorn, until it is terminated."""
+    uvicorn.run(make_app(guarded, Path(workdir)), host="127.0.0.1", port=port, lifespan="on",
+                log_level="warning", access_log=False)
+
+
+class ServedProcess:
+    """The app under uvicorn in a process of its own (spawned: nothing of the client's state)."""
+
+    def __init__(self, guarded: bool, workdir: Path):
+        self.port = free_port()
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(target=_run_server, args=(guarded, str(workdir), self.port), daemon=True)
+
+    def __enter__(self) -> ServedProcess:
+        self.proc.start()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                if not self.proc.is_alive() or time.monotonic() > deadline:
+                    self.proc.kill()
+                    raise SystemExit("uvicorn did not start") from None
+                time.sleep(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()  # SIGTERM: uvicorn's graceful shutdown, the lifespan closes the guard
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
 class Served:
+    """The app under uvicorn in a thread of this process (``--topology thread``)."""
+
     def __init__(self, app: FastAPI):
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, lifespan="on",
@@ -98,12 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--topology", choices=("process", "thread"), default="process",
+                    help="uvicorn in a process of its own (default) or in a thread of the client's process")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         results: dict[str, list[float]] = {"bare": [], "guarded": []}
         for _ in range(args.rounds):
             for name in ("bare", "guarded"):
-                with Served(make_app(name == "guarded", Path(tmp))) as s:
+                guarded = name == "guarded"
+                served = (ServedProcess(guarded, Path(tmp)) if args.topology == "process"
+                          else Served(make_app(guarded, Path(tmp))))
+                with served as s:
                     load(s.port, args.concurrency, 1.0)  # warm-up
                     rps, errors = load(s.port, args.concurrency, args.seconds)
                 if errors:
@@ -112,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(f"{name:8s} {rps:9.1f} req/s  (concurrency {args.concurrency})\n")
                 sys.stdout.flush()
     bare, guarded = max(results["bare"]), max(results["guarded"])
-    sys.stdout.write(f"guarded / bare: {guarded / bare:.2f}  (best of {args.rounds} rounds each)\n")
+    sys.stdout.write(f"guarded / bare: {guarded / bare:.2f}  (best of {args.rounds} rounds each, "
+                     f"server in a {args.topology})\n")
     return 0
 
 

@@ -151,6 +151,11 @@ class GuardMiddleware:
         self.metrics_path = metrics_path
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = HostMetrics(target, self.registry)
+        # the children every request touches, looked up once (the label lookup sorts and hashes);
+        # a version's are made on its first answer, so no series shows before it has one
+        self._requests = self.metrics.child("requests")
+        self._served: dict[int, Any] = {}
+        self._latency: dict[int, Any] = {}
         self.rng = rng or random.Random()
         self.repository = Path(repository) if repository is not None else None
         url = store_url(state_url, environ=self.environ)
@@ -237,7 +242,7 @@ class GuardMiddleware:
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         m = self.metrics
-        m.inc("requests")
+        self._requests.inc()
         params = self._params(scope)
         tenant, refusal = self.admission.admit(params)
         if refusal is not None:
@@ -310,12 +315,15 @@ class GuardMiddleware:
         if state.status >= 500:
             m.inc("target_errors", 1, code=f"HTTP_{state.status}", target_version=str(version))
         elif state.status:
-            m.inc("served", 1, served_by=served_by)
+            served = self._served.get(version)
+            if served is None:
+                served = self._served[version] = m.child("served", served_by=served_by)
+            served.inc()
         self._audit_inference(tenant, hasher, served_by, state.status, redacted_in, state.redacted_out)
 
     def _sender(self, send: Send, served_by: str, version: int, tenant: str, state: _Answer) -> Send:
         header = (SERVED_BY_HEADER.encode(), served_by.encode())
-        m, redact_out = self.metrics, self.redact_out
+        redact_out, children = self.redact_out, self._latency
 
         async def wrapped(message: Message) -> None:
             t = message["type"]
@@ -328,7 +336,8 @@ class GuardMiddleware:
                     state.held, state.kind = message, kind  # sent with the redacted body
                     return
                 state.started = True
-                m.observe("latency", time.perf_counter() - state.start, target_version=str(version))
+                latency = children.get(version) or self._latency_child(version)
+                latency.observe(time.perf_counter() - state.start)
                 await send(message)
             elif t == "http.response.body" and state.held is not None:
                 state.chunks.append(message.get("body", b""))
@@ -340,13 +349,18 @@ class GuardMiddleware:
                 state.redacted_out = bool(counts)
                 start = dict(state.held, headers=_with_length(state.held["headers"], len(red)))
                 state.held, state.chunks, state.started = None, [], True
-                m.observe("latency", time.perf_counter() - state.start, target_version=str(version))
+                latency = children.get(version) or self._latency_child(version)
+                latency.observe(time.perf_counter() - state.start)
                 await send(start)
                 await send({"type": "http.response.body", "body": red, "more_body": False})
             else:
                 await send(message)
 
         return wrapped
+
+    def _latency_child(self, version: int) -> Any:
+        child = self._latency[version] = self.metrics.child("latency", target_version=str(version))
+        return child
 
     # -- redaction, audit, refusals -------------------------------------------------------------
     def _redact(self, body: bytes, kind: str | None) -> tuple[bytes, dict[str, int]]:
