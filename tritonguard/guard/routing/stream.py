@@ -63,27 +63,16 @@ GOLDENS_FILE = "goldens.json"
 
 # run(version, prompt, sampling JSON) -> the generated text alone (no prompt)
 RunText = Callable[[int, str, str], str]
-# the same, with the tokens the generation took: (text, tokens)
-RunCounted = Callable[[int, str, str], tuple[str, int]]
 
 
 class _TextTarget:
     """One version of the target as the router's goldens and comparisons call it."""
 
-    def __init__(self, run: RunText, version: int, counted: RunCounted | None = None) -> None:
-        self.run, self.version, self.counted = run, version, counted
+    def __init__(self, run: RunText, version: int) -> None:
+        self.run, self.version = run, version
 
     def generate(self, prompt: str, sampling: str) -> str:
         return self.run(self.version, prompt, sampling)
-
-    def generate_counted(self, prompt: str, sampling: str) -> tuple[str, int]:
-        """(text, tokens); without a counting runner the answer's length in characters stands in
-        for its tokens (one runtime's answers only: the unit tests' text functions)."""
-        if self.counted is not None:
-            text, tokens = self.counted(self.version, prompt, sampling)
-            return text, int(tokens)
-        text = self.run(self.version, prompt, sampling)
-        return text, len(text)
 
 
 def trigram_cosine(a: str, b: str) -> float:
@@ -144,16 +133,13 @@ class StreamRouter(Router):
                  config: RoutingConfig, breaker: BreakerConfig, metrics: Any, pin: int = -1,
                  ready: Callable[[int], bool] | None = None, clock: Callable[[], float] = time.time,
                  seed: int | None = None, latency: Any = None,
-                 similarity: Callable[[str, str], float] | None = None,
-                 run_counted: RunCounted | None = None) -> None:
+                 similarity: Callable[[str, str], float] | None = None) -> None:
         """``similarity(a, b)``: the ``sampled_similarity`` figure of two sampled texts (e.g.
-        :func:`embedding_similarity`); None: :func:`trigram_cosine`. ``run_counted``: a version's
-        answer with its token count (the canary's paired timings, :meth:`TextComparator.paired_run`);
-        None: answers are sized by their characters."""
+        :func:`embedding_similarity`); None: :func:`trigram_cosine`."""
         validator = ValidatorConfig(workload="generation")
         self.similarity = similarity
         super().__init__(guard=guard, repo=repo, target=target,
-                         make_target=lambda v: _TextTarget(run_text, v, run_counted), output_names=["text_output"],
+                         make_target=lambda v: _TextTarget(run_text, v), output_names=["text_output"],
                          store=store, config=config, validator=validator,
                          registry=ValidatorRegistry.from_config(validator), breaker=breaker, metrics=metrics,
                          clock=clock, seed=seed, pin=pin, ready=ready, latency=latency)
@@ -411,36 +397,41 @@ class TextComparator:
         (under load the gate read 0.96 for a 1.64x slower generator); a pair meets the same load,
         so what differs is the build.
 
-        Every pair reaches the gate: both halves are recorded with one size, the primary's
-        answer in tokens (``n_p``; the gate compares only calls of equal size). Before, each half
-        had its own answer's length in characters, and two runtimes (tinylm in Triton, a GPT-2
-        behind an OpenAI server) rarely answer a prompt at equal length: 8 to 18 pairs of 120 s
-        reached the gate. The primary's half is its call as timed; the candidate's is its call
-        brought to the primary's length, never below what it took: ``t_c * max(1, n_p / n_c)``.
+        Every pair reaches the gate: both halves are recorded with one size, the length of the
+        primary's answer ``n_p`` (the gate compares only calls of equal size). Before, each half
+        had its own answer's length, and two runtimes (tinylm in Triton, a GPT-2 behind an OpenAI
+        server) rarely answer a prompt at equal length: 8 to 18 pairs of 120 s reached the gate.
+        The primary's half is its call as timed; the candidate's is its call brought to the
+        primary's length, never below what it took: ``t_c * max(1, n_p / n_c)``.
 
-        Why not time per token: a call costs a fixed part (prefill, the hop to the target)
-        plus its decoding, ``a + b * n``, and dividing by ``n`` spreads the fixed part over more
-        tokens for the longer answer, so a candidate answering twice as long would look faster
-        per token than a primary with the same speed, and a slower one could pass. Scaling up
-        the candidate's call when it said less over-estimates its time at ``n_p`` tokens (the
-        fixed part is scaled too), and leaving it as timed when it said more over-estimates it
-        as well (it decoded more): in both cases the candidate can only look slower than it is,
-        never faster, so a PASS stays evidence. The price: a candidate with the primary's speed
-        that answers longer reads slower (its users do wait for those tokens). Equal lengths,
-        the same runtime's usual case, are recorded exactly as timed, as before."""
+        Why not time per token: a call costs a fixed part (prefill, the hop to the target) plus
+        its decoding, ``a + b * n``, and dividing by ``n`` spreads the fixed part over more tokens
+        for the longer answer, so a candidate answering twice as long would look faster per token
+        than a primary of the same speed, and a slower one could pass. Scaling the candidate's
+        call up when it said less over-estimates its time at ``n_p`` (the fixed part is scaled
+        too), and leaving it as timed when it said more over-estimates it as well (it decoded
+        more): either way the candidate can only look slower than it is, never faster, so a PASS
+        stays evidence. The price: a candidate of the primary's speed that answers longer reads
+        slower (its users do wait for that text). Equal lengths, one runtime's usual case, are
+        recorded as timed and sized as before.
+
+        Lengths are in characters, the one unit two runtimes share: tokens of two tokenizers
+        are not one unit (a GPT-2 token is ~4 characters, a tinylm token one), and a Triton
+        generator reports its tokens only when streamed, one response a token, which costs the
+        IPC of a response per token (HTTP /generate ~23.6 k tokens/s, /generate_stream ~3.1 k:
+        docs/generation.md): timed that way a pair would measure the responses, not the build."""
         k = self._pairs[cand] = self._pairs.get(cand, 0) + 1
         order = (cand, primary) if k % 2 else (primary, cand)
         texts: dict[int, str] = {}
-        tokens: dict[int, int] = {}
         took: dict[int, float] = {}
         for version in order:
             t0 = time.perf_counter()
-            texts[version], tokens[version] = self.target_for(version).generate_counted(prompt, sampling)
+            texts[version] = self.target_for(version).generate(prompt, sampling)
             took[version] = time.perf_counter() - t0
         recorder, now = self.router.latency, self.clock()
         if recorder is not None:
-            size = max(1, tokens[primary])
-            scale = max(1.0, size / max(1, tokens[cand]))
+            size = max(1, len(texts[primary]))
+            scale = max(1.0, size / max(1, len(texts[cand])))
             recorder.record(paired_key(cand, "candidate"), size, took[cand] * scale, now)
             recorder.record(paired_key(cand, "primary"), size, took[primary], now)
         return texts[primary]

@@ -149,7 +149,6 @@ class StreamGuardModel:
         # version choice, goldens, breakers, fallback, canary and shadow: the rollout state in the
         # store that `exporter route/promote/rollback` write (tritonguard.guard.routing.stream)
         self.router = StreamRouter(guard=self.name, repo=repo, target=self.target, run_text=self.calls.run_text,
-                                   run_counted=self.calls.run_counted,
                                    store=open_store(self.name, repo), config=s.routing, breaker=s.breaker,
                                    metrics=self.services.router_metrics(), pin=self.version,
                                    ready=lambda _v: self._served, latency=recorder_for(self.name, repo),

@@ -224,16 +224,7 @@ class TargetCalls:
 
     def run_text(self, version: int, prompt: str, sampling: str) -> str:
         """``version``'s whole answer, prompt excluded (goldens, canary and shadow runs)."""
-        return self._run(version, prompt, sampling, False)[0]
-
-    def run_counted(self, version: int, prompt: str, sampling: str) -> tuple[str, int]:
-        """``version``'s whole answer and the tokens it took (the canary's paired timings):
-        streamed, since a ``generator`` target sends one response a token only then (a whole
-        answer is one response); an OpenAI server's pieces count its ``usage`` tokens."""
-        return self._run(version, prompt, sampling, True)
-
-    def _run(self, version: int, prompt: str, sampling: str, stream: bool) -> tuple[str, int]:
-        responses = self.open(version, prompt, stream, sampling, True)
+        responses = self.open(version, prompt, False, sampling, True)
         texts: list[str] = []
         try:
             for batch in self.batches(responses):
@@ -248,4 +239,4 @@ class TargetCalls:
             raise TargetError(f"target '{self.target}' v{version}: {exc}", "UNAVAILABLE") from None
         finally:
             self.retire(responses)
-        return "".join(texts), len(texts)
+        return "".join(texts)

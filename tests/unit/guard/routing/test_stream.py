@@ -473,50 +473,30 @@ def test_paired_timings_drop_and_count_when_the_queue_is_full(tmp_path):
         router.close()
 
 
-# -- paired timings of two runtimes: sized by tokens (issue 42 item 4) ------------------------------
-def counted_version(per_token_s, words):
-    """A version answering ``words`` tokens (words of unequal length: characters are not tokens),
-    each costing ``per_token_s``; ``(text, tokens)`` as the guard's counting runner returns them."""
+# -- paired timings of two runtimes: one size for both halves (issue 42 item 4) ---------------------
+def sized_version(per_char_s, chars):
+    """A version answering ``chars`` characters, each costing ``per_char_s``."""
 
     def generate(prompt, sampling):
-        time.sleep(words * per_token_s)
-        return " ".join(("ab", "cdefg")[i % 2] for i in range(words)), words
+        time.sleep(chars * per_char_s)
+        return ("ab cdefg " * chars)[:chars]
 
     return generate
 
 
 def gated_pairs(tmp_path, primary, cand, pairs=16):
-    """The latency gate's result (5 % tolerance) on ``pairs`` canary comparisons timed by the
-    comparison worker, the versions called through ``run_counted`` as the stream guard calls them."""
+    """(the latency gate's result at a 5 % tolerance, candidate samples, primary samples) of
+    ``pairs`` canary comparisons timed by the comparison worker; the candidate judged on the task
+    (another runtime writes other text)."""
     from exporter.rollout.gates.latency import latency_gate
     from tritonguard.rollout.latency import LatencyRecorder, open_latency_log, paired_key
 
-    repo = tmp_path / "repo"
-    for v in (1, 2):
-        (repo / "lm" / str(v)).mkdir(parents=True)
-    store = open_store("g", repo)
-
-    def setup(s):
-        s.primary, s.candidate = 1, Candidate(2, 0.5)
-        s.judges["2"] = {"judge": "task"}  # another runtime writes other text
-        return s
-
-    store.update(setup)
-    versions = {1: primary, 2: cand}
-
-    def run_counted(version, prompt, sampling):
-        return versions[version](prompt, sampling)
-
-    metrics = Metrics()
-    router = StreamRouter(guard="g", repo=repo, target="lm", run_text=lambda v, p, s: run_counted(v, p, s)[0],
-                          run_counted=run_counted, store=store,
-                          config=RoutingConfig(reconcile_interval_s=0, poll_interval_s=0),
-                          breaker=BreakerConfig(min_requests=5, window=20, min_compared=5), metrics=metrics, seed=0)
+    router, metrics, _, repo = make(tmp_path, {1: primary, 2: cand}, candidate=2, share=0.5, judge="task")
     log = open_latency_log("g", repo, url="")
     router.latency = LatencyRecorder(log)
     try:
         for i in range(pairs):
-            router.after_served(2, 0.1, f"p{i}", '{"max_tokens": 32}', cand(f"p{i}", "")[0], deterministic=True)
+            router.after_served(2, 0.1, f"p{i}", '{"max_tokens": 32}', cand(f"p{i}", ""), deterministic=True)
             deadline = time.monotonic() + 30  # one pair at a time
             while metrics.total("compared", kind="canary") < i + 1 and time.monotonic() < deadline:
                 time.sleep(0.005)
@@ -528,25 +508,25 @@ def gated_pairs(tmp_path, primary, cand, pairs=16):
         router.close()
 
 
-@pytest.mark.parametrize("cand_words", [5, 20])
-def test_pairs_of_unequal_length_reach_the_gate_and_a_2x_slower_runtime_fails(tmp_path, cand_words):
+@pytest.mark.parametrize("cand_chars", [10, 40])
+def test_pairs_of_unequal_length_reach_the_gate_and_a_2x_slower_runtime_fails(tmp_path, cand_chars):
     """Two runtimes answer a prompt at different lengths: every pair still reaches the gate (both
-    halves sized by the primary's tokens; before, each half had its own length in characters and
-    no pair was comparable). A candidate 2x slower per token FAILs whether it answers half or
-    twice as long: said less, its call is brought up to the primary's length (as timed, the half-
-    length answer would take the primary's time and pass); said more, it is taken as timed."""
-    gate, got_c, got_p = gated_pairs(tmp_path, counted_version(0.002, 10), counted_version(0.004, cand_words))
-    print(f"candidate {cand_words} tokens: ratio {gate.figures['ratio']:.3f}, {gate.verdict}")
-    assert set(got_c.rows.tolist()) == set(got_p.rows.tolist()) == {10}  # the primary's tokens
+    halves sized by the primary's answer; before, each half had its own length and no pair was
+    comparable). A candidate 2x slower per character FAILs whether it answers half or twice as
+    long: said less, its call is brought up to the primary's length (as timed, the half-length
+    answer takes the primary's time and would pass); said more, it is taken as timed."""
+    gate, got_c, got_p = gated_pairs(tmp_path, sized_version(0.001, 20), sized_version(0.002, cand_chars))
+    print(f"candidate {cand_chars} chars: ratio {gate.figures['ratio']:.3f}, {gate.verdict}")
+    assert set(got_c.rows.tolist()) == set(got_p.rows.tolist()) == {20}  # the primary's length
     assert gate.figures["comparable_candidate"] == gate.figures["comparable_primary"] == 16
     assert gate.verdict == "FAIL", gate.figures
     assert gate.figures["ratio"] >= 1.5, gate.figures
 
 
 def test_a_candidate_of_equal_speed_that_answers_shorter_is_not_failed(tmp_path):
-    """Brought up to the primary's length, a candidate of the same speed per token that says half
-    as much reads as the primary (no fixed cost here), not 2x faster nor slower."""
-    gate, *_ = gated_pairs(tmp_path, counted_version(0.002, 10), counted_version(0.002, 5))
+    """Brought up to the primary's length, a candidate of the same speed per character that says
+    half as much reads as the primary (no fixed cost here), not 2x faster nor slower."""
+    gate, *_ = gated_pairs(tmp_path, sized_version(0.001, 20), sized_version(0.001, 10))
     print(f"equal speed, half length: ratio {gate.figures['ratio']:.3f}, {gate.verdict}")
     assert gate.figures["comparable_candidate"] == 16
     assert 0.85 <= gate.figures["ratio"] <= 1.2, gate.figures
