@@ -88,7 +88,7 @@ WAITING = (
 # batch` job and a Ray Serve application, each started by its test) left Ray Serve's proxy killed
 # before it started, every test of the module failing (lanes, 2026-11-28); in one lane they passed
 TOGETHER = (
-    ("tests/functional/test_batch.py", "tests/unit/hosts/test_ray_serve.py"),
+    ("tests/functional/test_batch.py", "tests/functional/test_ray_serve.py"),
 )
 
 # wall seconds per module in the last full run (clean clone at ccb145f, 2 cores, 2026-11-29: the
@@ -102,7 +102,7 @@ SECONDS = {
     "tests/functional/test_batch.py": 182, "tests/functional/test_judge_labels.py": 157,
     "tests/functional/test_supervisor.py": 136, "tests/functional/test_rollout.py": 110,
     "tests/functional/test_rollout_text.py": 80, "tests/functional/test_stream.py": 69,
-    "tests/functional/test_replicas.py": 68, "tests/unit/hosts/test_ray_serve.py": 66,
+    "tests/functional/test_replicas.py": 68, "tests/functional/test_ray_serve.py": 66,
     "tests/unit/exporter/rollout/test_prometheus.py": 62,
     "tests/unit/exporter/rollout/test_generation.py": 56,
     "tests/unit/exporter/records/test_registry.py": 50,

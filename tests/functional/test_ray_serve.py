@@ -1,7 +1,11 @@
 """The guarded Ray Serve deployment on a real Ray (started in-process, once for the module) and
 Ray Serve's HTTP proxy on a loopback port, serving the exported digits model from a repository
 laid out as the exporter writes it (the guard ``digits`` fronting the versions of ``digits_raw``),
-spoken to over HTTP (issue 44 item 2)."""
+spoken to over HTTP (issue 44 item 2). Then `exporter promote` on a two-replica application of a
+scikit-learn pipeline, and one promote of a model served by Ray Serve and a tritonserver at once.
+
+A functional module (Ray's processes, the proxy, a tritonserver): `make unit` leaves it out. The
+lanes run it in the lane of tests/functional/test_batch.py, never beside another Ray."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,15 +30,24 @@ from tritonguard.ops.server import free_port
 from tritonguard.rollout.state import Candidate
 from tritonguard.rollout.stores import open_store
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "model_repository" / "digits_raw"
 GUARD_SOURCE = ROOT / "model_repository" / "digits"
 MODEL = "digits"  # the guard: its rollout state, its keys, the metrics' model label
 TARGET = "digits_raw"  # its versions: served-by names them
 PREFIX = "/digits"
 
-pytestmark = pytest.mark.skipif(not (SOURCE / "1" / "model.onnx").is_file(),
-                                reason="the example models are exported by `make models`")
+pytestmark = [pytest.mark.functional,
+              pytest.mark.skipif(not (SOURCE / "1" / "model.onnx").is_file(),
+                                 reason="the example models are exported by `make models`")]
+
+
+@pytest.fixture(autouse=True)
+def _tritonguard_home(tmp_path_factory, monkeypatch):
+    """The runtime files (latency log, the replicas' metrics board) where the replicas write them
+    (the `served` fixture gives Ray this folder): the CLI each test starts, and a tritonserver,
+    read and write the same ones."""
+    monkeypatch.setenv("TRITONGUARD_HOME", str(tmp_path_factory.getbasetemp() / "tritonguard-home"))
 
 
 def broken_candidate(inputs):
@@ -90,8 +104,8 @@ def served(tmp_path_factory):
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", path)
-        # the replicas' runtime files (latency log, quota buckets) where this session's tests and
-        # the CLI they start look (tests/unit/conftest.py sets it per test, after this fixture)
+        # the replicas' runtime files (latency log, quota buckets) where this module's tests and
+        # the CLI they start look (the module's _tritonguard_home sets it per test)
         mp.setenv("TRITONGUARD_HOME", str(tmp_path_factory.getbasetemp() / "tritonguard-home"))
         # logical CPUs: each replica reserves one (Ray Serve's default), and the module runs four
         # (digits, echo, and the two of the rollout's application)
@@ -266,8 +280,8 @@ class Traffic:
     """Rows of ``features``, 4 a request, from ``threads`` client threads (one request in flight
     each) until stopped; counts the answers by who served them and every answer that is not a 200."""
 
-    def __init__(self, port: int, features: np.ndarray, threads: int = 4):
-        self.port, self.features = port, features
+    def __init__(self, port: int, features: np.ndarray, threads: int = 4, prefix: str = ROLLOUT):
+        self.port, self.features, self.prefix = port, features, prefix
         self.served: dict[str, int] = {}
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -291,14 +305,16 @@ class Traffic:
             body = {"inputs": [{"name": "FEATURES", "shape": list(x.shape), "datatype": "FP32",
                                 "data": x.ravel().tolist()}]}
             try:
-                status, headers, doc = infer(self.port, body, prefix=ROLLOUT)
+                status, headers, doc = infer(self.port, body, prefix=self.prefix)
             except OSError as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 continue
             if status != 200:
                 self.errors.append(f"{status}: {doc}")
                 continue
-            who = headers.get("x-tritonguard-served-by", "")
+            # Ray Serve's guard says it in a header; Triton's in the SERVED_BY output
+            who = headers.get("x-tritonguard-served-by") or next(
+                (o["data"][0] for o in doc.get("outputs", []) if o["name"] == "SERVED_BY"), "")
             self.served[who] = self.served.get(who, 0) + 1
 
 
@@ -391,6 +407,20 @@ def promote(ctx, version: int, *extra: str) -> tuple[subprocess.CompletedProcess
     return r, traffic
 
 
+@pytest.fixture()
+def triton(rollout, tmp_path):
+    """A tritonserver on the rollout's repository, beside the Ray Serve application: the same
+    guard config, the same versions, the same rollout state (the repository's state file)."""
+    from tritonguard.ops.server import Server  # noqa: PLC0415
+
+    server = Server(repository=rollout["repo"], log_path=tmp_path / "tritonserver.log", env=dict(os.environ))
+    server.start(wait_models=[SCORER, f"{SCORER}_raw"])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def served_total(text: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(f'tritonguard_served_total{{model="{SCORER}",'))
@@ -422,49 +452,6 @@ def test_the_metrics_route_answers_every_replicas_counts(rollout):
     assert len(parts) == REPLICAS and sum(parts) == n and min(parts) > 0, parts
 
 
-def test_a_gone_replica_keeps_its_counts_and_drops_its_gauges():
-    """A replica that stopped publishing: its counters stay in the sum (promote must not read a
-    reset), its gauges leave once it is not fresh; gauges combine by max (an open breaker shows)."""
-    from tritonguard.hosts.replica_metrics import combine  # noqa: PLC0415
-
-    def snap(replica: str, t: float, served: float, breaker: float) -> dict:
-        return {"t": t, "replica": replica, "families": [
-            ["tritonguard_served", "counter", "", [["tritonguard_served_total", {"model": "m"}, served]]],
-            ["tritonguard_breaker_state", "gauge", "", [["tritonguard_breaker_state", {"model": "m"}, breaker]]]]}
-
-    def values(metrics_: list) -> dict[str, float]:
-        return {s.name: s.value for m in metrics_ for s in m.samples}
-
-    live = [snap("a", 100.0, 5, 0.0), snap("b", 100.0, 7, 2.0)]
-    assert values(combine(live, 101.0)) == {"tritonguard_served_total": 12, "tritonguard_breaker_state": 2.0}
-    gone = [snap("a", 160.0, 9, 0.0), snap("b", 100.0, 7, 2.0)]  # b stopped at t=100
-    assert values(combine(gone, 161.0)) == {"tritonguard_served_total": 16, "tritonguard_breaker_state": 0.0}
-
-
-def test_replicas_share_their_counts_through_redis_and_a_dead_store_answers_their_own(redis_server):
-    """Two replicas' registries on a real Redis board: each one's page is the sum; with the store
-    unreachable, a replica's page is its own counts, and the failure is counted."""
-    from prometheus_client import CollectorRegistry  # noqa: PLC0415
-
-    from tritonguard.hosts.common import MODEL_FAMILIES, HostMetrics  # noqa: PLC0415
-    from tritonguard.hosts.replica_metrics import ReplicaMetrics, open_board  # noqa: PLC0415
-
-    def replica(rid: str, url: str, served: int) -> tuple[ReplicaMetrics, HostMetrics]:
-        m = HostMetrics("m", CollectorRegistry(), MODEL_FAMILIES)
-        m.inc("served", served, served_by="m_raw:1")
-        return ReplicaMetrics(m.registry, open_board("m", "app", ".", url), rid,
-                              on_error=lambda: m.inc("state_errors")), m
-
-    a, _ = replica("a", redis_server.url, 3)
-    b, _ = replica("b", redis_server.url, 4)
-    assert a.publish() and b.publish()
-    line = 'tritonguard_served_total{model="m",served_by="m_raw:1"}'
-    assert f"{line} 7.0" in a.page().decode() and f"{line} 7.0" in b.page().decode()
-    dead, m = replica("c", f"redis://127.0.0.1:{free_port()}/0", 5)
-    page = dead.page().decode()
-    assert f"{line} 5.0" in page and 'tritonguard_state_errors_total{model="m"} 1.0' in page
-
-
 def test_promote_rolls_back_a_slow_build_served_by_ray_serve(rollout):
     v = rollout["v"]["slow"]
     r, traffic = promote(rollout, v)
@@ -493,15 +480,30 @@ def test_promote_rolls_back_a_build_answering_nan_with_no_client_error(rollout):
     assert state.primary == 1 and state.candidate is None
 
 
-def test_promote_rolls_out_a_genuine_retrain_served_by_ray_serve(rollout):
+def test_one_promote_rolls_out_a_genuine_retrain_served_by_ray_serve_and_triton(rollout, triton):
+    """The same model served by both hosts at once, judged by one promote: the Ray Serve
+    application's metrics route and the tritonserver's metrics, with --server loading the version
+    on Triton; both hosts route by the one rollout state in the repository."""
     v = rollout["v"]["retrain"]
+    ray_url = f"http://127.0.0.1:{rollout['port']}{ROLLOUT}/metrics"
     # this retrain changes ~5 % of the answers on the evaluation rows (offline: 6/119): the
-    # operator's limit, as tests/functional/test_classical.py gives it on Triton
-    r, traffic = promote(rollout, v, "--max-disagreement", "0.2")
-    assert r.returncode == 0, r.stdout + r.stderr
+    # operator's limit, as tests/functional/test_classical.py gives it on Triton alone
+    with Traffic(rollout["port"], rollout["traffic"]) as traffic, \
+            Traffic(triton.http_port, rollout["traffic"], threads=2, prefix=f"/v2/models/{SCORER}") as on_triton:
+        r = subprocess.run([sys.executable, "-m", "exporter", "promote", SCORER, "--version", str(v), *GATES,
+                            "--max-disagreement", "0.2", "--repository", str(rollout["repo"]),
+                            "--metrics-url", ray_url, "--metrics-url", triton.metrics_url,
+                            "--server", triton.http_url], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr + triton.tail()
     assert open_store(SCORER, rollout["repo"]).load().primary == v
-    assert traffic.errors == []
-    assert traffic.served.get(f"{SCORER}_raw:{v}", 0) > 0
+    assert traffic.errors == [] and on_triton.errors == [], (traffic.errors[:3], on_triton.errors[:3])
+    # each host served the new version, under the one rollout
+    assert traffic.served.get(f"{SCORER}_raw:{v}", 0) > 0, traffic.served
+    assert on_triton.served.get(f"{SCORER}_raw:{v}", 0) > 0, on_triton.served
+    # Triton's own metrics count the new version's answers (what the gates read there)
+    text = urllib.request.urlopen(triton.metrics_url, timeout=10).read().decode()
+    assert any(line.startswith("tritonguard_served_total{") and f'served_by="{SCORER}_raw:{v}"' in line
+               for line in text.splitlines()), text[-2000:]
     # the gates judged the canary's comparisons, which the host counts as the Triton guard does
     text = metrics(rollout["port"], ROLLOUT)
     assert f'tritonguard_compared_total{{kind="canary",model="{SCORER}",target_version="{v}",verdict="AGREE"}}' in text
