@@ -10,9 +10,10 @@ with the server, so absolute figures drift between runs.
 
 ``--topology process`` (the default) runs uvicorn in a process of its own, as a service is
 deployed; ``--topology thread`` runs it in a thread of the client's process (the setup of the
-first measurement). There the client's 8 threads share the server's GIL, and every call of the
-server that releases the GIL (the quota file's ``flock``, a socket write, waking the audit
-writer) waits for a client thread to hand it back: a cost of the bench, not of a service.
+first measurement), where the client's 8 threads share the server's GIL. With a process, the
+server's CPU time per request is read too (``/proc``, Linux): on a shared machine whose load
+moves the requests per second between rounds, it is the steadier figure, and bare / guarded
+CPU per request is the throughput ratio a CPU-bound server reaches.
 
     .venv/bin/python -m perf.asgi_overhead [--concurrency 8] [--seconds 5] [--rounds 2] [--topology process]
 """
@@ -23,6 +24,7 @@ import argparse
 import http.client
 import json
 import multiprocessing
+import os
 import socket
 import sys
 import tempfile
@@ -39,7 +41,10 @@ from tritonguard.ops.server import free_port
 BODY = json.dumps({"text": "please score this for jane.doe@example.com", "features": [0.1, 0.2, 0.3]}).encode()
 
 
-def make_app(guarded: bool, workdir: Path) -> FastAPI:
+FEATURES = ("quota", "redaction", "audit")
+
+
+def make_app(guarded: bool, workdir: Path, without: tuple[str, ...] = ()) -> FastAPI:
     app = FastAPI()
 
     @app.post("/predict")
@@ -48,25 +53,29 @@ def make_app(guarded: bool, workdir: Path) -> FastAPI:
         return {"score": sum(got["features"]), "echo": got["text"]}
 
     if guarded:
-        app.add_middleware(GuardMiddleware, config={
-            "target": "bench", "tenancy.quotas": {"*": {"rps": 1e6, "burst": 1000000}},
-            "redaction.redact_outputs": True, "audit.path": str(workdir / "audit.jsonl")}, repository=workdir)
+        config: dict[str, object] = {"target": "bench"}
+        if "quota" not in without:
+            config["tenancy.quotas"] = {"*": {"rps": 1e6, "burst": 1000000}}
+        config.update({"redaction.enabled": False} if "redaction" in without else {"redaction.redact_outputs": True})
+        if "audit" not in without:
+            config["audit.path"] = str(workdir / "audit.jsonl")
+        app.add_middleware(GuardMiddleware, config=config, repository=workdir)
     return app
 
 
-def _run_server(guarded: bool, workdir: str, port: int) -> None:
+def _run_server(guarded: bool, workdir: str, port: int, without: tuple[str, ...]) -> None:
     """The child process of ``--topology process``: one uvicorn, until it is terminated."""
-    uvicorn.run(make_app(guarded, Path(workdir)), host="127.0.0.1", port=port, lifespan="on",
+    uvicorn.run(make_app(guarded, Path(workdir), without), host="127.0.0.1", port=port, lifespan="on",
                 log_level="warning", access_log=False)
 
 
 class ServedProcess:
     """The app under uvicorn in a process of its own (spawned: nothing of the client's state)."""
 
-    def __init__(self, guarded: bool, workdir: Path):
+    def __init__(self, guarded: bool, workdir: Path, without: tuple[str, ...] = ()):
         self.port = free_port()
         ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(target=_run_server, args=(guarded, str(workdir), self.port), daemon=True)
+        self.proc = ctx.Process(target=_run_server, args=(guarded, str(workdir), self.port, without), daemon=True)
 
     def __enter__(self) -> ServedProcess:
         self.proc.start()
@@ -80,6 +89,14 @@ class ServedProcess:
                     self.proc.kill()
                     raise SystemExit("uvicorn did not start") from None
                 time.sleep(0.05)
+
+    def cpu_s(self) -> float | None:
+        """The server process's CPU seconds so far (user + system), None where /proc has none."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()  # SIGTERM: uvicorn's graceful shutdown, the lifespan closes the guard
@@ -112,8 +129,8 @@ class Served:
         self.thread.join(30)
 
 
-def load(port: int, concurrency: int, seconds: float) -> tuple[float, int]:
-    """Requests per second over ``seconds`` and how many answers were not 200."""
+def load(port: int, concurrency: int, seconds: float) -> tuple[float, int, int]:
+    """Requests per second over ``seconds``, how many answers were not 200, and how many in all."""
     stop = time.monotonic() + seconds
     counts = [0] * concurrency
     errors = [0] * concurrency
@@ -135,7 +152,7 @@ def load(port: int, concurrency: int, seconds: float) -> tuple[float, int]:
         t.start()
     for t in threads:
         t.join()
-    return sum(counts) / (time.monotonic() - start), sum(errors)
+    return sum(counts) / (time.monotonic() - start), sum(errors), sum(counts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,25 +162,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--topology", choices=("process", "thread"), default="process",
                     help="uvicorn in a process of its own (default) or in a thread of the client's process")
+    ap.add_argument("--without", default="", metavar="FEATURES",
+                    help=f"guarded app without these (comma-separated: {', '.join(FEATURES)}), to see each one's share")
     args = ap.parse_args(argv)
+    without = tuple(f for f in args.without.split(",") if f)
+    unknown = [f for f in without if f not in FEATURES]
+    if unknown:
+        ap.error(f"--without: unknown feature {unknown[0]!r} (known: {', '.join(FEATURES)})")
     with tempfile.TemporaryDirectory() as tmp:
         results: dict[str, list[float]] = {"bare": [], "guarded": []}
+        cpu: dict[str, list[float]] = {"bare": [], "guarded": []}
         for _ in range(args.rounds):
             for name in ("bare", "guarded"):
                 guarded = name == "guarded"
-                served = (ServedProcess(guarded, Path(tmp)) if args.topology == "process"
-                          else Served(make_app(guarded, Path(tmp))))
+                served = (ServedProcess(guarded, Path(tmp), without) if args.topology == "process"
+                          else Served(make_app(guarded, Path(tmp), without)))
                 with served as s:
                     load(s.port, args.concurrency, 1.0)  # warm-up
-                    rps, errors = load(s.port, args.concurrency, args.seconds)
+                    before = s.cpu_s() if isinstance(s, ServedProcess) else None
+                    rps, errors, n = load(s.port, args.concurrency, args.seconds)
+                    after = s.cpu_s() if isinstance(s, ServedProcess) else None
                 if errors:
                     raise SystemExit(f"{name}: {errors} answers were not 200")
                 results[name].append(rps)
-                sys.stdout.write(f"{name:8s} {rps:9.1f} req/s  (concurrency {args.concurrency})\n")
+                per = ""
+                if before is not None and after is not None and n:
+                    cpu[name].append((after - before) / n)
+                    per = f", server CPU {cpu[name][-1] * 1e6:6.0f} us/request"
+                sys.stdout.write(f"{name:8s} {rps:9.1f} req/s  (concurrency {args.concurrency}{per})\n")
                 sys.stdout.flush()
     bare, guarded = max(results["bare"]), max(results["guarded"])
     sys.stdout.write(f"guarded / bare: {guarded / bare:.2f}  (best of {args.rounds} rounds each, "
                      f"server in a {args.topology})\n")
+    if cpu["bare"] and cpu["guarded"]:
+        b, g = min(cpu["bare"]), min(cpu["guarded"])
+        sys.stdout.write(f"server CPU per request: bare {b * 1e6:.0f} us, guarded {g * 1e6:.0f} us, "
+                         f"bare / guarded {b / g:.2f}  (least of {args.rounds} rounds each)\n")
     return 0
 
 
