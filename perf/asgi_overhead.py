@@ -11,9 +11,8 @@ with the server, so absolute figures drift between runs.
 ``--topology process`` (the default) runs uvicorn in a process of its own, as a service is
 deployed; ``--topology thread`` runs it in a thread of the client's process (the setup of the
 first measurement), where the client's 8 threads share the server's GIL. With a process, the
-server's CPU time per request is read too (``/proc``, Linux): on a shared machine whose load
-moves the requests per second between rounds, it is the steadier figure, and bare / guarded
-CPU per request is the throughput ratio a CPU-bound server reaches.
+server's CPU time per request is read too (``/proc``, Linux): bare / guarded CPU per request
+is the throughput ratio a CPU-bound server reaches (it moves with the machine's load too).
 
     .venv/bin/python -m perf.asgi_overhead [--concurrency 8] [--seconds 5] [--rounds 2] [--topology process]
 """
