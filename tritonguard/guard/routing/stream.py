@@ -333,7 +333,7 @@ class TextComparator:
         now = self.clock()
         try:
             if kind == "canary" and self.router.latency is not None:
-                other_text = self.paired_run(cand, other, prompt, sampling, deterministic)
+                other_text = self.paired_run(cand, other, prompt, sampling)
             else:
                 other_text = self.target_for(other).generate(prompt, sampling)
         except TargetError as exc:
@@ -388,7 +388,7 @@ class TextComparator:
         self.after(cand, trip, shared, changed)
         return status
 
-    def paired_run(self, cand: int, primary: int, prompt: str, sampling: str, deterministic: bool = True) -> str:
+    def paired_run(self, cand: int, primary: int, prompt: str, sampling: str) -> str:
         """The primary's text for a canary comparison, and a paired timing on the way: the
         candidate generates the same prompt with the same (deterministic) sampling right before or
         after the primary (the order alternates per candidate), both whole answers timed here, on
@@ -419,14 +419,7 @@ class TextComparator:
         are not one unit (a GPT-2 token is ~4 characters, a tinylm token one), and a Triton
         generator reports its tokens only when streamed, one response a token, which costs the
         IPC of a response per token (HTTP /generate ~23.6 k tokens/s, /generate_stream ~3.1 k:
-        docs/generation.md): timed that way a pair would measure the responses, not the build.
-
-        Only a deterministic pair (greedy, or a seed) is sized as one: its two answers differ only
-        where the builds do. A sampled pair's two answers are two draws, of lengths that differ by
-        chance, and the one-size rule above (which can only make the candidate slower) read a
-        byte-identical re-export 1.15x slower than its primary with p=3.3e-05, a quarter of the
-        traffic sampled (a full run, 2026-11-29): each sampled half is sized by its own length,
-        and the gate compares calls of equal length, as before."""
+        docs/generation.md): timed that way a pair would measure the responses, not the build."""
         k = self._pairs[cand] = self._pairs.get(cand, 0) + 1
         order = (cand, primary) if k % 2 else (primary, cand)
         texts: dict[int, str] = {}
@@ -436,14 +429,11 @@ class TextComparator:
             texts[version] = self.target_for(version).generate(prompt, sampling)
             took[version] = time.perf_counter() - t0
         recorder, now = self.router.latency, self.clock()
-        if recorder is not None and deterministic:
+        if recorder is not None:
             size = max(1, len(texts[primary]))
             scale = max(1.0, size / max(1, len(texts[cand])))
             recorder.record(paired_key(cand, "candidate"), size, took[cand] * scale, now)
             recorder.record(paired_key(cand, "primary"), size, took[primary], now)
-        elif recorder is not None:
-            recorder.record(paired_key(cand, "candidate"), max(1, len(texts[cand])), took[cand], now)
-            recorder.record(paired_key(cand, "primary"), max(1, len(texts[primary])), took[primary], now)
         return texts[primary]
 
     def after(self, cand: int, trip: Any, shared: dict[str, Any] | None, changed: bool) -> None:
