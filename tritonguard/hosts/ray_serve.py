@@ -446,7 +446,10 @@ class GuardedModel:
     # -- HTTP -----------------------------------------------------------------------------------
     async def __call__(self, request: Request) -> Response:
         if request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics"):
-            page = self.shared.page() if self.shared is not None else generate_latest(self.registry)
+            # the shared page writes and reads the store (a file, or Redis with a 0.5 s timeout):
+            # in a thread, so a scrape never stalls the replica's event loop and its batches
+            page = await asyncio.to_thread(self.shared.page) if self.shared is not None \
+                else generate_latest(self.registry)
             return Response(page, media_type=CONTENT_TYPE_LATEST)
         if request.method != "POST":
             return self._refuse(Refusal(405, "method", "POST KServe v2 JSON to infer"), "")
