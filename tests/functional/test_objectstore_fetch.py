@@ -9,8 +9,10 @@ large extra file (:data:`PAD` bytes, generated here, never committed), then the 
 thread that read the new state, ``execute()``'s included: requests waited for the whole download.
 Now the guard's fetcher thread has it downloaded (by a child process for a file this large: see
 :func:`tritonguard.core.objectstore.download_in_child`), and v2 gets its share only once it is in
-the cache, whole and checked. The test measures the client's latency before and while v2 is downloading and
-checks that no request waited for the download and no target error was counted."""
+the cache, whole and checked. The test measures the client's latency before, while the same file
+is downloaded by a process the guard does not know (the control: the store as busy, the guard
+idle), and while v2 is downloading, and checks that no request waited for the download, that the
+tail is within a few ms of the control's, and that no target error was counted."""
 
 from __future__ import annotations
 
@@ -159,6 +161,24 @@ def test_a_large_version_is_fetched_while_the_guard_keeps_serving(exported_repo,
         t_end = time.monotonic() + 5
         while time.monotonic() < t_end:
             before.append(one()[0])
+        # The control: the same file downloaded from the same store by the same code (the
+        # guard's child, python -m tritonguard.core.objectstore), into a folder the guard does
+        # not read, while the guard serves. The store (moto, the proxy) is another machine's
+        # CPU in production but shares these 2 cores here: moto copies the whole object for
+        # each ranged GET and used 9.4 CPU-s of a 12 s download (sampled from /proc,
+        # 2026-11-29). The guard's own fetch is judged against this, not against a quiet machine.
+        job = {"bucket": bucket, "prefix": "repo", "endpoint": f"http://127.0.0.1:{proxy_port}",
+               "rel": "digits_raw/2/weights.bin", "dest": str(tmp_path / "control" / "weights.bin")}
+        control_dl = subprocess.Popen([sys.executable, "-m", "tritonguard.core.objectstore"], env=env,
+                                      stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        control_dl.stdin.write(json.dumps(job))
+        control_dl.stdin.close()
+        control: list[float] = []
+        t_end = time.monotonic() + 120  # bounded: the download takes ~PAD / RATE
+        while control_dl.poll() is None and time.monotonic() < t_end:
+            control.append(one()[0])
+        assert control_dl.wait(timeout=10) == 0, control_dl.stderr.read()
+        assert (tmp_path / "control" / "weights.bin").stat().st_size == PAD
 
         store = open_store("digits", tmp_path, url=redis_server.url)
 
@@ -191,6 +211,8 @@ def test_a_large_version_is_fetched_while_the_guard_keeps_serving(exported_repo,
             "download_s": round(fetched_s, 2) if fetched_s else None,
             "before": {"n": len(before), "p50_ms": round(_p(before, 50) * 1e3, 2),
                        "p99_ms": round(_p(before, 99) * 1e3, 2), "max_ms": round(max(before) * 1e3, 2)},
+            "control": {"n": len(control), "p50_ms": round(_p(control, 50) * 1e3, 2),
+                        "p99_ms": round(_p(control, 99) * 1e3, 2), "max_ms": round(max(control) * 1e3, 2)},
             "during": {"n": len(during), "p50_ms": round(_p(during, 50) * 1e3, 2),
                        "p99_ms": round(_p(during, 99) * 1e3, 2), "max_ms": round(max(during) * 1e3, 2)},
             "after": {"n": len(after), "p99_ms": round(_p(after, 99) * 1e3, 2)},
@@ -202,13 +224,15 @@ def test_a_large_version_is_fetched_while_the_guard_keeps_serving(exported_repo,
         assert fetched_s > 0.5 * PAD / RATE, figures
         # no request waited for the download: the slowest one during it took a small fraction
         assert max(during) < fetched_s / 10, figures
-        # and the tail stays within a few ms of where it was. The download runs in a child
-        # process (its Python code no longer takes the GIL from execute(): in process, p99 rose
-        # from 7 to 20 ms in a full run); it still shares the 2 cores with serving (the proxy,
-        # moto, the child's writes), which is what the 5 ms (or one p99, when the machine's own
-        # noise already puts it above 5 ms) allow.
+        # and the tail stays within a few ms of where it was with the store equally busy (the
+        # control). The download runs in a child process (its Python code no longer takes the GIL
+        # from execute(): in process, p99 rose from 7 to 20 ms in a full run). Against a quiet
+        # machine the store's own CPU was counted against the guard: a CI run read 9.1 ms during
+        # the fetch, 3.1 ms before it, and failed. With the control, two runs here (2026-11-29):
+        # before 3.3 / 3.2 ms, control 5.5 / 5.8 ms, during 5.8 / 5.0 ms. The 5 ms (or one p99
+        # of the quiet machine, when its own noise is above 5 ms) are the allowance, as before.
         p99_before = _p(before, 99)
-        assert _p(during, 99) < p99_before + max(0.005, p99_before), figures
+        assert _p(during, 99) < _p(control, 99) + max(0.005, p99_before), figures
         # v2 got its share once it was here; meanwhile its share was v1's, and nothing was counted
         assert served.get("digits_raw:2", 0) > 0 and served.get("digits_raw:1", 0) > 0
         assert _metric_sum(srv.metrics_url, "tritonguard_target_errors_total") == 0
