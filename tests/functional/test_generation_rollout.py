@@ -12,8 +12,9 @@ The repository holds ``tinylm_raw`` (the ``generator`` backend) and its decouple
   and no evaluation text holds: it passes every offline check and the goldens on the server, and
   fails on live prompts that contain it (a fault the breaker must catch);
 - v6: v4 plus matrix products on its state that reach the logits only at 1e-30 (below float32
-  resolution): the same text, each decode step slower, ~1.3x the time per token served alone
-  (the test measures it): a slow build only the latency gate can catch.
+  resolution): the same text, each decode step slower, 1.5x the time per token served alone
+  here, 2.9x on the CI machine (the test measures it): a slow build only the latency gate can
+  catch.
 
 Each rollout runs as ``python -m exporter promote`` (as a user runs it) while traffic threads keep
 generations in flight; the tests run in file order and share the server.
@@ -186,6 +187,18 @@ def state(ctx) -> dict:
     return json.loads((ctx["repo"] / "tinylm" / "rollout_state.json").read_text())
 
 
+def gate_figures(ctx) -> str:
+    """The last look's latency gate as the rollout recorded it (its figures: calls a side, the
+    size classes with each side's median): what a failed promote's summary line leaves out."""
+    r = cli(ctx, "rollout", "status", "tinylm", "--json", timeout=60)
+    try:
+        doc = json.loads(r.stdout)
+    except ValueError:
+        return f"rollout status --json: {r.returncode} {r.stdout[-500:]} {r.stderr[-500:]}"
+    gates = ((doc or {}).get("last_report") or {}).get("gates", [])
+    return json.dumps([g for g in gates if g.get("name") == "latency"], default=str)[:6000]
+
+
 def metrics_url(ctx) -> str:
     url = ctx["server"].metrics_url
     return url if "://" in url else f"http://{url}"
@@ -299,7 +312,7 @@ def test_reexport_is_promoted_under_live_generation_traffic(ctx):
     texts match the primary's; no client sees an error; both versions served."""
     before = served_total(ctx)
     r, traffic = promote_under_traffic(ctx, 3, "10,50,100", seed=3)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr + "\nthe latency gate's last look: " + gate_figures(ctx)
     assert "done" in r.stdout
     st = state(ctx)
     assert st["primary"]["version"] == 3 and st["candidate"] is None
@@ -389,10 +402,12 @@ def test_slower_build_is_rolled_back_by_the_latency_gate(ctx):
     assert state(ctx)["primary"]["version"] == 4
     size = fault_size(ctx, 4, 6)
     print(f"slow fault, served alone: time to first token {size['ttft']:.2f}x, per token {size['per_token']:.2f}x")
-    # the fault is the size the test claims: a realistic slowdown, not a wreck. Measured per
-    # token: 1.25 to 1.52x on a quiet machine, 1.12x once in a clean-clone CI run (other load
-    # compresses the ratio); SLOW_WIDTH 256, no real slowdown, measured 0.98x
-    assert 1.10 <= size["per_token"] <= 2.2, size
+    # the fault is the size the test claims: a real slowdown (SLOW_WIDTH 256 measured 0.98x, no
+    # fault at all), and a realistic one, not a wreck. Its size depends on the CPU (the extra
+    # matmuls against the step's fixed costs: HTTP, Python, the KV state): paired, per token,
+    # 1.50x on this machine under a full run's load, 2.94x on the CI machine (2026-11-29, where
+    # the old 2.2x ceiling failed the test with the gate never run); unpaired, 1.12x once
+    assert 1.10 <= size["per_token"] <= 4.0, size
     # through the guard the slowdown is diluted by the hops it adds per token and by the load the
     # two versions share (1.07x to 1.18x on the gate's calls in four runs at 1.21-1.27x served
     # alone): a user who allows 5 % gets it rolled back. The latency gate FAILs it, or where the
