@@ -8,8 +8,11 @@ releases a token only once every rail has seen it in context:
 - **word rules** (``rails.block_words``): the window holds only what may still grow into a listed
   word or phrase (the word being written, when some listed word starts with it); prose goes out
   at once, so the hold-back costs next to nothing in time to first token;
-- **pattern rules** (``rails.pattern.<NAME>``): Python's ``re`` cannot tell whether a text may
-  still grow into a match, so the whole window is held (the last ``holdback_tokens`` tokens);
+- **pattern rules** (``rails.pattern.<NAME>``): the window holds only what may still grow into a
+  match, as for words: the ``regex`` package's partial matching (``partial=True``) tells where the
+  text's end begins a match that the next tokens may complete (``how to`` of ``how to (build|make)
+  a \\w+ bomb``; the digits of ``\\d{16}`` so far). A pattern that ``regex`` cannot compile (its
+  syntax differs from ``re``'s in corners) has the whole window held, as before partial matching;
 - **a classifier** (``rails.model``, any Triton model that scores text rows: BYTES ``[n, 1]`` in,
   FP32 ``[n, k]`` out, the last column the score of "block"): called through BLS on the prompt and
   on each full window of the answer (with ``context_chars`` of the text before it); a window goes
@@ -126,7 +129,10 @@ class Rules:
             branches.append(f"(?P<tg_p{k}>{rx})")
             self.names[f"tg_p{k}"] = f"rails.pattern.{name}"
         self.regex = re.compile("|".join(branches), re.IGNORECASE) if branches else None
-        self.fixed = bool(cfg.pattern)  # patterns: the whole window is held (no partial matching)
+        # patterns: the ``regex`` package's compile of the same branches, for partial matching;
+        # None without patterns (the word scan below suffices) or where it cannot compile them
+        self.partial = _partial_regex(branches) if cfg.pattern else None
+        self.fixed = bool(cfg.pattern) and self.partial is None  # the whole window is held
 
     def find(self, text: str, *, final: bool = True) -> str | None:
         """The rail that matches somewhere in ``text``, or None. Not ``final`` (a stream's text so
@@ -141,11 +147,19 @@ class Rules:
         return None
 
     def pending(self, text: str) -> int:
-        """Where the end of ``text`` may still grow into a listed word or phrase: the index from
-        which it must be held (``len(text)`` when nothing may). Patterns are not looked at here."""
-        if not self.words:
-            return len(text)
+        """Where the end of ``text`` may still grow into a listed word or phrase, or a pattern's
+        match: the index from which it must be held (``len(text)`` when nothing may)."""
         n = len(text)
+        if self.partial is not None:
+            # the leftmost match that the next tokens may still make (partial: it reaches the end
+            # of the text unfinished) or change (complete, ending at the end: "\d+" may grow);
+            # a complete match before the end is a block, which find() reports first
+            for m in self.partial.finditer(text, partial=True):
+                if m.partial or m.end() == n:
+                    return m.start()
+            return n
+        if not self.words:
+            return n
         for m in self.regex.finditer(text) if self.regex is not None else ():
             if m.end() == n:  # a match so far, which the next token decides (see find)
                 return m.start()
@@ -159,6 +173,20 @@ class Rules:
             if any(w.startswith(spaced) for w in self.words):
                 return i
         return n
+
+
+def _partial_regex(branches: list[str]) -> Any:
+    """The rules' branches compiled by the ``regex`` package (which can match partially), or None
+    where it is missing or reads a pattern differently enough to refuse it (the caller then holds
+    the whole window)."""
+    try:
+        import regex  # noqa: PLC0415 - a dependency of transformers; only pattern rules need it
+
+        return regex.compile("|".join(branches), regex.IGNORECASE | regex.VERSION0)
+    except Exception as exc:  # noqa: BLE001 - ImportError or regex.error: the window is held whole
+        log.warning("rails: pattern rules hold the whole window (no partial matching: %s: %s)",
+                    type(exc).__name__, exc)
+        return None
 
 
 Classify = Callable[[list[str]], list[float]]
@@ -256,8 +284,9 @@ class HoldBack:
         return out
 
     def _rules_keep(self, view: str) -> int:
-        """How many of the newest held tokens the rules still need: the whole window with
-        pattern rules; with word rules only those that may still grow into a listed word."""
+        """How many of the newest held tokens the rules still need: only those that may still
+        grow into a listed word or a pattern's match (the whole window where patterns cannot be
+        matched partially)."""
         keep = min(self.window, len(self.held))
         if keep and not self.rails.rules.fixed:
             chars = len(view) - self.rails.rules.pending(view)

@@ -7,6 +7,7 @@ generator engine honouring a caller's stop request."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 
@@ -86,14 +87,63 @@ def test_a_word_at_the_very_end_is_caught_at_finish():
         hb.finish()
 
 
-def test_patterns_hold_the_whole_window_and_block_a_match_inside_it():
+def test_patterns_hold_only_what_may_grow_into_a_match_and_block_it_whole():
     hb = rails(pattern={"CARD": r"\b4\d{3}( \d{4}){3}\b"}, holdback_tokens=20).holdback()
     text = "pay with 4111 1111 1111 1111 now"
     released, blocked, out = run(hb, list(text))
     assert blocked is not None and blocked.rail == "rails.pattern.CARD"
-    assert "4" not in released  # the 19-character match fits the 20-token window: none of it left
-    # the window slides: with 20 tokens held, the first token went out with the 21st
-    assert out[:20] == [""] * 20 and out[20] == "p"
+    assert released == "pay with "  # the 19-character match fits the 20-token window: none of it left
+    # prose leaves with the token that makes it: nothing held before the "4" could start a match
+    assert out[:9] == list("pay with ")
+    assert out[9:] == [""] * (len(out) - 9)
+
+
+def test_a_pattern_holds_its_possible_start_and_lets_it_go_when_it_cannot_match():
+    hb = rails(pattern={"WEAPON": r"how to (build|make) a \w+ bomb"}, holdback_tokens=32).holdback()
+    assert hb.feed(list("so ")) == "so "
+    assert hb.feed(list("how to ma")) == ""  # may still become the pattern: held
+    assert hb.feed(list("p it")) == "how to map it"  # it cannot any more: released at once
+    assert hb.feed(list("!")) == "!"
+    assert hb.finish() == ""
+    # an unbounded match ending where the text ends is held: the next token may extend it
+    hb = rails(pattern={"ID": r"acct-\d+"}, holdback_tokens=16).holdback()
+    assert hb.feed(list("see acct-12")) == "see "
+    with pytest.raises(Blocked):
+        hb.feed(list("3 ok"))
+
+
+def test_random_splits_never_leak_a_pattern_match_and_pass_clean_text_whole():
+    rng = random.Random(11)
+    pattern = {"CARD": r"\b4\d{3}( \d{4}){3}\b", "WEAPON": r"how to (build|make) a \w+ bomb"}
+    for k in range(300):
+        clean = " ".join(rng.choice(["the", "how", "to", "make", "a", "4111", "1111", "bombastic", "x,", "42"])
+                         for _ in range(rng.randint(1, 20)))
+        bad = clean + rng.choice([" 4111 1111 1111 1111", " how to build a small bomb", " HOW TO MAKE A BIG BOMB"]) \
+            + rng.choice(["", " and more", "."])
+        for text, blocked_want in ((clean, None), (bad, True)):
+            starts = [m.start() for m in (re.search(rx, text, re.I) for rx in pattern.values()) if m]
+            if blocked_want is None:  # the clean words may form a match by chance
+                blocked_want = bool(starts)
+            hb = rails(pattern=pattern, holdback_tokens=32).holdback()
+            released, blocked, _ = run(hb, splits(text, rng))
+            assert (blocked is not None) == blocked_want, (k, text)
+            if blocked_want:  # nothing of the first match left
+                assert text.startswith(released) and len(released) <= min(starts), (text, released)
+            else:
+                assert released == text
+
+
+def test_without_partial_matching_a_pattern_holds_the_whole_window(monkeypatch):
+    """Where the ``regex`` package cannot compile the patterns (or is missing), the whole window
+    is held, as before partial matching: nothing of a match leaks either way."""
+    import tritonguard.guard.stream.rails as mod
+
+    monkeypatch.setattr(mod, "_partial_regex", lambda branches: None)
+    hb = rails(pattern={"CARD": r"\b4\d{3}( \d{4}){3}\b"}, holdback_tokens=20).holdback()
+    assert hb.rails.rules.fixed
+    released, blocked, out = run(hb, list("pay with 4111 1111 1111 1111 now"))
+    assert blocked is not None and "4" not in released
+    assert out[:20] == [""] * 20 and out[20] == "p"  # the first token went out with the 21st
 
 
 def test_random_splits_never_leak_a_match_and_pass_clean_text_whole():
