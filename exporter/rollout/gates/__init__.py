@@ -53,8 +53,10 @@ repeated looks:
 - **latency**: Mann-Whitney U (rank test; latency is heavy-tailed) of the candidate against the
   primary, on samples rebuilt from histogram bucket deltas (bucket midpoints; the open last
   bucket counts as twice its lower edge), computed on the bucket counts directly
-  (:func:`mann_whitney`, equal to ``scipy.stats.mannwhitneyu`` on the rebuilt samples). Kayenta-like, it fails only when the Hodges-Lehmann
-  shift exceeds ``latency_tolerance * |primary median|`` AND p < alpha_k. alpha_k is spent with
+  (:func:`mann_whitney`, equal to ``scipy.stats.mannwhitneyu`` on the rebuilt samples). It fails only when the data show the shift
+  beyond ``latency_tolerance * |primary median|``: the candidate's latencies less that allowance
+  are still slower than the primary's at p < alpha_k (a shift within the allowance, however
+  significant, is not a failure). alpha_k is spent with
   a convergent Bonferroni series, alpha_k = alpha * 6 / (pi^2 k^2) at look k: the sum over all
   looks is alpha, so there is no planned number of looks to exceed. PASS when the same test
   shows the candidate's latencies less the allowed shift faster than the primary's at ``beta``

@@ -246,6 +246,24 @@ def test_latency_buckets_pass_only_with_evidence_within_the_allowance():
     assert many.verdict == PASS and many.figures["p_within"] < 0.10
 
 
+def test_latency_buckets_fail_only_with_evidence_beyond_the_allowance():
+    """FAIL is the shifted test: the candidate's latencies less the allowed shift are still slower
+    at alpha_k. A 1.13x slower candidate (tolerance 0.15) is never failed, however many samples;
+    a 1.3x one is failed on 300 a side. (The old rule, point shift over the allowance AND
+    p(shift > 0) < alpha_k, took the shift from bucket midpoints, where most pairs share a bucket,
+    and failed neither: 0 of 40 seeds at 1.3x on 300 a side, 0 at 1.2x on 2000.)"""
+    cfg = GateConfig(latency_tolerance=0.15)
+
+    def verdicts(lat_c: float, n: int) -> list[str]:
+        return [by_name(evaluate(None, reading(lat_c=lat_c, n_c=n, n_p=n, seed=seed), cfg))["latency"].verdict
+                for seed in range(20)]
+
+    within = verdicts(0.00226, 2000)
+    assert FAIL not in within and within.count(PASS) >= 10, within
+    beyond = verdicts(0.0026, 300)
+    assert beyond.count(FAIL) >= 12 and PASS not in beyond, beyond
+
+
 @pytest.mark.parametrize("alternative", ["greater", "less", "two-sided"])
 def test_binned_mann_whitney_equals_scipy_on_the_rebuilt_samples(alternative):
     from scipy import stats
