@@ -172,6 +172,36 @@ def test_the_reservation_is_released_when_the_stream_ends_early(how):
     assert budget.reserve(gen.tenant, 1000 - gen.tokens_out)[1] is None
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_slot_is_free_before_the_client_hears_the_end(stream):
+    """The stages' ends (the slot and the unused tokens back, the caches filled) run before the
+    final response: a client that sends its next request as soon as its answer ends is admitted
+    (with one slot a tenant, it was refused when the bookkeeping came after the end; CI once saw a
+    deterministic repeat miss the cache the same way)."""
+    budget = TokenBudget(TokenBudgetConfig(per_minute=1000, max_in_flight=1), Clock())
+    stage = TenancyStage(TenancyConfig(), Metrics(), str, budget=budget)
+    seen: list = []
+
+    class NextRequestAtTheEnd(Sender):
+        def finish(self, text):
+            seen.append(budget.reserve("default", 10))  # the client's next request, admitted now
+            super().finish(text)
+
+    sender = NextRequestAtTheEnd(reasons=True)
+    gen = Generation(request=Request(), sender=sender, stream=stream, prompt="p", parameters={},
+                     params=SamplingParams(max_tokens=40, temperature=0))
+    stage.admit(gen)
+    stream_ = LocalStream()
+    worker = target(stream_, 12, delay=0)
+    fwd = StreamForwarder(gen, calls=TargetCalls(name="g", target="t", local=None, idle_s=5),
+                          pipeline=StreamPipeline([]), name="g", target="t", interval_s=0, cancel_poll_s=0.05,
+                          keep=False, on_end=lambda g, o: stage.end(g))
+    fwd.forward(1, stream_, time.perf_counter())
+    worker.join(10)
+    assert gen.tenant == "default" and seen == [(10, None)], seen
+    assert sender.final and sender.final[-1][0] == "finish"
+
+
 def test_a_stream_over_what_the_budget_holds_is_cut_with_finish_reason_length():
     budget = TokenBudget(TokenBudgetConfig(per_minute=30), Clock())
     stage = TenancyStage(TenancyConfig(), Metrics(), str, budget=budget)

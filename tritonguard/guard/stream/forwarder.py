@@ -95,11 +95,12 @@ class StreamForwarder:
             for piece in replay_pieces(text):
                 gen.sender.piece(piece)
                 self.sent(piece)
+            self.on_end(gen, "ok")  # before the end reaches the client, as in forward()
             gen.sender.finish(None)
         else:
-            gen.sender.finish(text)
             self.sent(text)
-        self.on_end(gen, "ok")
+            self.on_end(gen, "ok")
+            gen.sender.finish(text)
 
     def block(self, exc: Blocked, tokens: int, stop: Callable[[], int] | None = None) -> None:
         """A rail blocked the answer after ``tokens`` target tokens: the client's stream ends
@@ -109,6 +110,7 @@ class StreamForwarder:
         gen = self.gen
         gen.tokens_out += tokens
         gen.error = exc
+        self.on_end(gen, "blocked")  # the slot back before the client hears the end (forward())
         sender = gen.sender
         if getattr(sender, "reasons", False):
             sender.reason = CONTENT_FILTER
@@ -117,7 +119,6 @@ class StreamForwarder:
             send_safely(sender.fail, str(exc), exc.code)
         after = stop() if stop is not None else 0
         self.blocked_after = (tokens, after)
-        self.on_end(gen, "blocked")
         log.info("stream guard %s: answer blocked by rail '%s' after %d target tokens (%d pieces sent); the "
                  "target sent %d more after the block", self.name, exc.rail, tokens, gen.pieces_sent, after)
 
@@ -268,11 +269,14 @@ class StreamForwarder:
         gen.tokens_out += tokens
         if getattr(sender, "reasons", False):
             sender.reason = "length" if tokens >= max_tokens else "stop"
-        sender.finish(rest if rest or not gen.stream else None)  # non-streamed: exactly one response
         if rest:
             self.sent(rest)
         if gen.keep_text:
-            gen.text = "".join(gen.sent)  # what this client got, redacted: what the caches keep
+            gen.text = "".join(gen.sent)  # what this client gets, redacted: what the caches keep
+        # the bookkeeping (caches filled, quota and budget released) before the client hears the
+        # end: a client that sends its next request on the final response finds its slot free
+        # and, for a deterministic repeat, the answer cached (CI once saw the repeat miss)
         self.on_end(gen, "ok")
+        sender.finish(rest if rest or not gen.stream else None)  # non-streamed: exactly one response
         return generated, first, call_s, tokens
 
