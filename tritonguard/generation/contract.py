@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,6 +28,41 @@ SEED_LIMIT = 2**63
 # ends with a plain final response): how a BLS caller on python_backend 24.10, whose response
 # iterator has no cancel(), tells a ``generator`` target to stop (the stream guard's output rails)
 STOP_PREFIX = "tritonguard-stop:"
+# ... and the way the stream guard uses first: an empty file named after the request's id in
+# :func:`stop_dir`, which the generator's decode thread lists every 5 ms. A stop request is
+# a BLS exec(decoupled=True), and on python_backend 24.10 opening one while another thread of the
+# same stub reads a response iterator that is being fed can deadlock the stub (the opener holds
+# the GIL waiting for the stub's iterator-map mutex; the message monitor holds that mutex waiting
+# for the iterator's own; the reader holds that one waiting for the GIL): gdb showed exactly that
+# after a client's cancel, one cancel in ~50-400 under load, and the generator then froze too.
+STOP_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def stop_dir(create: bool = True) -> Path | None:
+    """The directory of stop files shared by the models of this tritonserver (a BLS caller and
+    its target are stubs of the same server: the stub's parent). None when it cannot be used:
+    not creatable, or not ours (another user's directory is never trusted)."""
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+    path = base / f"tritonguard-stops-{os.getuid()}-{os.getppid()}"
+    try:
+        if create:
+            path.mkdir(mode=0o700, exist_ok=True)
+        st = path.stat()
+    except OSError:
+        return None
+    return path if st.st_uid == os.getuid() and not (st.st_mode & 0o022) else None
+
+
+def write_stop(directory: Path, request_id: str) -> bool:
+    """Ask the generator serving ``request_id`` to stop it (see :data:`STOP_ID`); False when the
+    file cannot be written (then send a stop request)."""
+    if not STOP_ID.fullmatch(request_id):
+        return False
+    try:
+        (directory / request_id).touch()
+        return True
+    except OSError:
+        return False
 
 
 # -- sampling parameters ------------------------------------------------------------------------

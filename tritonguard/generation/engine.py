@@ -6,9 +6,11 @@ whole text) to its request's sink; cancellations, queue limits and per-token met
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from tritonguard.core import catalogue
@@ -21,6 +23,9 @@ from tritonguard.triton.streams import send_safely
 
 log = logging.getLogger(__name__)
 STOP_TTL_S = 60.0
+# how often the decode thread lists the stop files (a listdir of a tmpfs directory, ~10 us): a
+# stopped generation makes at most this long's worth of tokens more (tinylm: 1-3 ms a token)
+STOP_SCAN_S = 0.005
 
 
 class MetricsSink(Protocol):
@@ -49,7 +54,10 @@ class Engine:
 
     def __init__(self, decoder: Decoder, *, max_active: int = 16, max_queue: int = 256,
                  cancel_poll_s: float = 0.05, name: str = "generator",
-                 metrics: MetricsSink | None = None, itl_per_token: bool = False) -> None:
+                 metrics: MetricsSink | None = None, itl_per_token: bool = False,
+                 stop_dir: Path | None = None) -> None:
+        """``stop_dir``: where callers leave stop files (:func:`~tritonguard.generation.contract.stop_dir`),
+        listed every STOP_SCAN_S; None: stop requests only."""
         self.decoder = decoder
         # observations only go to the in-process sink (a deque the Metrics flusher empties)
         self.metrics: MetricsSink = metrics if metrics is not None else NoMetrics()
@@ -62,12 +70,17 @@ class Engine:
         # request ids a caller asked to stop -> when (contract.STOP_PREFIX); read by the decode
         # thread at every step (a dict lookup, no IPC), pruned after STOP_TTL_S
         self._stops: dict[str, float] = {}
+        self.stop_dir = stop_dir
+        self._next_stop_scan = 0.0
+        self._ids: set[str] = set()  # request ids submitted and not ended: the stop files that are ours
         self._thread = threading.Thread(target=self._run, name=f"decode-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, seq: Sequence) -> None:
         try:
             self.queue.put_nowait(seq)
+            if seq.request_id:
+                self._ids.add(seq.request_id)
         except queue.Full:
             self.metrics.inc("gen_requests", outcome="rejected")
             send_safely(seq.sink.fail, "the generator's queue is full; retry later", "UNAVAILABLE")
@@ -101,6 +114,7 @@ class Engine:
         if seq.ended:
             return
         seq.ended = True
+        self._ids.discard(seq.request_id)
         m = self.metrics
         m.inc("gen_requests", outcome=outcome)
         if seq.pieces:
@@ -127,6 +141,27 @@ class Engine:
             self.metrics.inc("gen_tokens", len(seq.prompt), direction="in")
             self.active.append(seq)
 
+    def _scan_stop_files(self, now: float) -> None:
+        """Every STOP_SCAN_S: the stop files naming a generation of this engine become stops
+        (and are removed); any file older than STOP_TTL_S (its generation ended elsewhere) goes."""
+        if self.stop_dir is None or now < self._next_stop_scan:
+            return
+        self._next_stop_scan = now + STOP_SCAN_S
+        try:
+            names = os.listdir(self.stop_dir)
+        except OSError:
+            return
+        for name in names:
+            path = self.stop_dir / name
+            try:
+                if name in self._ids:
+                    self.request_stop(name)
+                    path.unlink()
+                elif time.time() - path.stat().st_mtime > STOP_TTL_S:
+                    path.unlink()
+            except OSError:  # another engine took or pruned it
+                pass
+
     def _cancelled(self, seq: Sequence, now: float) -> bool:
         if seq.request_id and self._stops and self._stops.pop(seq.request_id, None) is not None:
             seq.stopped = True
@@ -146,6 +181,7 @@ class Engine:
                 if not self.active:
                     continue
                 now = time.monotonic()
+                self._scan_stop_files(now)
                 live = []
                 for seq in self.active:
                     if self._cancelled(seq, now):

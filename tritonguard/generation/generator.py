@@ -32,6 +32,7 @@ from tritonguard.generation.contract import (
     STOP_PREFIX,
     parse_sampling,
     read_contract,
+    stop_dir,
 )
 from tritonguard.generation.decoder import CharTokenizer, Decoder, Sequence, StepModel
 from tritonguard.generation.engine import Engine, generation_metrics
@@ -98,7 +99,8 @@ class GeneratorModel:
         self.engine = Engine(Decoder(model, tok), max_active=self.config.max_active,
                              max_queue=self.config.max_queue,
                              cancel_poll_s=self.config.cancel_poll_ms / 1000, name=self.name,
-                             metrics=self.metrics, itl_per_token=self.config.itl_per_token)
+                             metrics=self.metrics, itl_per_token=self.config.itl_per_token,
+                             stop_dir=stop_dir())
         log.info("generator %s v%s: vocab %d, hidden %d, max_tokens_cap %d", self.name,
                  a.version, tok.vocab_size, model.hidden, self.config.max_tokens_cap)
 
@@ -129,3 +131,8 @@ class GeneratorModel:
     def finalize(self) -> None:
         self.engine.stop()
         self.metrics.close()
+        if self.engine.stop_dir is not None:
+            try:  # the server's stop files: gone once no model of it uses them (a caller recreates it)
+                self.engine.stop_dir.rmdir()
+            except OSError:
+                pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -240,6 +241,51 @@ def test_engine_cancel_stops_decoding(decoder):
         assert 5 <= len(sink.pieces) <= 6
     finally:
         engine.stop()
+
+
+def test_engine_stops_a_generation_named_by_a_stop_file_and_leaves_the_others(tmp_path):
+    """The stream guard's stop (contract.write_stop): the decode thread lists the directory every
+    cancel poll; a file naming one of its generations ends that one with a plain final response
+    and is removed; a file naming another engine's generation stays for that engine (they share
+    the server's directory), a stale one is pruned."""
+    from tritonguard.generation import engine as engine_mod
+    from tritonguard.generation.contract import stop_dir, write_stop
+
+    class Steady:
+        def prefill(self, seq):
+            seq.logits = np.zeros(4, np.float32)
+
+        def advance(self, seqs):
+            time.sleep(0.002)
+            return [(s, "a") for s in seqs]
+
+    other = tmp_path / "tg-of-another-engine"
+    other.touch()
+    stale = tmp_path / "tg-long-gone"
+    stale.touch()
+    old = time.time() - engine_mod.STOP_TTL_S - 5
+    os.utime(stale, (old, old))
+    engine = Engine(Steady(), cancel_poll_s=0.01, stop_dir=tmp_path)  # type: ignore[arg-type]
+    try:
+        stopped, kept = ListSink(), ListSink()
+        params = SamplingParams(max_tokens=5000, temperature=0)
+        engine.submit(Sequence("x", params, stream=True, sink=stopped, request_id="tg-stop-me"))
+        engine.submit(Sequence("x", params, stream=True, sink=kept, request_id="tg-keep-me"))
+        while len(stopped.pieces) < 10:
+            time.sleep(0.005)
+        assert write_stop(tmp_path, "tg-stop-me") and not write_stop(tmp_path, "../escape")
+        assert stopped.closed.wait(5) and stopped.final is None and stopped.error is None
+        assert len(stopped.pieces) < 5000 and not kept.closed.is_set()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tg-of-another-engine"]
+    finally:
+        engine.stop()
+    # the server's directory: private to this user, shared by the stubs of one tritonserver
+    d = stop_dir()
+    try:
+        assert d is not None and d.stat().st_mode & 0o777 == 0o700 and str(os.getppid()) in d.name
+    finally:
+        if d is not None:
+            d.rmdir()
 
 
 def test_engine_queue_full_and_unload():

@@ -59,8 +59,10 @@ class StreamGuardConfig:
     # piece at once
     stream_interval_ms: float = 10.0
     # a generation the guard stops reading (a rail's block, a client's cancel, max_tokens) is also
-    # stopped at a ``generator``-backend target by a stop request naming the BLS call (python_backend
-    # 24.10 has no ResponseIterator.cancel()); false: its rest is only read and dropped
+    # stopped at a ``generator``-backend target (python_backend 24.10 has no
+    # ResponseIterator.cancel()): a stop file naming the BLS call in the server's stop directory,
+    # which the generator lists every 5 ms, else a stop request naming it; false: its rest is
+    # only read and dropped
     stop_requests: bool = True
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tritonguard.core.errors import TargetError
-from tritonguard.generation.contract import OUTPUT, STOP_PREFIX
+from tritonguard.generation.contract import OUTPUT, STOP_PREFIX, stop_dir, write_stop
 from tritonguard.generation.local import (
     END,
     LocalGenerator,
@@ -167,12 +167,18 @@ class TargetCalls:
         del freed  # the native frees happen here, outside the lock
 
     def _send_stop(self, responses: Any) -> bool:
-        """Ask the target to stop the BLS call ``responses`` (a request whose id names it; the
-        target ends that stream with a plain final response at its next decode step)."""
+        """Ask the target to stop the BLS call ``responses``: a stop file naming its id (the
+        generator lists them every 5 ms), else a stop request (a request whose id names
+        it; on 24.10 such a BLS call beside the call's own reader can deadlock this stub, see
+        :func:`~tritonguard.generation.contract.stop_dir`). The target ends that stream with a
+        plain final response at its next decode step."""
         call = self._ids.pop(id(responses), None)
         if call is None:
             return False
         version, rid = call
+        directory = stop_dir()
+        if directory is not None and write_stop(directory, rid):
+            return True
         try:
             p = backend.pb()
             req = p.InferenceRequest(model_name=self.target, model_version=int(version),
