@@ -128,6 +128,13 @@ def target(stream: LocalStream, n: int, fail_at: int | None = None, delay: float
     return t
 
 
+def forwarder(gen: Generation, stage: TenancyStage) -> StreamForwarder:
+    """A forwarder whose only stage is ``stage``, ended at once (no pacing)."""
+    return StreamForwarder(gen, calls=TargetCalls(name="g", target="t", local=None, idle_s=5),
+                           pipeline=StreamPipeline([]), name="g", target="t", interval_s=0, cancel_poll_s=0.05,
+                           keep=False, on_end=lambda g, o: stage.end(g))
+
+
 def serve(budget: TokenBudget, how: str) -> tuple[Generation, int]:
     """One generation of ``max_tokens`` 200 through the tenancy stage and the forwarder, ended as
     ``how``; returns it and the budget's balance while it streamed."""
@@ -193,9 +200,7 @@ def test_the_slot_is_free_before_the_client_hears_the_end(stream):
     stage.admit(gen)
     stream_ = LocalStream()
     worker = target(stream_, 12, delay=0)
-    fwd = StreamForwarder(gen, calls=TargetCalls(name="g", target="t", local=None, idle_s=5),
-                          pipeline=StreamPipeline([]), name="g", target="t", interval_s=0, cancel_poll_s=0.05,
-                          keep=False, on_end=lambda g, o: stage.end(g))
+    fwd = forwarder(gen, stage)
     fwd.forward(1, stream_, time.perf_counter())
     worker.join(10)
     assert gen.tenant == "default" and seen == [(10, None)], seen
@@ -215,9 +220,7 @@ def test_a_stream_over_what_the_budget_holds_is_cut_with_finish_reason_length():
     gen.request, gen.sender, gen.stream = Request(), sender, True
     stream = LocalStream()
     worker = target(stream, 40, delay=0)
-    fwd = StreamForwarder(gen, calls=TargetCalls(name="g", target="t", local=None, idle_s=5),
-                          pipeline=StreamPipeline([]), name="g", target="t", interval_s=0, cancel_poll_s=0.05,
-                          keep=False, on_end=lambda g, o: stage.end(g))
+    fwd = forwarder(gen, stage)
     fwd.forward(1, stream, time.perf_counter())
     worker.join(10)
     assert len("".join(sender.pieces)) == 30 and sender.final[-1][2] == "length"
@@ -237,9 +240,7 @@ def test_tokens_that_arrive_together_past_the_budget_are_cut_too():
     gen.request, gen.sender, gen.stream = Request(), sender, True
     stream = LocalStream()
     target(stream, 40, delay=0).join(10)  # every token is queued before the forwarder starts
-    fwd = StreamForwarder(gen, calls=TargetCalls(name="g", target="t", local=None, idle_s=5),
-                          pipeline=StreamPipeline([]), name="g", target="t", interval_s=0, cancel_poll_s=0.05,
-                          keep=False, on_end=lambda g, o: stage.end(g))
+    fwd = forwarder(gen, stage)
     fwd.forward(1, stream, time.perf_counter())
     assert "".join(sender.pieces) == "a" * 30 and sender.final[-1][2] == "length"
     assert budget.balance(gen.tenant) == 0
