@@ -38,15 +38,14 @@ STOP_PREFIX = "tritonguard-stop:"
 STOP_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
-def stop_dir(create: bool = True) -> Path | None:
+def stop_dir() -> Path | None:
     """The directory of stop files shared by the models of this tritonserver (a BLS caller and
     its target are stubs of the same server: the stub's parent). None when it cannot be used:
     not creatable, or not ours (another user's directory is never trusted)."""
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
     path = base / f"tritonguard-stops-{os.getuid()}-{os.getppid()}"
     try:
-        if create:
-            path.mkdir(mode=0o700, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
         st = path.stat()
     except OSError:
         return None

@@ -77,11 +77,12 @@ class Engine:
         self._thread.start()
 
     def submit(self, seq: Sequence) -> None:
+        if seq.request_id:  # before the decode thread can take it (and end it: discard)
+            self._ids.add(seq.request_id)
         try:
             self.queue.put_nowait(seq)
-            if seq.request_id:
-                self._ids.add(seq.request_id)
         except queue.Full:
+            self._ids.discard(seq.request_id)
             self.metrics.inc("gen_requests", outcome="rejected")
             send_safely(seq.sink.fail, "the generator's queue is full; retry later", "UNAVAILABLE")
 
