@@ -191,8 +191,39 @@ def train(seed: int = SEED, steps: int = STEPS) -> tuple[CharGRU, CharTokenizer,
     if (seed, steps) in _TRAINED:
         model, tok, figures = _TRAINED[(seed, steps)]
         return copy.deepcopy(model), tok, dict(figures)
-    model, tok, figures = _train(seed, steps)
+    cache = os.environ.get(TRAIN_CACHE_ENV)
+    model, tok, figures = _train_shared(Path(cache), seed, steps) if cache else _train(seed, steps)
     _TRAINED[(seed, steps)] = (copy.deepcopy(model), tok, dict(figures))
+    return model, tok, figures
+
+
+TRAIN_CACHE_ENV = "TRITONGUARD_TRAIN_CACHE"
+
+
+def _train_shared(folder: Path, seed: int, steps: int) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
+    """:func:`_train`, once for every process that names the same ``folder`` in
+    ``$TRITONGUARD_TRAIN_CACHE`` (the test lanes share one per run): the first trains and saves
+    the weights, the others wait on its lock and load them. The key holds everything the result
+    depends on (seed, steps, this file, the thread count, torch's and Python's versions), and
+    ``state_dict`` round-trips the tensors bit for bit, so the exported file is the same."""
+    from filelock import FileLock  # noqa: PLC0415 - only where the cache is asked for
+
+    key = hashlib.sha256(f"{seed}/{steps}/{THREADS}/{torch.__version__}/{sys.version}\n".encode()
+                         + Path(__file__).read_bytes()).hexdigest()[:20]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"tinylm-{key}.pt"
+    with FileLock(str(path) + ".lock"):
+        if path.exists():
+            saved = torch.load(path, weights_only=True)
+            tok = CharTokenizer()
+            model = CharGRU(tok.vocab_size)
+            model.load_state_dict(saved["state"])
+            model.eval()
+            return model, tok, {k: float(v) for k, v in saved["figures"].items()}
+        model, tok, figures = _train(seed, steps)
+        buf = io.BytesIO()
+        torch.save({"state": model.state_dict(), "figures": figures}, buf)
+        atomic_write(path, buf.getvalue())
     return model, tok, figures
 
 

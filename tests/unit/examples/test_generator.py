@@ -25,3 +25,24 @@ def test_the_corpus_does_not_depend_on_what_the_process_imported():
                                check=True).stdout.strip()
     assert after_ray == here
     assert len(example.corpus()) > 1000
+
+
+def test_weights_shared_through_the_train_cache_export_the_same_bytes(tmp_path):
+    """$TRITONGUARD_TRAIN_CACHE (set by tests.lanes for the whole run): a second process loads
+    what the first trained, and exports the very file a fresh training exports."""
+    import torch  # noqa: PLC0415
+
+    cache = tmp_path / "cache"
+    trained, _, figures = example._train_shared(cache, 3, 5)
+    assert len(list(cache.glob("tinylm-*.pt"))) == 1
+    # what another process sees: the file, not this process's copy
+    loaded, tok, again = example._train_shared(cache, 3, 5)
+    assert loaded is not trained and again == figures and tok.vocab_size == trained.head.out_features
+    for (name, a), (_, b) in zip(trained.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    fresh, _, _ = example._train(3, 5)
+    assert example.export_onnx(loaded) == example.export_onnx(fresh)
+    # another seed is another entry, not the first one's weights
+    other, _, _ = example._train_shared(cache, 4, 5)
+    assert len(list(cache.glob("tinylm-*.pt"))) == 2
+    assert not torch.equal(other.head.weight, loaded.head.weight)
