@@ -102,37 +102,46 @@ TOGETHER = (
     ("tests/functional/test_batch.py", "tests/functional/test_ray_serve.py"),
 )
 
-# wall seconds per module in the last full run (clean clone at 85cea74, 2 cores, 2026-11-29: the
+# wall seconds per module in the last full run (clean clone at ccb145f, 2 cores, 2026-11-29: the
 # untimed modules in lanes at once, the timed ones alone; modules under 8 s left to the default);
-# only what balances the lanes: a stale figure makes a lane longer, never a test wrong. The
-# session tritonserver's start (~40 s) lands on whichever module of a lane uses it first, and a
-# tinylm training (shared by the lanes, see _env) on whichever module builds it first.
+# only what balances the lanes: a stale figure makes a lane longer, never a test wrong. Dealt by
+# the previous figures (taken alone, 2026-11-28), the lanes ended 1,234 and 1,085 s. The session
+# tritonserver's start (~40 s) lands on whichever module of a lane uses it first. Dealt by the
+# figures of a later run (85cea74), the lanes paired the judge modules against
+# test_generation_rollout and test_promote (each CPU-bound for minutes) and ended at 1,139 and
+# 1,224 s, with 25 % more CPU for the same modules (2026-11-29; the timed phase, alone, used
+# 10-18 % more than in the earlier runs, so part of that was the machine): these figures pair each
+# of the heaviest with one that waits more (test_batch's Ray, test_fleet's restarts), and the lanes
+# ended near 1,000 s in four runs in a row.
 SECONDS = {
-    "tests/functional/test_batch.py": 206, "tests/functional/test_promote.py": 200,
-    "tests/functional/test_generation_rollout.py": 198, "tests/functional/test_judge.py": 141,
-    "tests/functional/test_fleet.py": 134, "tests/functional/test_supervisor.py": 133,
-    "tests/functional/test_judge_labels.py": 98, "tests/functional/test_rollout.py": 81,
-    "tests/functional/test_rollout_text.py": 79, "tests/functional/test_ray_serve.py": 77,
-    "tests/functional/test_stream.py": 64, "tests/unit/exporter/rollout/test_prometheus.py": 62,
-    "tests/unit/exporter/rollout/test_generation.py": 53, "tests/functional/test_stream_guard.py": 52,
-    "tests/functional/test_replicas.py": 47, "tests/functional/test_objectstore_fetch.py": 43,
-    "tests/functional/test_cost.py": 43, "tests/deploy/test_image.py": 39,
-    "tests/unit/exporter/records/test_registry.py": 38, "tests/unit/exporter/build/test_compile.py": 33,
-    "tests/unit/exporter/build/test_sources.py": 31, "tests/functional/test_privacy.py": 28,
-    "tests/functional/test_classical.py": 28, "tests/unit/guard/routing/test_stream.py": 26,
-    "tests/functional/test_tune.py": 26, "tests/functional/test_audit_anchor.py": 25,
-    "tests/functional/test_cache_corrupt.py": 20, "tests/deploy/test_validate.py": 16,
-    "tests/unit/exporter/rollout/test_controller.py": 15,
-    # 30 s in that run; 14 s alone since the gate's rank test stopped calling SciPy per class
-    "tests/unit/rollout/test_latency.py": 14,
-    "tests/unit/exporter/cli/test_status.py": 13, "tests/functional/test_tracing.py": 13,
-    "tests/functional/test_tenant_auth.py": 13, "tests/unit/guard/routing/test_router.py": 12,
-    "tests/functional/test_openai.py": 12, "tests/unit/privacy/test_tenancy_fleet.py": 11,
-    "tests/unit/examples/test_minilm_candidates.py": 11, "tests/functional/test_native.py": 11,
-    "tests/functional/test_objectstore.py": 10, "tests/unit/test_monitoring_joins.py": 9,
-    "tests/unit/test_architecture.py": 9, "tests/unit/guard/stream/test_openai_target.py": 9,
-    "tests/unit/exporter/rollout/test_judge.py": 9, "tests/unit/exporter/cli/test_server_opt.py": 9,
-    "tests/unit/exporter/records/test_remote.py": 8,
+    "tests/functional/test_generation_rollout.py": 242, "tests/functional/test_promote.py": 225,
+    "tests/functional/test_fleet.py": 213, "tests/functional/test_judge.py": 184,
+    "tests/functional/test_batch.py": 182, "tests/functional/test_judge_labels.py": 157,
+    "tests/functional/test_supervisor.py": 136, "tests/functional/test_rollout.py": 110,
+    "tests/functional/test_rollout_text.py": 80, "tests/functional/test_stream.py": 69,
+    "tests/functional/test_replicas.py": 68, "tests/functional/test_ray_serve.py": 66,
+    "tests/unit/exporter/rollout/test_prometheus.py": 62,
+    "tests/unit/exporter/rollout/test_generation.py": 56,
+    "tests/unit/exporter/records/test_registry.py": 50,
+    "tests/unit/exporter/build/test_compile.py": 48, "tests/deploy/test_image.py": 46,
+    "tests/functional/test_stream_guard.py": 45, "tests/functional/test_cost.py": 44,
+    "tests/functional/test_classical.py": 36, "tests/functional/test_objectstore_fetch.py": 34,
+    "tests/functional/test_privacy.py": 31, "tests/unit/exporter/build/test_sources.py": 31,
+    "tests/functional/test_tune.py": 28, "tests/functional/test_monitoring.py": 26,
+    "tests/functional/test_audit_anchor.py": 25, "tests/unit/guard/routing/test_stream.py": 21,
+    "tests/unit/test_architecture.py": 18, "tests/functional/test_cache_corrupt.py": 18,
+    "tests/unit/exporter/rollout/test_controller.py": 17, "tests/deploy/test_validate.py": 16,
+    "tests/unit/exporter/cli/test_status.py": 16, "tests/functional/test_tenant_auth.py": 16,
+    "tests/functional/test_tracing.py": 14, "tests/functional/test_openai.py": 14,
+    "tests/unit/rollout/test_latency.py": 13, "tests/unit/exporter/cli/test_server_opt.py": 13,
+    "tests/functional/test_native.py": 13, "tests/unit/exporter/rollout/test_judge.py": 13,
+    "tests/unit/examples/test_minilm_candidates.py": 13,
+    "tests/unit/guard/routing/test_router.py": 12, "tests/unit/privacy/test_tenancy_fleet.py": 11,
+    "tests/functional/test_objectstore.py": 10,
+    "tests/unit/exporter/records/test_registry_aliases.py": 10,
+    "tests/unit/exporter/build/test_sources_classical.py": 10,
+    "tests/unit/test_monitoring_joins.py": 10, "tests/unit/guard/stream/test_openai_target.py": 9,
+    "tests/unit/exporter/records/test_history.py": 9,
 }
 DEFAULT_SECONDS = {"functional": 30.0, "deploy": 5.0, "unit": 3.3}
 
