@@ -50,6 +50,11 @@ def _get(request, name):
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        params = json.loads(args["model_config"]).get("parameters", {})
+        # a pause after each word: its characters arrive together, the next word later
+        self.word_pause_s = float(params.get("word_pause_s", {}).get("string_value", "0"))
+
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
@@ -78,6 +83,8 @@ class TritonPythonModel:
                     sender.send(pb_utils.InferenceResponse([out]))
                     if ch == "|":
                         time.sleep(1.0)
+                    elif ch == " " and self.word_pause_s:
+                        time.sleep(self.word_pause_s)
                 else:
                     sender.send(flags=final)
             else:
@@ -105,6 +112,14 @@ def server(tmp_path_factory, exported_repo):
                                  "instance_group": [{"count": 1, "kind": "KIND_CPU"}]})
     (repo / "echo" / "1").mkdir()
     (repo / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    # the echo pausing 50 ms after each word: behind echo_out, whose pieces the tests count. Unpaced,
+    # a loaded guard read a whole clause of characters in one batch and sent it as one piece (5
+    # pieces where the test wants >= 6, a full run, 2026-11-29): the count then measured the load
+    write_config(repo / "echo_words", {"name": "echo_words", "backend": "python", **io,
+                                       "parameters": _params(word_pause_s="0.05"),
+                                       "instance_group": [{"count": 1, "kind": "KIND_CPU"}]})
+    (repo / "echo_words" / "1").mkdir()
+    (repo / "echo_words" / "1" / "model.py").write_text(ECHO_MODEL)
 
     def guard(name: str, **params: str) -> None:
         write_config(repo / name, {"name": name, "backend": "guard", **io, "parameters": _params(**params),
@@ -117,7 +132,7 @@ def server(tmp_path_factory, exported_repo):
     guard("echo_guard", target="echo", validation__max_tokens="512")  # the echo sees the redacted prompt
     # the echo sees the original prompt: only the way out redacts
     # (every piece at once, stream_interval_ms 0: the tests see the hold-back's own granularity)
-    guard("echo_out", target="echo", validation__max_tokens="512", redaction__model_sees_redacted="false",
+    guard("echo_out", target="echo_words", validation__max_tokens="512", redaction__model_sees_redacted="false",
           target_idle_timeout_s="2", stream_interval_ms="0")
     guard("echo_paced", target="echo", validation__max_tokens="512", stream_interval_ms="100")
     guard("echo_budget", target="echo", tokens__per_minute="60", validation__max_tokens="512")
@@ -149,7 +164,7 @@ def server(tmp_path_factory, exported_repo):
     logs = tmp_path_factory.mktemp("streamlogs")
     guard("echo_audited", target="echo", validation__max_tokens="512", audit__path=str(logs / "stream_audit.jsonl"))
     srv = Server(repository=repo, log_path=logs / "tritonserver.log")
-    srv.start(wait_models=("tinylm", "echo", "tinylm_guard", "tinylm_local", "echo_guard", "echo_out", "echo_paced",
+    srv.start(wait_models=("tinylm", "echo", "echo_words", "tinylm_guard", "tinylm_local", "echo_guard", "echo_out", "echo_paced",
                            "echo_budget",
                            "echo_metrics", "echo_cached", "echo_semantic", "echo_audited",
                            "minilm_raw", "tinylm_ab", "tinylm_similar", "rails_classifier", "tinylm_railed",
@@ -268,7 +283,7 @@ def test_a_fast_stream_is_sent_in_paced_pieces_and_held_text_goes_out_on_time(se
                     break
             assert "".join(pieces) == text, pieces
             if text == prompt:
-                # 24 words; the unpaced echo_out sends about one piece per word (test above)
+                # 24 words; echo_out (no interval, its echo pausing after each word) sends about one piece a word (test above)
                 assert 2 <= len(pieces) <= 6, pieces
             else:
                 # the output redaction keeps back "|" (the word being written); all before it
@@ -326,7 +341,7 @@ def test_a_target_failing_mid_stream_ends_the_stream_cleanly(server):
         while error is None:
             _, error = results.get(timeout=20)
         took = time.monotonic() - t0
-        assert "target 'echo'" in str(error) and ("failed" in str(error) or "sent nothing for 2 s" in str(error)), error
+        assert "target 'echo_words'" in str(error) and ("failed" in str(error) or "sent nothing for 2 s" in str(error)), error
         assert took < 10, took
         pieces, _ = grpc_stream(client, results, "echo_out", "still serving", {"max_tokens": 50})
         assert "".join(pieces) == "still serving"
