@@ -79,7 +79,10 @@ RELATIVE = (
 # but start no session server (test_image, test_cache_corrupt, test_objectstore, test_remote and
 # four small unit modules; CPU under a third of wall): all of them run in the first minutes, beside
 # the lanes' heaviest, and test_batch took 278 s against 205, test_generation_rollout 254 against
-# 198; the lanes ended 1,064 and 1,042 s against 1,011 and 983 (2026-11-29)
+# 198; the lanes ended 1,064 and 1,042 s against 1,011 and 983 (2026-11-29). Not conclusive: the
+# next run, with this lane as it stands, ended 1,304 and 1,298 s, every module using ~40 % more
+# CPU than in the earlier runs (the machine had slowed); left as it was, the layout with the most
+# green runs behind it
 WAITING = (
     "tests/unit/exporter/rollout/test_prometheus.py",
     "tests/unit/guard/routing/test_stream.py",
@@ -103,7 +106,7 @@ TOGETHER = (
 # figures of a later run (85cea74), the lanes paired the judge modules against
 # test_generation_rollout and test_promote (each CPU-bound for minutes) and ended at 1,139 and
 # 1,224 s, with 25 % more CPU for the same modules (2026-11-29; the timed phase, alone, used
-# 10-18 % more than in the earlier runs, so part of that was the machine): these figures pair each
+# 10-18 % more than in the earlier runs, so part or all of that was the machine): these figures pair each
 # of the heaviest with one that waits more (test_batch's Ray, test_fleet's restarts), and the lanes
 # ended near 1,000 s in four runs in a row.
 SECONDS = {
