@@ -181,6 +181,7 @@ class CharGRU(nn.Module):
 
 
 _TRAINED: dict[tuple[int, int], tuple[CharGRU, CharTokenizer, dict[str, float]]] = {}
+TRAIN_CACHE_ENV = "TRITONGUARD_TRAIN_CACHE"  # a folder shared by processes: see _train_shared
 
 
 def train(seed: int = SEED, steps: int = STEPS) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
@@ -195,9 +196,6 @@ def train(seed: int = SEED, steps: int = STEPS) -> tuple[CharGRU, CharTokenizer,
     model, tok, figures = _train_shared(Path(cache), seed, steps) if cache else _train(seed, steps)
     _TRAINED[(seed, steps)] = (copy.deepcopy(model), tok, dict(figures))
     return model, tok, figures
-
-
-TRAIN_CACHE_ENV = "TRITONGUARD_TRAIN_CACHE"
 
 
 def _train_shared(folder: Path, seed: int, steps: int) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
