@@ -55,9 +55,6 @@ from tritonguard.triton.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-FETCH_RETRY_S = 2.0  # a named version still missing after a fetch: fetched again after this long
-FETCH_RETRY_MAX_S = 60.0
-
 
 class BlsTarget:
     def __init__(self, name: str, version: int, outputs: list[str], max_batch: int, timeout_ms: int,
@@ -282,17 +279,10 @@ class GuardModel:
         return self.source.present(self.config.target.target, version)
 
     def _fetch_named_versions(self) -> None:
-        """An object-store repository: a version the rollout state names that this replica lacks
-        (exported after this guard loaded) is fetched by the source's fetcher thread, never on the
-        serving path (a large artifact takes seconds); the router routes to it once it is here
-        and checked (:meth:`_present`), and serves its share by the rest of the rollout until
-        then. An in-process guard also loads it on that thread before it is routed to. A fetch
-        that leaves a named version missing (the store failed) is tried again on a later poll,
-        at most every ``FETCH_RETRY_S`` (doubling, up to ``FETCH_RETRY_MAX_S``)."""
+        """An object-store repository: the versions the rollout state names are fetched in the
+        background (:func:`tritonguard.guard.source.follow_rollout`); an in-process guard also
+        loads each on the fetcher's thread, before it is routed to."""
         view, target = self.router.view, self.config.target.target
-        chained = view.on_new
-        retry = {"at": 0.0, "wait": FETCH_RETRY_S, "revision": -1}
-        reported: set[int] = set()
 
         def prepare(versions: list[int]) -> None:
             if self.config.target.placement != "inprocess":
@@ -305,36 +295,7 @@ class GuardModel:
                     except TargetError as exc:  # routed to, it fails its requests as any broken version
                         log.warning("guard %s: %s v%d fetched but not loaded: %s", self.name, target, version, exc)
 
-        def done(_model: str) -> None:
-            missing = [v for v in view.named_versions() if not self._present(v)]
-            if missing and view.state.revision != retry["revision"]:
-                retry["at"] = 0.0  # the state moved on while this fetch ran: its news are fetched at once
-                return
-            if missing:  # the store failed, or does not have it (yet): later, less and less often
-                retry["wait"] = min(retry["wait"] * 2, FETCH_RETRY_MAX_S)
-                retry["at"] = time.monotonic() + retry["wait"]
-                return
-            retry["wait"] = FETCH_RETRY_S
-            for version in sorted(reported):
-                log.info("guard %s: %s v%d fetched and checked: routed to as the rollout state says",
-                         self.name, target, version)
-            reported.clear()
-
-        def on_new(old: Any, new: Any) -> None:
-            missing = [v for v in view.named_versions() if not self._present(v)]
-            now = time.monotonic()
-            if missing and (new.revision != old.revision or now >= retry["at"]):
-                if self.source.fetch_later(target, keep=view.named_versions, prepare=prepare, done=done):
-                    retry["at"], retry["revision"] = now + retry["wait"], new.revision
-                for version in set(missing) - reported:
-                    reported.add(version)
-                    log.info("guard %s: %s v%d is named by the rollout state and not on this replica yet: "
-                             "fetching it in the background; its share is served by the rest of the rollout "
-                             "until then", self.name, target, version)
-            if chained is not None:
-                chained(old, new)
-
-        view.on_new = on_new
+        source.follow_rollout(self.source, view, target, self._present, guard=self.name, prepare=prepare)
 
     def _feedback(self) -> list[FeedbackStage]:
         """What each version answered, for late labels, and the labels sent with requests

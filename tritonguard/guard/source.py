@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from tritonguard.core import objectstore, repository
 from tritonguard.core.errors import ConfigError, TargetError
 from tritonguard.core.store import ENV_URL
 
 log = logging.getLogger(__name__)
+
+FETCH_RETRY_S = 2.0  # a named version still missing after a fetch: fetched again after this long
+FETCH_RETRY_MAX_S = 60.0
 
 
 class RepositorySource:
@@ -173,6 +178,52 @@ def resolve(name: str, model_dir: Path, environ: Mapping[str, str]) -> Repositor
     return RepositorySource(model_dir.parent)
 
 
+def follow_rollout(src: RepositorySource, view: Any, target: str, present: Callable[[int], bool], *,
+                   guard: str, prepare: Callable[[list[int]], None] | None = None) -> None:
+    """An object-store repository: a version the rollout state names that this replica lacks
+    (exported or declared at a URL after this guard loaded) is fetched by the source's fetcher
+    thread, never on the serving path (a large artifact takes seconds); the router routes to it
+    once ``present(version)`` says so, and serves its share by the rest of the rollout until
+    then. ``prepare(new versions)`` runs on that thread before they count as present (an
+    in-process guard loads them there). A fetch that leaves a named version missing (the store
+    failed) is tried again on a later poll, at most every ``FETCH_RETRY_S`` (doubling, up to
+    ``FETCH_RETRY_MAX_S``). Chains itself into ``view.on_new`` (called at every state poll)."""
+    chained = view.on_new
+    retry = {"at": 0.0, "wait": FETCH_RETRY_S, "revision": -1}
+    reported: set[int] = set()
+
+    def done(_model: str) -> None:
+        missing = [v for v in view.named_versions() if not present(v)]
+        if missing and view.state.revision != retry["revision"]:
+            retry["at"] = 0.0  # the state moved on while this fetch ran: its news are fetched at once
+            return
+        if missing:  # the store failed, or does not have it (yet): later, less and less often
+            retry["wait"] = min(retry["wait"] * 2, FETCH_RETRY_MAX_S)
+            retry["at"] = time.monotonic() + retry["wait"]
+            return
+        retry["wait"] = FETCH_RETRY_S
+        for version in sorted(reported):
+            log.info("guard %s: %s v%d fetched and checked: routed to as the rollout state says",
+                     guard, target, version)
+        reported.clear()
+
+    def on_new(old: Any, new: Any) -> None:
+        missing = [v for v in view.named_versions() if not present(v)]
+        now = time.monotonic()
+        if missing and (new.revision != old.revision or now >= retry["at"]):
+            if src.fetch_later(target, keep=view.named_versions, prepare=prepare, done=done):
+                retry["at"], retry["revision"] = now + retry["wait"], new.revision
+            for version in set(missing) - reported:
+                reported.add(version)
+                log.info("guard %s: %s v%d is named by the rollout state and not on this replica yet: "
+                         "fetching it in the background; its share is served by the rest of the rollout "
+                         "until then", guard, target, version)
+        if chained is not None:
+            chained(old, new)
+
+    view.on_new = on_new
+
+
 def check_complete(repo: Path, target: str, version: int) -> None:
     """Refuse a version of a target in this repository that has no manifest."""
     model_dir = Path(repo) / target
@@ -181,4 +232,5 @@ def check_complete(repo: Path, target: str, version: int) -> None:
         raise TargetError(f"version {version} of '{target}' has no manifest: not served")
 
 
-__all__ = ["Fetcher", "RepositorySource", "check_complete", "resolve"]
+__all__ = ["FETCH_RETRY_MAX_S", "FETCH_RETRY_S", "Fetcher", "RepositorySource", "check_complete",
+           "follow_rollout", "resolve"]

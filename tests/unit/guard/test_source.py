@@ -147,3 +147,51 @@ def test_a_fetch_that_fails_leaves_the_version_absent_and_the_thread_alive(aws_e
                   Body=json.dumps({"artifact": "model.onnx", "sha256": hashlib.sha256(b"one").hexdigest()}).encode())
     assert src.fetch_later("t") and src.idle(10) and src.present("t", 1)
     src.close()
+
+
+def test_a_stream_guard_fed_from_a_store_fetches_a_url_version_the_state_names(aws_env, tmp_path):
+    """A version served at a URL is declared in the target's endpoints.json, which `exporter
+    endpoint` publishes to the store. A stream guard fed from the store loaded with the copy of
+    its start: the version the rollout state named after it was, at most, routed to by a
+    declaration it never saw. Now the guard's rollout poll finds the named version missing and
+    fetches the target in the background; the version is present (routable) once the new
+    endpoints.json is here. Real S3 (moto), the real cache, rollout view and file store."""
+    from types import SimpleNamespace
+
+    from tritonguard.guard.routing.view import RolloutView
+    from tritonguard.guard.stream.model import StreamGuardModel
+    from tritonguard.guard.stream.openai_target import VersionTargets
+    from tritonguard.rollout.endpoints import Endpoint, declare
+    from tritonguard.rollout.state import Candidate
+    from tritonguard.rollout.stores import open_store
+
+    s3 = aws_env.client()
+    bucket = aws_env.bucket("stream-source")
+    art = b"weights"
+    s3.put_object(Bucket=bucket, Key="repo/t/config.pbtxt", Body=b'name: "t"\n')
+    s3.put_object(Bucket=bucket, Key="repo/t/1/model.onnx", Body=art)
+    s3.put_object(Bucket=bucket, Key="repo/t/1/manifest.json",
+                  Body=json.dumps({"artifact": "model.onnx", "sha256": hashlib.sha256(art).hexdigest()}).encode())
+    cache = objectstore.RepositoryCache(f"s3://{bucket}/repo", cache_dir=tmp_path / "cache")
+    src = source.RepositorySource(cache.root, cache)
+    src.fetch("t")  # the guard's initialize()
+    guard = SimpleNamespace(source=src, target="t",
+                            remote=VersionTargets(cache.root / "t", guard="g", target="t", timeout_s=5))
+    guard.remote.view.check_s = 0.0  # re-read at every look (the guard's: once a second)
+    present = lambda v: StreamGuardModel._present(guard, v)  # noqa: E731 - the guard's own check
+    assert present(1) and not present(3)
+
+    # `exporter endpoint t 3 --url …` on the store: endpoints.json beside the config
+    (tmp_path / "work").mkdir()
+    declare(tmp_path / "work", Endpoint(3, "http://127.0.0.1:9/v1", model="m"))
+    s3.put_object(Bucket=bucket, Key="repo/t/endpoints.json", Body=(tmp_path / "work" / "endpoints.json").read_bytes())
+    store = open_store("g", tmp_path / "state", url="")
+    view = RolloutView(guard="g", repo=cache.root, target="t", store=store, poll_interval_s=0, metrics=None)
+    source.follow_rollout(src, view, "t", present, guard="g")
+    store.update(lambda s: setattr(s, "candidate", Candidate(3, 0.5)), by="cli")
+    assert not present(3)
+    view.refresh(1.0, wait=True)  # the poll that reads the new state
+    assert src.idle(10)
+    assert present(3) and guard.remote.view.get(3).url == "http://127.0.0.1:9/v1"
+    assert (cache.root / "t" / "endpoints.json").is_file()
+    src.close()

@@ -133,16 +133,18 @@ class StreamRouter(Router):
                  config: RoutingConfig, breaker: BreakerConfig, metrics: Any, pin: int = -1,
                  ready: Callable[[int], bool] | None = None, clock: Callable[[], float] = time.time,
                  seed: int | None = None, latency: Any = None,
-                 similarity: Callable[[str, str], float] | None = None) -> None:
+                 similarity: Callable[[str, str], float] | None = None,
+                 present: Callable[[int], bool] | None = None) -> None:
         """``similarity(a, b)``: the ``sampled_similarity`` figure of two sampled texts (e.g.
-        :func:`embedding_similarity`); None: :func:`trigram_cosine`."""
+        :func:`embedding_similarity`); None: :func:`trigram_cosine`. ``present``: as the
+        :class:`Router`'s (an object-store repository)."""
         validator = ValidatorConfig(workload="generation")
         self.similarity = similarity
         super().__init__(guard=guard, repo=repo, target=target,
                          make_target=lambda v: _TextTarget(run_text, v), output_names=["text_output"],
                          store=store, config=config, validator=validator,
                          registry=ValidatorRegistry.from_config(validator), breaker=breaker, metrics=metrics,
-                         clock=clock, seed=seed, pin=pin, ready=ready, latency=latency)
+                         clock=clock, seed=seed, pin=pin, ready=ready, latency=latency, present=present)
 
     def _goldens(self, validator: ValidatorConfig, registry: ValidatorRegistry, max_batch: int) -> GoldensChecker:
         return TextGoldensChecker(guard=self.guard, repo=self.repo, target=self.target, view=self.view,

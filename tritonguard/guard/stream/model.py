@@ -152,7 +152,12 @@ class StreamGuardModel:
                                    store=open_store(self.name, repo), config=s.routing, breaker=s.breaker,
                                    metrics=self.services.router_metrics(), pin=self.version,
                                    ready=lambda _v: self._served, latency=recorder_for(self.name, repo),
-                                   similarity=similarity)
+                                   similarity=similarity,
+                                   # an object-store repository: a version is routed to once its
+                                   # files, or its URL in endpoints.json, are fetched here
+                                   present=self._present if self.source.remote else None)
+        if self.source.remote:
+            source.follow_rollout(self.source, self.router.view, self.target, self._present, guard=self.name)
         self.pipeline = self.services.pipeline(self.router, self.inputs)
         # this replica in the shared store's registry (Redis only): the exporter finds it there
         self.heartbeat = start_heartbeat(self.name, lambda: served_versions(self.router.state))
@@ -160,6 +165,11 @@ class StreamGuardModel:
         log.info("stream guard %s -> %s: max_tokens %d, holdback %d chars, redaction %s, max_in_flight %d",
                  self.name, self.target, s.validation.max_tokens, s.holdback_chars,
                  "on" if self.services.redactor.active else "off", s.guard.max_in_flight)
+
+    def _present(self, version: int) -> bool:
+        """Whether ``version`` of the target is on this replica: its files, fetched and checked,
+        or its declaration at a URL in the target's ``endpoints.json`` as fetched."""
+        return self.source.present(self.target, version) or self.remote.view.get(version) is not None
 
     def _stoppable(self, repo: Any) -> bool:
         """Whether the target is served by this project's ``generator`` backend (it honours stop
@@ -316,6 +326,7 @@ class StreamGuardModel:
             self.local.close()
         if getattr(self, "remote", None) is not None:
             self.remote.close()
+        self.source.close()  # the object-store fetcher thread, when there is one
         self.services.close()
         self.metrics.close()
         log.info("stream guard %s: %s", self.name, json.dumps(self.stats))
