@@ -13,9 +13,16 @@ How the modules are run:
    Within a lane pytest runs them in the order dealt. The rollout modules whose gates compare a
    candidate with its primary (:data:`RELATIVE`) run here too. The modules that only wait
    (:data:`WAITING`) get one more lane of their own; the :data:`TOGETHER` groups share a lane.
-2. **Then the timed modules** (:data:`TIMED`: a p99 bound, a restart deadline, a rate), one after
-   another in one process, with the machine to themselves. Run beside a lane (tried first), a
-   p99 bound failed under the other lane's load.
+2. **The timed modules** (:data:`TIMED`: a p99 bound, a restart deadline, a rate), one after
+   another in one process, **at once with the lanes but first in line for the cores**: the lanes
+   (and every process they start: tritonservers, stubs, Ray, Redis) run under ``SCHED_IDLE``, the
+   Linux policy that only gets a core no other process wants and gives it up the moment one does.
+   The timed modules see the machine as if alone (the scheduler never makes them wait for a lane)
+   while the lanes use what they leave: about two thirds of the cores, since they wait for servers
+   most of the time. Once the timed process ends, the lanes go back to the normal policy. Run
+   beside the lanes at an equal share (tried first), a p99 bound failed under the other lane's
+   load; run after them (the layout until 2026-11-29), they added their whole ~330 s to the run
+   with a core and a half idle. ``TRITONGUARD_TIMED_AFTER=1`` runs them after the lanes again.
 
 Each lane has its own ``--basetemp``, ``$TRITONGUARD_HOME`` and a share of the loopback ports
 (``$TRITONGUARD_PORT_LANE``, see :func:`tritonguard.ops.server.free_port`), so their servers never
@@ -41,7 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # modules whose assertions hold an absolute time (a p99 bound, a restart deadline, a rate over
-# replicas): run last, one after another, with the machine to themselves
+# replicas): one after another in one process, at once with the lanes but first in line for the
+# cores (the lanes under SCHED_IDLE until this process ends)
 TIMED = (
     "tests/functional/test_cost.py",  # a first request within 2x a later one's guard time + 1.5 ms
     # its setup times the slow fault against the base in process (p50 >= 2x the base's p95,
@@ -205,12 +213,50 @@ def _env(run_dir: Path, name: str, port_lane: str | None) -> dict[str, str]:
     return env
 
 
-def _run_phase(jobs: list[tuple[str, list[str], str | None]], opts: list[str], run_dir: Path,
+# the mark every process of a lane inherits (``<name>@<run folder>``): after the timed modules,
+# the processes it finds in /proc go back to the normal policy, also those that Ray or a
+# supervisor moved out of the lane's process tree
+LANE_MARK = "TRITONGUARD_LANE"
+
+
+def _idle() -> None:
+    """The lanes' processes' policy while timed modules run (a ``preexec_fn``: every process the
+    lane starts inherits it). SCHED_IDLE tasks run only on a core that no other task wants, and
+    the kernel preempts one at once when a normal task wakes up (sched(7))."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def back_to_normal(marks: set[str]) -> int:
+    """Every thread under ``SCHED_IDLE`` of a process whose environment holds one of ``marks``
+    (``LANE_MARK=<mark>``) back to ``SCHED_OTHER``; returns how many. Three passes: a process
+    forked by a parent not yet reset is seen by the next one."""
+    wanted = {f"{LANE_MARK}={m}".encode() for m in marks}
+    changed = 0
+    for _ in range(3):
+        for pid in (e for e in os.listdir("/proc") if e.isdigit()):
+            try:
+                if not wanted & set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
+                    continue
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:  # gone, or not ours
+                continue
+            for tid in map(int, tids):
+                try:
+                    if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                        changed += 1
+                except OSError:
+                    continue
+    return changed
+
+
+def _run_phase(jobs: list[tuple[str, list[str], str | None, bool]], opts: list[str], run_dir: Path,
                started: float) -> list[tuple[str, int, float, Path]]:
-    """Run ``(name, modules, port lane)`` jobs at once, one pytest process each; a progress line
-    per job every minute; returns ``(name, exit status, seconds, log)`` per job."""
+    """Run ``(name, modules, port lane, idle)`` jobs at once, one pytest process each; a progress
+    line per job every minute; returns ``(name, exit status, seconds, log)`` per job. The ``idle``
+    ones run under SCHED_IDLE until every other job has ended, then under the normal policy."""
     procs = []
-    for name, mods, port_lane in jobs:
+    for name, mods, port_lane, idle in jobs:
         # the name goes into paths (basetemp, TRITONGUARD_HOME): a space there broke every
         # tritonserver the lane started (its Python stubs are launched through a shell)
         assert name.isidentifier(), name
@@ -218,9 +264,12 @@ def _run_phase(jobs: list[tuple[str, list[str], str | None]], opts: list[str], r
         cmd = [sys.executable, "-m", "pytest", *mods, *opts, f"--basetemp={run_dir / f'tmp-{name}'}",
                "-p", "no:cacheprovider"]
         est = sum(weight(m) for m in mods)
-        print(f"{name}: {len(mods)} modules, about {est / 60:.0f} min by the last run's times; log {log}", flush=True)
-        procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=_env(run_dir, name, port_lane),
-                                             stdout=log.open("wb"), stderr=subprocess.STDOUT), log, time.monotonic()))
+        print(f"{name}: {len(mods)} modules, about {est / 60:.0f} min by the last run's times"
+              f"{' (SCHED_IDLE while the timed modules run)' if idle else ''}; log {log}", flush=True)
+        env = {**_env(run_dir, name, port_lane), LANE_MARK: f"{name}@{run_dir}"}
+        procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                                             preexec_fn=_idle if idle else None), log, time.monotonic()))
+    idle_names = {name for name, *_rest, idle in jobs if idle}
     ended: dict[str, float] = {}
     report_at = time.monotonic() + 60
     while len(ended) < len(procs):
@@ -230,6 +279,11 @@ def _run_phase(jobs: list[tuple[str, list[str], str | None]], opts: list[str], r
                 ended[name] = time.monotonic() - t0
                 print(f"{name}: finished in {ended[name]:.0f} s (exit {p.returncode}; "
                       f"{time.monotonic() - started:.0f} s into the run)", flush=True)
+        if idle_names and all(name in ended for name, *_ in procs if name not in idle_names):
+            n = back_to_normal({f"{name}@{run_dir}" for name in idle_names})
+            print(f"{', '.join(sorted(idle_names))}: back to the normal policy ({n} threads), "
+                  f"{time.monotonic() - started:.0f} s into the run", flush=True)
+            idle_names = set()
         if time.monotonic() >= report_at:
             report_at += 60
             for name, _p, log, _ in procs:
@@ -257,13 +311,19 @@ def main(argv: list[str]) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="tritonguard-lanes-"))
     started = time.monotonic()
     if n == 1:
-        phases = [[("lane0", mods, None)]]
+        phases = [[("lane0", mods, None, False)]]
     else:
         lanes, timed = split(mods, n)
         lanes = [lane for lane in lanes if lane]
-        phases = [[(f"lane{i}", lane, f"{i}/{len(lanes)}") for i, lane in enumerate(lanes)]]
-        if timed:  # the modules that time something: after the lanes, with the machine to themselves
-            phases.append([("timed", timed, None)])
+        after = os.environ.get("TRITONGUARD_TIMED_AFTER", "") not in ("", "0") or not hasattr(os, "SCHED_IDLE")
+        if timed and not after:  # the timed modules first in line for the cores, the lanes in what they leave
+            ports = len(lanes) + 1
+            phases = [[(f"lane{i}", lane, f"{i}/{ports}", True) for i, lane in enumerate(lanes)]
+                      + [("timed", timed, f"{len(lanes)}/{ports}", False)]]
+        else:
+            phases = [[(f"lane{i}", lane, f"{i}/{len(lanes)}", False) for i, lane in enumerate(lanes)]]
+            if timed:  # after the lanes, with the machine to themselves
+                phases.append([("timed", timed, None, False)])
     results = []
     for jobs in phases:
         results += _run_phase(jobs, opts, run_dir, started)

@@ -69,3 +69,55 @@ def test_a_run_in_lanes_names_its_folders_without_spaces(tmp_path, monkeypatch):
     monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in ("test_a.py", "test_b.py", "test_c.py")])
     monkeypatch.delenv("TRITONGUARD_HOME", raising=False)
     assert lanes.main([str(tmp_path), "-q"]) == 0
+
+
+def test_the_lanes_yield_the_cores_to_the_timed_modules_until_these_end(tmp_path, monkeypatch):
+    """The timed modules run at once with the lanes: the lanes under SCHED_IDLE (so a p99 bound
+    never waits for a lane's process), then, once the timed process has ended, back to the normal
+    policy. Real processes, real scheduling policies: the lane module records its policy while the
+    timed one waits for that record; the other lane waits for its own policy to come back."""
+    (tmp_path / "test_a.py").write_text(
+        "import os, pathlib\n"
+        "def test_a():\n"
+        f"    pathlib.Path({str(tmp_path / 'a.txt')!r}).write_text(str(os.sched_getscheduler(0)))\n")
+    (tmp_path / "test_b.py").write_text(
+        "import os, time\n"
+        "def test_b():\n"
+        "    assert os.sched_getscheduler(0) == os.SCHED_IDLE\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while os.sched_getscheduler(0) != os.SCHED_OTHER:\n"
+        "        assert time.monotonic() < deadline, 'still SCHED_IDLE a minute on'\n"
+        "        time.sleep(0.1)\n")
+    (tmp_path / "test_c.py").write_text(
+        "import os, pathlib, time\n"
+        "def test_c():\n"
+        "    assert os.sched_getscheduler(0) == os.SCHED_OTHER\n"
+        f"    record = pathlib.Path({str(tmp_path / 'a.txt')!r})\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while not record.exists() or not record.read_text():\n"
+        "        assert time.monotonic() < deadline\n"
+        "        time.sleep(0.05)\n"
+        "    assert int(record.read_text()) == os.SCHED_IDLE\n")
+    monkeypatch.setattr(lanes, "TIMED", (str(tmp_path / "test_c.py"),))
+    monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in ("test_a.py", "test_b.py", "test_c.py")])
+    monkeypatch.delenv("TRITONGUARD_TIMED_AFTER", raising=False)
+    assert lanes.main([str(tmp_path), "-q"]) == 0
+
+
+def test_back_to_normal_finds_a_lane_process_outside_its_tree(tmp_path):
+    """A process that left the lane's tree (a new session, as Ray's and the supervisor's do) is
+    found by the mark in its environment; one without the mark is left as it is."""
+    def start(mark: str | None) -> subprocess.Popen:
+        env = {**os.environ, **({lanes.LANE_MARK: mark} if mark else {})}
+        return subprocess.Popen(["sleep", "30"], env=env, start_new_session=True, preexec_fn=lanes._idle)
+
+    marked, other, unmarked = start(f"lane0@{tmp_path}"), start(f"lane0@{tmp_path}-other"), start(None)
+    try:
+        assert all(os.sched_getscheduler(p.pid) == os.SCHED_IDLE for p in (marked, other, unmarked))
+        assert lanes.back_to_normal({f"lane0@{tmp_path}"}) == 1
+        assert os.sched_getscheduler(marked.pid) == os.SCHED_OTHER
+        assert os.sched_getscheduler(other.pid) == os.SCHED_IDLE and os.sched_getscheduler(unmarked.pid) == os.SCHED_IDLE
+    finally:
+        for p in (marked, other, unmarked):
+            p.kill()
+            p.wait()
