@@ -33,24 +33,80 @@ class TokenizerConfig:
             raise ValueError("max_length must be >= 2")
 
 
+# what a fast tokenizer's Encoding calls each output a tokenizer model can have
+ENCODING_FIELDS = {"input_ids": "ids", "attention_mask": "attention_mask", "token_type_ids": "type_ids"}
+
+
 class Tokenizer:
     """A version's tokenizer folder, loaded: texts -> the model's outputs (input_ids,
     attention_mask), padded to the longest text. Used by the backend below and by the guard's
-    in-process placement (:mod:`tritonguard.models.chain`), so both tokenise alike."""
+    in-process placement (:mod:`tritonguard.models.chain`), so both tokenise alike.
+
+    A folder with ``tokenizer.json`` (a fast tokenizer, what the exporter writes) is run by the
+    ``tokenizers`` library alone, set up as ``transformers`` sets it for the call
+    ``tokenizer(texts, padding="longest", truncation=True, max_length=…)``: the same ids (checked
+    against transformers in tests/unit/models/test_tokenizer.py). transformers is imported only
+    for a folder without one: importing it imports torch, ~4 s of CPU and ~1 GB of memory in every
+    stub that tokenises (the text guard's and the tokenizer's)."""
 
     def __init__(self, version_dir: Path, config: TokenizerConfig, output_names: list[str], *, model: str = "?"):
         path = Path(version_dir) / config.tokenizer_dir
         if not path.is_dir():
             raise ConfigError(f"model '{model}': tokenizer folder {path} is missing")
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
         self.config, self.output_names = config, list(output_names)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.fast = _fast_tokenizer(path, config.max_length)
+        if self.fast is not None:
+            unknown = [n for n in self.output_names if n not in ENCODING_FIELDS]
+            if unknown:
+                raise ConfigError(f"model '{model}': output {unknown[0]!r} is not one a tokenizer gives "
+                                  f"({', '.join(ENCODING_FIELDS)})")
+            self.tokenizer = None
+        else:
+            from transformers import AutoTokenizer  # noqa: PLC0415
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path))
 
     def encode(self, texts: list[str]) -> dict[str, np.ndarray]:
-        enc = self.tokenizer(texts, padding="longest", truncation=True,
-                             max_length=self.config.max_length, return_tensors="np")
-        return {n: enc[n].astype(np.int64) for n in self.output_names}
+        if self.fast is None:
+            enc = self.tokenizer(texts, padding="longest", truncation=True,
+                                 max_length=self.config.max_length, return_tensors="np")
+            return {n: enc[n].astype(np.int64) for n in self.output_names}
+        encodings = self.fast.encode_batch(texts)
+        return {n: np.array([getattr(e, ENCODING_FIELDS[n]) for e in encodings], dtype=np.int64).reshape(len(texts), -1)
+                for n in self.output_names}
+
+
+def _fast_tokenizer(path: Path, max_length: int) -> Any:
+    """``path/tokenizer.json`` with truncation to ``max_length`` and padding to the longest text
+    as ``tokenizer_config.json`` says (side, pad token); None when the folder has no
+    ``tokenizer.json`` or its config names no pad token (transformers then finds one elsewhere
+    and runs it). ``pad_to_multiple_of`` in the config is not applied: transformers does not
+    apply it to this call either."""
+    import json  # noqa: PLC0415
+
+    if not (path / "tokenizer.json").is_file():
+        return None
+    try:
+        cfg = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        cfg = {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path / 'tokenizer_config.json'}: {exc}") from None
+    pad = cfg.get("pad_token")
+    pad = pad.get("content") if isinstance(pad, dict) else pad
+    if not isinstance(pad, str):
+        return None
+    import tokenizers  # noqa: PLC0415
+
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    pad_id = tok.token_to_id(pad)
+    if pad_id is None:
+        return None
+    tok.enable_truncation(max_length=max_length, stride=0, strategy="longest_first",
+                          direction=cfg.get("truncation_side", "right"))
+    tok.enable_padding(direction=cfg.get("padding_side", "right"), pad_id=pad_id,
+                       pad_type_id=int(cfg.get("pad_token_type_id", 0)), pad_token=pad)
+    return tok
 
 
 def texts_of(array: np.ndarray) -> list[str]:
