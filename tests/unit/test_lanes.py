@@ -24,6 +24,7 @@ def test_every_module_runs_once_and_the_timed_ones_after_the_lanes():
     assert max(loads) < 0.6 * sum(loads), loads
     for m in lanes.TIMED + lanes.RELATIVE + lanes.WAITING:  # a renamed module must not silently fall out of a list
         assert (ROOT / m).is_file(), m
+    assert set(lanes.ALONE) <= set(lanes.TIMED)  # timed modules, run after the lanes instead of beside them
     # the modules that mostly wait share one extra lane, and only they are in it
     assert len(plan) == 3 and sorted(plan[-1]) == sorted(lanes.WAITING)
     for group in lanes.TOGETHER:  # two local Ray clusters never at once
@@ -121,3 +122,26 @@ def test_back_to_normal_finds_a_lane_process_outside_its_tree(tmp_path):
         for p in (marked, other, unmarked):
             p.kill()
             p.wait()
+
+
+def test_an_alone_module_runs_after_the_lanes_and_the_timed_ones(tmp_path, monkeypatch):
+    """An ALONE module (a tail compared across two windows) starts only once every lane and the
+    timed process have ended, under the normal policy."""
+    done = tmp_path / "done"
+    done.mkdir()
+    for name, pause in (("test_a.py", 1.0), ("test_c.py", 0.5)):
+        (tmp_path / name).write_text(
+            "import pathlib, time\n"
+            f"def test_{name[5]}():\n"
+            f"    time.sleep({pause})\n"
+            f"    pathlib.Path({str(done / name)!r}).touch()\n")
+    (tmp_path / "test_d.py").write_text(
+        "import os, pathlib\n"
+        "def test_d():\n"
+        "    assert os.sched_getscheduler(0) == os.SCHED_OTHER\n"
+        f"    assert sorted(p.name for p in pathlib.Path({str(done)!r}).iterdir()) == ['test_a.py', 'test_c.py']\n")
+    monkeypatch.setattr(lanes, "TIMED", (str(tmp_path / "test_c.py"), str(tmp_path / "test_d.py")))
+    monkeypatch.setattr(lanes, "ALONE", (str(tmp_path / "test_d.py"),))
+    monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in ("test_a.py", "test_c.py", "test_d.py")])
+    monkeypatch.delenv("TRITONGUARD_TIMED_AFTER", raising=False)
+    assert lanes.main([str(tmp_path), "-q"]) == 0
