@@ -159,6 +159,7 @@ class BatchComparator:
         non_finite = int(sum(not np.isfinite(r).all() for r in np.asarray(cand_out[name]).reshape(rows, -1)))
         with self.breakers.lock:
             b = self.breakers.get(cand)
+            was_closed = b.state == CLOSED
             if b.wants_probe(now):
                 trip = b.record_probe(now, list(verdict.per_row))
                 if b.state == CLOSED:
@@ -172,13 +173,19 @@ class BatchComparator:
                                       verdicts=verdict.per_row)
                 shared = b.to_dict() if trip else None
                 changed = trip is not None
-            if trip is None and rows and b.state == CLOSED:
+            # the batch that trips a closed breaker counts in the FAIL-share gauge too: skipped, a
+            # candidate tripped by its first wrong row (validator_fail) showed a share of 0
+            tripped_now = trip is not None and was_closed
+            if rows and ((trip is None and b.state == CLOSED) or tripped_now):
                 ewma = self._output_drift.setdefault(
                     cand, Ewma(self.config.output_drift_alpha, self.config.output_drift_threshold))
                 ewma.update((verdict.per_row == FAIL).astype(np.float64))
                 self.metrics.set("output_drift", float(ewma.value), target_version=str(cand))
                 seen = self._output_rows[cand] = self._output_rows.get(cand, 0) + rows
-                if ewma.exceeded and seen >= self.config.output_drift_min_rows:
+                if tripped_now:  # open now: a fresh average once it closes again, as after a drift trip
+                    self._output_drift.pop(cand, None)
+                    self._output_rows.pop(cand, None)
+                elif ewma.exceeded and seen >= self.config.output_drift_min_rows:
                     trip = b.trip(now, "drift", {"fail_share_ewma": ewma.value,
                                                   "limit": self.config.output_drift_threshold, "kind": kind,
                                                   **verdict.metrics})

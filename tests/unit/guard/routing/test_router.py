@@ -514,3 +514,34 @@ def test_a_version_not_on_this_replica_yet_is_served_by_the_rest_and_counts_noth
     if golden_check:
         assert router.store.load().goldens["2"]["verdict"] == "PASS"
     router.close()
+
+
+class WrongOnMarked(Linear):
+    """W1's answers, except on rows whose first value is above 10: those come back reversed."""
+
+    def infer(self, inputs):
+        out = super().infer(inputs)
+        marked = inputs["X"][:, 0] > 10
+        out["P"][marked] = out["P"][marked][:, ::-1]
+        return out
+
+
+def test_the_batch_that_trips_the_breaker_counts_in_the_fail_share_gauge(repo):
+    """A candidate whose first wrong row trips its breaker (validator_fail) showed an output-drift
+    FAIL share of 0: the tripping batch was left out of the average (test_rollout saw it: 1 FAIL in
+    63 compared, gauge 0.0, 2026-11-29)."""
+    router, metrics = make(repo, {1: Linear(W1), 2: WrongOnMarked(W1)}, candidate=2, share=1.0,
+                           judge="equivalence", min_compared=20, max_fail_rate=0.015)
+    for k in range(4):  # 32 rows compared, every one equal
+        router.infer({"X": rows(8, seed=10 + k)}, [1] * 8)
+        drain(router)
+    assert router.breaker(2).state == "closed"
+    assert metrics.gauges[("output_drift", ("target_version", "2"))] == 0.0
+    x = rows(8, seed=20)
+    x[3, 0] = 50.0  # one wrong answer in 40 compared: past 0.015
+    router.infer({"X": x}, [1] * 8)
+    drain(router)
+    assert router.breaker(2).state == "open"
+    assert any(k[0] == "trips" and ("reason", "validator_fail") in k for k in metrics.counts), metrics.counts
+    assert metrics.gauges[("output_drift", ("target_version", "2"))] > 0
+    router.close()
