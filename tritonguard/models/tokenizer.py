@@ -7,6 +7,7 @@ ensemble can batch them together again.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,8 +83,6 @@ def _fast_tokenizer(path: Path, max_length: int) -> Any:
     ``tokenizer.json`` or its config names no pad token (transformers then finds one elsewhere
     and runs it). ``pad_to_multiple_of`` in the config is not applied: transformers does not
     apply it to this call either."""
-    import json  # noqa: PLC0415
-
     if not (path / "tokenizer.json").is_file():
         return None
     try:
