@@ -63,6 +63,10 @@ TIMED = (
     "tests/functional/test_supervisor.py",
     # three replicas on one Redis within 10 % of a rate, Redis answering within the serving 50 ms
     "tests/unit/privacy/test_tenancy_fleet.py",
+    # runs this runner's phases and asserts each one's scheduling policy: in a lane, it ran under
+    # that lane's SCHED_IDLE whenever the timed modules still ran, and its own idle lanes then
+    # waited on the timed ones' load, not on the runner (8 s, beside the lanes: no wall time added)
+    "tests/unit/test_lanes.py",
 )
 
 # timed modules that compare a tail across two windows of one run (a p99 while the guard fetches
@@ -239,6 +243,15 @@ def _idle() -> None:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
+def _normal() -> None:
+    """The timed and alone processes' policy (a ``preexec_fn``): the normal one, also when this
+    runner itself was started under SCHED_IDLE (by a lane of an outer run: tests/unit/test_lanes)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except PermissionError:  # unprivileged, RLIMIT_NICE 0: keep the inherited policy
+        pass
+
+
 def back_to_normal(marks: set[str]) -> int:
     """Every thread under ``SCHED_IDLE`` of a process whose environment holds one of ``marks``
     (``LANE_MARK=<mark>``) back to ``SCHED_OTHER``; returns how many. Three passes: a process
@@ -281,7 +294,7 @@ def _run_phase(jobs: list[tuple[str, list[str], str | None, bool]], opts: list[s
               f"{' (SCHED_IDLE while the timed modules run)' if idle else ''}; log {log}", flush=True)
         env = {**_env(run_dir, name, port_lane), LANE_MARK: f"{name}@{run_dir}"}
         procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                                             preexec_fn=_idle if idle else None), log, time.monotonic()))
+                                             preexec_fn=_idle if idle else _normal), log, time.monotonic()))
     idle_names = {name for name, *_rest, idle in jobs if idle}
     ended: dict[str, float] = {}
     report_at = time.monotonic() + 60

@@ -75,16 +75,18 @@ def test_a_run_in_lanes_names_its_folders_without_spaces(tmp_path, monkeypatch):
 def test_the_lanes_yield_the_cores_to_the_timed_modules_until_these_end(tmp_path, monkeypatch):
     """The timed modules run at once with the lanes: the lanes under SCHED_IDLE (so a p99 bound
     never waits for a lane's process), then, once the timed process has ended, back to the normal
-    policy. Real processes, real scheduling policies: the lane module records its policy while the
-    timed one waits for that record; the other lane waits for its own policy to come back."""
+    policy. Real processes, real scheduling policies: both lane modules record their policy while
+    the timed one waits for both records (it once ended before the second lane's pytest had started,
+    which then saw the normal policy: CI, stop 53); the second lane then waits for its own policy to
+    come back."""
     (tmp_path / "test_a.py").write_text(
         "import os, pathlib\n"
         "def test_a():\n"
         f"    pathlib.Path({str(tmp_path / 'a.txt')!r}).write_text(str(os.sched_getscheduler(0)))\n")
     (tmp_path / "test_b.py").write_text(
-        "import os, time\n"
+        "import os, pathlib, time\n"
         "def test_b():\n"
-        "    assert os.sched_getscheduler(0) == os.SCHED_IDLE\n"
+        f"    pathlib.Path({str(tmp_path / 'b.txt')!r}).write_text(str(os.sched_getscheduler(0)))\n"
         "    deadline = time.monotonic() + 60\n"
         "    while os.sched_getscheduler(0) != os.SCHED_OTHER:\n"
         "        assert time.monotonic() < deadline, 'still SCHED_IDLE a minute on'\n"
@@ -93,12 +95,12 @@ def test_the_lanes_yield_the_cores_to_the_timed_modules_until_these_end(tmp_path
         "import os, pathlib, time\n"
         "def test_c():\n"
         "    assert os.sched_getscheduler(0) == os.SCHED_OTHER\n"
-        f"    record = pathlib.Path({str(tmp_path / 'a.txt')!r})\n"
+        f"    records = [pathlib.Path({str(tmp_path / 'a.txt')!r}), pathlib.Path({str(tmp_path / 'b.txt')!r})]\n"
         "    deadline = time.monotonic() + 60\n"
-        "    while not record.exists() or not record.read_text():\n"
+        "    while not all(r.exists() and r.read_text() for r in records):\n"
         "        assert time.monotonic() < deadline\n"
         "        time.sleep(0.05)\n"
-        "    assert int(record.read_text()) == os.SCHED_IDLE\n")
+        "    assert [int(r.read_text()) for r in records] == [os.SCHED_IDLE, os.SCHED_IDLE]\n")
     monkeypatch.setattr(lanes, "TIMED", (str(tmp_path / "test_c.py"),))
     monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in ("test_a.py", "test_b.py", "test_c.py")])
     monkeypatch.delenv("TRITONGUARD_TIMED_AFTER", raising=False)
