@@ -24,7 +24,9 @@ How the modules are run:
    load; run after them (the layout until 2026-11-29), they added their whole ~330 s to the run
    with a core and a half idle. ``TRITONGUARD_TIMED_AFTER=1`` runs them after the lanes again.
 3. **Then the** :data:`ALONE` **modules** (a timed module whose tail comparison the lanes still
-   disturbed under SCHED_IDLE), after everything else, with the machine to themselves.
+   disturbed under SCHED_IDLE), after everything else, with the machine to themselves: the
+   earlier phases' processes that outlived them are given :data:`QUIET_WAIT_S` to end, then
+   killed by PID and named in the output, and their writes are flushed first (:func:`quiet`).
 
 Each lane has its own ``--basetemp``, ``$TRITONGUARD_HOME`` and a share of the loopback ports
 (``$TRITONGUARD_PORT_LANE``, see :func:`tritonguard.ops.server.free_port`), so their servers never
@@ -41,6 +43,7 @@ everything in one process, as before.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -276,6 +279,43 @@ def back_to_normal(marks: set[str]) -> int:
     return changed
 
 
+def leftovers(marks: set[str]) -> dict[int, str]:
+    """``{pid: command line}`` of the processes whose environment holds one of ``marks`` (a lane's
+    servers, Ray or Redis that outlived its pytest process)."""
+    wanted = {f"{LANE_MARK}={m}".encode() for m in marks}
+    out: dict[int, str] = {}
+    for pid in (e for e in os.listdir("/proc") if e.isdigit()):
+        try:
+            if wanted & set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
+                out[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:  # gone, or not ours
+            continue
+    return out
+
+
+QUIET_WAIT_S = 30.0  # how long a phase's leftover processes get to end before the next phase
+
+
+def quiet(marks: set[str], wait_s: float | None = None) -> None:
+    """Before a phase that needs the machine to itself: the earlier phases' processes that are
+    still alive get ``wait_s`` to end (a server in its exit timeout), then are killed by PID, each
+    named in the output (a leak to fix where it started); and the dirty pages the earlier phases
+    wrote are flushed, so that the kernel's writeback does not land in a timed window."""
+    wait_s = QUIET_WAIT_S if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
+    left = leftovers(marks)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = leftovers(marks)
+    for pid, cmd in left.items():
+        print(f"still running {wait_s:.0f} s after its phase ended, killed: pid {pid}: {cmd}", flush=True)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    os.sync()
+
+
 def _run_phase(jobs: list[tuple[str, list[str], str | None, bool]], opts: list[str], run_dir: Path,
                started: float) -> list[tuple[str, int, float, Path]]:
     """Run ``(name, modules, port lane, idle)`` jobs at once, one pytest process each; a progress
@@ -355,7 +395,9 @@ def main(argv: list[str]) -> int:
             if timed:  # after the lanes, with the machine to themselves
                 phases.append([("timed", timed, None, False)])
     results = []
-    for jobs in phases:
+    for k, jobs in enumerate(phases):
+        if k:  # a later phase (the alone modules): the machine to itself
+            quiet({f"{name}@{run_dir}" for earlier in phases[:k] for name, *_ in earlier})
         results += _run_phase(jobs, opts, run_dir, started)
     rc = 0
     for name, code, seconds, log in results:

@@ -169,6 +169,10 @@ def test_a_large_version_is_fetched_while_the_guard_keeps_serving(exported_repo,
         # 2026-11-29). The guard's own fetch is judged against this, not against a quiet machine.
         job = {"bucket": bucket, "prefix": "repo", "endpoint": f"http://127.0.0.1:{proxy_port}",
                "rel": "digits_raw/2/weights.bin", "dest": str(tmp_path / "control" / "weights.bin")}
+        # each window starts with nothing of the one before still to be written back: the control
+        # writes 256 MB that the kernel flushes up to 30 s later (vm.dirty_expire_centisecs),
+        # which otherwise lands in the window of the guard's fetch, not in the control's own
+        os.sync()
         control_dl = subprocess.Popen([sys.executable, "-m", "tritonguard.core.objectstore"], env=env,
                                       stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         control_dl.stdin.write(json.dumps(job))
@@ -180,6 +184,7 @@ def test_a_large_version_is_fetched_while_the_guard_keeps_serving(exported_repo,
         assert control_dl.wait(timeout=10) == 0, control_dl.stderr.read()
         assert (tmp_path / "control" / "weights.bin").stat().st_size == PAD
 
+        os.sync()
         store = open_store("digits", tmp_path, url=redis_server.url)
 
         def name_v2(s):

@@ -147,3 +147,37 @@ def test_an_alone_module_runs_after_the_lanes_and_the_timed_ones(tmp_path, monke
     monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in ("test_a.py", "test_c.py", "test_d.py")])
     monkeypatch.delenv("TRITONGUARD_TIMED_AFTER", raising=False)
     assert lanes.main([str(tmp_path), "-q"]) == 0
+
+
+def test_the_alone_phase_starts_once_the_lanes_leftovers_are_gone(tmp_path, monkeypatch, capsys):
+    """A lane module that leaves a process behind (a server detached into its own session, as
+    Ray's are) does not share the machine with the alone phase: the runner kills it by PID before
+    that phase starts, and says which it was."""
+    pid_file = tmp_path / "leftover.pid"
+    (tmp_path / "test_a.py").write_text(
+        "import pathlib, subprocess\n"
+        "def test_a():\n"
+        "    p = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        f"    pathlib.Path({str(pid_file)!r}).write_text(str(p.pid))\n")
+    (tmp_path / "test_c.py").write_text("def test_c():\n    pass\n")
+    (tmp_path / "test_d.py").write_text(
+        "import os, pathlib\n"
+        "def test_d():\n"
+        f"    pid = int(pathlib.Path({str(pid_file)!r}).read_text())\n"
+        "    state = pathlib.Path(f'/proc/{pid}/stat').read_text().split()[2] if os.path.exists(f'/proc/{pid}') else 'gone'\n"
+        "    assert state in ('gone', 'Z'), state\n")
+    monkeypatch.setattr(lanes, "TIMED", (str(tmp_path / "test_c.py"), str(tmp_path / "test_d.py")))
+    monkeypatch.setattr(lanes, "ALONE", (str(tmp_path / "test_d.py"),))
+    monkeypatch.setattr(lanes, "QUIET_WAIT_S", 1.0)
+    monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in ("test_a.py", "test_c.py", "test_d.py")])
+    monkeypatch.delenv("TRITONGUARD_TIMED_AFTER", raising=False)
+    try:
+        assert lanes.main([str(tmp_path), "-q"]) == 0
+        out = capsys.readouterr().out
+        assert f"killed: pid {pid_file.read_text()}: sleep 300" in out, out
+    finally:
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), 9)
+            except OSError:
+                pass
