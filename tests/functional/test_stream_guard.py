@@ -416,19 +416,24 @@ def test_metrics_count_requests_tokens_and_time_to_first_piece(server):
     status, _ = generate(server, "echo_metrics", "", {"max_tokens": 5})
     assert status == 400
     want_out = sum(map(len, prompts)) + len("whole")
-    deadline = time.monotonic() + 10  # flushed every second
+    # each figure is flushed every second, and a flush can fall between two requests: wait for all
+    # of them, not for the answers' alone (the refusal came a flush later once: CI, 2026-11-29)
+    deadline = time.monotonic() + 10
     while True:
         req, tok = _scrape_model(server, "tritonguard_stream_requests_total", "echo_metrics"), _scrape_model(server, "tritonguard_stream_tokens_total", "echo_metrics")
+        ttft = _scrape_model(server, "tritonguard_stream_ttft_seconds_count", "echo_metrics")
+        itl = _scrape_model(server, "tritonguard_stream_itl_seconds_count", "echo_metrics")
         ok = sum(v for k, v in req.items() if 'outcome="ok"' in k)
+        rejected = sum(v for k, v in req.items() if 'outcome="rejected"' in k)
         out = sum(v for k, v in tok.items() if 'direction="out"' in k)
-        if (ok == 3 and out == want_out) or time.monotonic() > deadline:
+        tok_in = sum(v for k, v in tok.items() if 'direction="in"' in k)
+        if (ok, rejected, out, tok_in, sum(ttft.values()), sum(itl.values())) == (3, 1, want_out, want_out, 3, 2) \
+                or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert ok == 3 and out == want_out, (req, tok)
-    assert sum(v for k, v in req.items() if 'outcome="rejected"' in k) == 1, req
-    assert sum(v for k, v in tok.items() if 'direction="in"' in k) == sum(map(len, prompts)) + len("whole"), tok
-    ttft = _scrape_model(server, "tritonguard_stream_ttft_seconds_count", "echo_metrics")
-    itl = _scrape_model(server, "tritonguard_stream_itl_seconds_count", "echo_metrics")
+    assert rejected == 1, req
+    assert tok_in == sum(map(len, prompts)) + len("whole"), tok
     assert sum(ttft.values()) == 3 and sum(itl.values()) == 2, (ttft, itl)
 
 
