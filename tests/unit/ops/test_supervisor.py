@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tritonguard.ops.supervisor.control import (
+    NO_ANSWER,
     Supervisor,
     control_mode,
     http_base,
@@ -275,3 +276,31 @@ def test_the_models_a_guard_calls_come_from_its_config():
     assert called_models(config, loaded) == ["minilm_raw", "minilm_raw_v1", "minilm_raw_v12"]
     assert called_models(json.dumps({"name": "freezer"}), loaded) == []
     assert called_models(None, loaded) == [] and called_models("not json", loaded) == []
+
+
+def test_a_server_that_drops_the_load_call_then_dies_is_seen_as_died():
+    """The other order: the dying server drops the load call's connection first (the call fails
+    at once, no answer) and exits a moment later. A CI run logged "reload of 'minilm_encoder'
+    failed after 0.6 s: " (no reason) for that, where the server had died during the reload."""
+    logs: list[str] = []
+    sup = Supervisor(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", "--http-port=1"],
+                     dict(os.environ), poll_s=0.05, log=logs.append)
+
+    class DroppedControl:
+        def config(self, model: str) -> str:
+            return "{}"
+
+        def load(self, model: str, config: str) -> tuple[bool, str]:
+            threading.Timer(0.5, sup.proc.kill).start()  # it dies after the connection dropped
+            return False, NO_ANSWER
+
+    sup.control, sup.mode = DroppedControl(), "explicit"
+    sup._spawn()
+    try:
+        sup._recover("encoder", [])
+        assert sup.proc.returncode is not None
+        assert any("died during the reload of 'encoder'" in line for line in logs), logs
+        assert not any("failed after" in line for line in logs), logs
+    finally:
+        if sup.proc.poll() is None:
+            sup.proc.kill()

@@ -37,6 +37,10 @@ ADVERTISED_START = "TRITONGUARD_ADVERTISE_STARTED"
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+NO_ANSWER = "the server did not answer (connection refused or dropped)"
+# how long a reload whose call got no answer waits for the server's exit before it reports the
+# reload failed: the server may be dying (its connection goes first)
+DYING_S = 5.0
 
 
 def _prctl(option: int, arg: int) -> bool:
@@ -145,6 +149,8 @@ class Control:
     def load(self, model: str, config: str | None = None) -> tuple[bool, str]:
         body = {"parameters": {"config": config}} if config is not None else {}
         code, out = self._call(f"/v2/repository/models/{model}/load", body, timeout=300)
+        if code == 0:
+            return False, NO_ANSWER
         return code == 200, out.decode(errors="replace")[:300]
 
 
@@ -361,7 +367,18 @@ class Supervisor:
             self._reap()
             if self.proc.returncode is not None:
                 return None
-        return done[0] if done else (False, "the load call failed")
+        result = done[0] if done else (False, "the load call failed")
+        if result == (False, NO_ANSWER):
+            # the other order: the dying server dropped the connection first and exits a moment
+            # later (a SIGABRT runs its handlers before the process ends; a CI run logged "reload
+            # failed after 0.6 s" with no reason, then the death)
+            deadline = time.monotonic() + DYING_S
+            while time.monotonic() < deadline:
+                self._reap()
+                if self.proc.returncode is not None:
+                    return None
+                time.sleep(0.05)
+        return result
 
     def _restart_server(self) -> None:
         assert self.proc is not None
