@@ -255,19 +255,29 @@ def _normal() -> None:
         pass
 
 
+def _marked(marks: set[str]) -> list[int]:
+    """The PIDs of the processes whose environment holds one of ``marks`` (``LANE_MARK=<mark>``)."""
+    wanted = {f"{LANE_MARK}={m}".encode() for m in marks}
+    out = []
+    for pid in (e for e in os.listdir("/proc") if e.isdigit()):
+        try:
+            if wanted & set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
+                out.append(int(pid))
+        except OSError:  # gone, or not ours
+            continue
+    return out
+
+
 def back_to_normal(marks: set[str]) -> int:
     """Every thread under ``SCHED_IDLE`` of a process whose environment holds one of ``marks``
     (``LANE_MARK=<mark>``) back to ``SCHED_OTHER``; returns how many. Three passes: a process
     forked by a parent not yet reset is seen by the next one."""
-    wanted = {f"{LANE_MARK}={m}".encode() for m in marks}
     changed = 0
     for _ in range(3):
-        for pid in (e for e in os.listdir("/proc") if e.isdigit()):
+        for pid in _marked(marks):
             try:
-                if not wanted & set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
-                    continue
                 tids = os.listdir(f"/proc/{pid}/task")
-            except OSError:  # gone, or not ours
+            except OSError:  # gone
                 continue
             for tid in map(int, tids):
                 try:
@@ -280,15 +290,13 @@ def back_to_normal(marks: set[str]) -> int:
 
 
 def leftovers(marks: set[str]) -> dict[int, str]:
-    """``{pid: command line}`` of the processes whose environment holds one of ``marks`` (a lane's
-    servers, Ray or Redis that outlived its pytest process)."""
-    wanted = {f"{LANE_MARK}={m}".encode() for m in marks}
+    """``{pid: command line}`` of the marked processes (a lane's servers, Ray or Redis that
+    outlived its pytest process)."""
     out: dict[int, str] = {}
-    for pid in (e for e in os.listdir("/proc") if e.isdigit()):
+    for pid in _marked(marks):
         try:
-            if wanted & set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
-                out[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-        except OSError:  # gone, or not ours
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:  # gone
             continue
     return out
 
