@@ -450,12 +450,11 @@ def test_a_deterministic_answer_is_cached_and_replayed_as_a_stream(server):
     assert len(again) > 3  # replayed as a stream, not one blob
     status, body = generate(server, "echo_cached", prompt, params, exclude_input_in_output=True)
     assert status == 200 and body["text_output"] == text  # another output shape: its own entry
-    time.sleep(1.5)  # the metrics thread flushes every second
+    lookups = _scrape_until(server, "tritonguard_stream_cache_lookups_total", "echo_cached", lambda got: _hits(got) == (1, 2))
     seen = server.tail(2000).count("echo saw: cache me once")
     assert seen == 2, seen  # the stream once, the whole answer once; the repeat came from the cache
-    lookups = _scrape_model(server, "tritonguard_stream_cache_lookups_total", "echo_cached")
-    assert sum(v for k, v in lookups.items() if 'result="hit"' in k) == 1, lookups
-    assert sum(v for k, v in lookups.items() if 'result="miss"' in k) == 2, lookups
+    assert _hits(lookups)[0] == 1, lookups
+    assert _hits(lookups)[1] == 2, lookups
     sampled = {"max_tokens": 200, "temperature": 0.8}
     for _ in range(2):
         sse(server, "echo_cached", "never cached", sampled)
@@ -489,13 +488,13 @@ def test_semantic_cache_answers_a_near_duplicate_of_the_same_tenant(server):
     assert "".join(e["text_output"] for e in first_stream) == "Read the who"
     replayed = sse(server, "echo_semantic", "read the whole configuration file", params)
     assert "".join(e["text_output"] for e in replayed) == "Read the who"  # the echo would send "read the who"
-    time.sleep(1.5)
+    lookups = _scrape_until(server, "tritonguard_stream_semantic_cache_lookups_total", "echo_semantic",
+                            lambda got: _hits(got) == (2, 4))
     log = server.tail(4000)
     assert log.count("echo saw: return the list of all open files.") == 1  # the other tenant's only
     assert "echo saw: read the whole configuration file" not in log
-    lookups = _scrape_model(server, "tritonguard_stream_semantic_cache_lookups_total", "echo_semantic")
-    assert sum(v for k, v in lookups.items() if 'result="hit"' in k) == 2, lookups
-    assert sum(v for k, v in lookups.items() if 'result="miss"' in k) == 4, lookups
+    assert _hits(lookups)[0] == 2, lookups
+    assert _hits(lookups)[1] == 4, lookups
 
 
 def test_every_generation_and_refusal_is_audited_on_a_verifiable_chain(server):
@@ -531,6 +530,22 @@ def _scrape_model(srv, family: str, model: str) -> dict[str, float]:
     text = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith(family) and f'model="{model}"' in line}
+
+
+def _hits(lookups: dict[str, float]) -> tuple[float, float]:
+    return (sum(v for k, v in lookups.items() if 'result="hit"' in k),
+            sum(v for k, v in lookups.items() if 'result="miss"' in k))
+
+
+def _scrape_until(srv, family: str, model: str, want, timeout: float = 10.0) -> dict[str, float]:
+    """The family's samples once ``want(samples)`` holds, or as they are after ``timeout``: the
+    guard's metrics thread flushes every second, later when the machine is loaded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = _scrape_model(srv, family, model)
+        if want(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.25)
 
 
 
