@@ -23,6 +23,7 @@ generations in flight; the tests run in file order and share the server.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -433,9 +434,10 @@ def test_traffic_moves_to_a_runtime_outside_triton(ctx, tmp_path):
     generator (the primary, v4 in file order). First v8, declared at a URL where nothing listens
     and rolled out by `exporter promote`: every call to it fails before its first token, the
     primary answers instead (no client error), its breaker trips and the rollout rolls it back.
-    Then v7 at the real server, routed 50 % by hand, then made primary: traffic moves to it
-    (served_by tinylm_raw:7) with no client error, and the guard's greedy answer is then the
-    server's own."""
+    Then v7 at the real server, rolled out by `exporter promote` under the same traffic: judged
+    slower by the latency gate, and promoted within the tolerance its user gives (100x): traffic
+    moves to it (served_by tinylm_raw:7) with no client error, and the guard's greedy answer is
+    then the server's own."""
     from tests.unit.guard.stream.upstream import free_port, transformers_serve_starting
 
     t0 = time.monotonic()
@@ -460,36 +462,25 @@ def test_traffic_moves_to_a_runtime_outside_triton(ctx, tmp_path):
         failed_s = time.monotonic() - t0
         ready()
         ready_s = time.monotonic() - t0
-        # the real server, routed by hand (`exporter route`): a gated promote of it is not shown
-        # here, because the latency gate pairs calls of equal answer length in characters and the
-        # two runtimes' answers differ in length (GPT-2's 8-92 characters, tinylm's 8-23): 8 to 18
-        # pairs came in 120 s under load, so that rollout held until its deadline 2 runs in 3
-        with Traffic(ctx, seed=7) as traffic:
-            r = cli(ctx, "route", "tinylm", "--candidate", "7", "--share", "0.5")
-            assert r.returncode == 0, r.stdout + r.stderr
-            deadline = time.monotonic() + 60
-            while served_total(ctx).get("tinylm_raw:7", 0) < 20 and time.monotonic() < deadline:
-                time.sleep(0.5)
-            split = served_total(ctx)
-            r = cli(ctx, "route", "tinylm", "--primary", "7", "--candidate", "0")
-            assert r.returncode == 0, r.stdout + r.stderr
-            # the guard polls the state every 0.2 s, but a generation under load takes seconds:
-            # after a fixed 2 s, v7 had answered none yet (63 then 63, a loaded run, 2026-11-28)
-            deadline = time.monotonic() + 60
-            while (served_total(ctx).get("tinylm_raw:7", 0) <= split.get("tinylm_raw:7", 0) + 10
-                   and time.monotonic() < deadline):
-                time.sleep(0.5)
-        print(traffic.report())
+        # the real server, rolled out by `exporter promote` as any version is. The latency gate
+        # pairs each of v7's calls with the primary's on the same prompt, sized by the primary's
+        # answer (TextComparator.paired_run), and it reads this runtime 22-28x slower than tinylm
+        # in Triton (a GPT-2 generating in Python against an ONNX GRU): with the default 15 %
+        # tolerance it rolls v7 back at 50 % (two trials, 22.7 s each, no client error,
+        # 2026-11-29). A team that moves to a slower runtime on purpose says how much slower it
+        # accepts: here 100x, and the gates promote it
+        split = served_total(ctx)
+        r, traffic = promote_under_traffic(ctx, 7, "50,100", "--latency-tolerance", "99", seed=7)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0 and "promoted" in r.stdout, out + "\nthe latency gate's last look: " + gate_figures(ctx)
+        ratio = re.search(r"latency \(ratio ([0-9.]+)\)", r.stdout)
+        assert ratio and float(ratio.group(1)) > 1.15, out  # judged slower: the default tolerance would not pass it
         st = state(ctx)
         assert st["primary"]["version"] == 7 and st["candidate"] is None
         assert not traffic.errors, traffic.report()
         after = served_total(ctx)
-        for v in (primary, 7):  # both served at the 50 % split: the traffic moved
-            assert split.get(f"tinylm_raw:{v}", 0) > before.get(f"tinylm_raw:{v}", 0), (before, split)
-        # and more once v7 is the primary: before the route recorded a URL candidate's declared
-        # judge (task), v7's breaker tripped on validator_fail while it was the candidate and, made
-        # primary, it answered nothing more (61 -> 61 in 60 s, two full runs, 2026-11-28)
-        assert after["tinylm_raw:7"] > split["tinylm_raw:7"] + 10, (split, after)
+        assert after.get("tinylm_raw:7", 0) > split.get("tinylm_raw:7", 0) + 20, (split, after)  # the traffic moved
+        assert after.get(f"tinylm_raw:{primary}", 0) > split.get(f"tinylm_raw:{primary}", 0), (split, after)
         assert after.get("tinylm_raw:8", 0) == before.get("tinylm_raw:8", 0)  # it never answered
         prompt, sampling = "Return the 4242 ", {"max_tokens": 12, "temperature": 0}
         import openai  # a test dependency (pyproject), installed by make setup
