@@ -453,8 +453,7 @@ def test_a_deterministic_answer_is_cached_and_replayed_as_a_stream(server):
     lookups = _scrape_until(server, "tritonguard_stream_cache_lookups_total", "echo_cached", lambda got: _hits(got) == (1, 2))
     seen = server.tail(2000).count("echo saw: cache me once")
     assert seen == 2, seen  # the stream once, the whole answer once; the repeat came from the cache
-    assert _hits(lookups)[0] == 1, lookups
-    assert _hits(lookups)[1] == 2, lookups
+    assert _hits(lookups) == (1, 2), lookups  # (hits, misses)
     sampled = {"max_tokens": 200, "temperature": 0.8}
     for _ in range(2):
         sse(server, "echo_cached", "never cached", sampled)
@@ -493,8 +492,7 @@ def test_semantic_cache_answers_a_near_duplicate_of_the_same_tenant(server):
     log = server.tail(4000)
     assert log.count("echo saw: return the list of all open files.") == 1  # the other tenant's only
     assert "echo saw: read the whole configuration file" not in log
-    assert _hits(lookups)[0] == 2, lookups
-    assert _hits(lookups)[1] == 4, lookups
+    assert _hits(lookups) == (2, 4), lookups  # (hits, misses)
 
 
 def test_every_generation_and_refusal_is_audited_on_a_verifiable_chain(server):
@@ -563,14 +561,11 @@ def test_sampled_shadow_comparisons_are_scored_by_minilm(server):
     for k in range(6):
         status, body = generate(server, "tinylm_similar", f"Return the {k} open files", params)
         assert status == 200, body
-    deadline = time.monotonic() + 30
-    scores: dict[str, float] = {}
-    while time.monotonic() < deadline:
-        scores = {k: v for k, v in _scrape_model(server, "tritonguard_validator_score", "tinylm_similar").items()
-                  if 'figure="sampled_similarity"' in k and 'kind="shadow"' in k}
-        if scores:
-            break
-        time.sleep(0.5)
+    def sampled(got: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in got.items() if 'figure="sampled_similarity"' in k and 'kind="shadow"' in k}
+
+    scores = sampled(_scrape_until(server, "tritonguard_validator_score", "tinylm_similar",
+                                   lambda got: bool(sampled(got)), timeout=30))
     assert scores, "no sampled_similarity figure was published"
     assert all(-1.0 <= v <= 1.0 for v in scores.values()), scores
     errors = _scrape_model(server, "tritonguard_stream_similarity_errors_total", "tinylm_similar")
