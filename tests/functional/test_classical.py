@@ -2,8 +2,9 @@
 item 1): a StandardScaler + LogisticRegression pipeline (breast cancer) and an XGBClassifier
 (iris), trained here, exported with ``python -m exporter export`` into a private repository,
 answer through their guards exactly as the original models do; then a genuine retrain of the
-pipeline (more data, another C) is promoted with ``python -m exporter promote`` under live
-traffic, as tests/functional/test_promote.py does for digits, with no client error.
+pipeline (more data, another C) and of the booster (other trees) are promoted with ``python -m
+exporter promote`` under live traffic, as tests/functional/test_promote.py does for digits, and a
+slow build of the booster is rolled back by the latency gate, each with no client error.
 
 One tritonserver start for the module."""
 
@@ -62,12 +63,13 @@ def ctx(tmp_path_factory):
     export_cli(repo, base / "v1.joblib", "cancer", base / "cancer.npz")  # as a user runs it
     # in-process: the same code path, without a second interpreter start (seconds of wall time)
     export_source(str(base / "iris.json"), name="iris", repository=repo, inputs=base / "iris.npz", register=False)
-    cfg = read_config(repo / "cancer")  # a rollout in seconds, as test_promote's
-    params = {k: v["string_value"] for k, v in cfg["parameters"].items()}
-    params.update({"routing.poll_interval_s": "0.2", "breaker.window": "200", "breaker.min_requests": "20",
-                   "breaker.min_compared": "40", "breaker.max_error_rate": "0.05"})
-    cfg["parameters"] = {k: {"string_value": v} for k, v in params.items()}
-    write_config(repo / "cancer", cfg)
+    for name in ("cancer", "iris"):
+        cfg = read_config(repo / name)  # a rollout in seconds, as test_promote's
+        params = {k: v["string_value"] for k, v in cfg["parameters"].items()}
+        params.update({"routing.poll_interval_s": "0.2", "breaker.window": "200", "breaker.min_requests": "20",
+                       "breaker.min_compared": "40", "breaker.max_error_rate": "0.05"})
+        cfg["parameters"] = {k: {"string_value": v} for k, v in params.items()}
+        write_config(repo / name, cfg)
     server = Server(repository=repo, log_path=base / "logs" / "tritonserver.log", env=dict(os.environ))
     server.start(wait_models=["cancer", "cancer_raw", "iris", "iris_raw"])
     client = httpclient.InferenceServerClient(server.http_url, concurrency=8)
@@ -95,9 +97,11 @@ def test_served_through_the_guard_as_the_original_answers(ctx, model):
         assert served_by == f"{model}_raw:1"
 
 
-def test_a_retrained_pipeline_is_promoted_with_no_client_error(ctx):
-    export_source(str(ctx["base"] / "v2.joblib"), name="cancer", repository=ctx["repo"],
-                  inputs=ctx["base"] / "cancer.npz", register=False)
+def promote_under_traffic(ctx, model: str, version: int, rows: np.ndarray,
+                          *extra: str) -> tuple[subprocess.CompletedProcess, dict[str, int], list[str]]:
+    """`exporter promote` as a user runs it, while four clients send ``model`` one row at a time
+    (``rows``, each scaled by up to 2 %: cache misses); returns the run, who served how many
+    calls, and every client error."""
     errors: list[str] = []
     served: dict[str, int] = {}
     stop = threading.Event()
@@ -108,10 +112,10 @@ def test_a_retrained_pipeline_is_promoted_with_no_client_error(ctx):
         deadline = time.monotonic() + 120
         try:
             while not stop.is_set() and time.monotonic() < deadline:
-                row = ctx["gold"][rng.integers(0, len(ctx["gold"]), 1)]
+                row = rows[rng.integers(0, len(rows), 1)]
                 row = row * rng.uniform(0.98, 1.02, row.shape).astype(np.float32)  # cache misses
                 try:
-                    _, _, who = infer(client, "cancer", row)
+                    _, _, who = infer(client, model, row)
                     served[who] = served.get(who, 0) + 1
                 except Exception as exc:  # noqa: BLE001 - every error is counted and shown
                     errors.append(str(exc))
@@ -122,12 +126,19 @@ def test_a_retrained_pipeline_is_promoted_with_no_client_error(ctx):
     for t in threads:
         t.start()
     try:
-        r = cli(ctx, "promote", "cancer", "--version", "2", "--steps", "50,100", *GATES, "--max-disagreement",
-                "0.2", *server_args(ctx), timeout=150)
+        r = cli(ctx, "promote", model, "--version", str(version), "--steps", "50,100", *GATES, *extra,
+                *server_args(ctx), timeout=150)
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=30)
+    return r, served, errors
+
+
+def test_a_retrained_pipeline_is_promoted_with_no_client_error(ctx):
+    export_source(str(ctx["base"] / "v2.joblib"), name="cancer", repository=ctx["repo"],
+                  inputs=ctx["base"] / "cancer.npz", register=False)
+    r, served, errors = promote_under_traffic(ctx, "cancer", 2, ctx["gold"], "--max-disagreement", "0.2")
     assert r.returncode == 0, r.stdout + r.stderr
     state = json.loads((ctx["repo"] / "cancer" / "rollout_state.json").read_text())
     assert state["primary"]["version"] == 2 and state["candidate"] is None
@@ -138,3 +149,48 @@ def test_a_retrained_pipeline_is_promoted_with_no_client_error(ctx):
     assert who == "cancer_raw:2"
     np.testing.assert_array_equal(labels, ctx["v2"].predict(gold).reshape(-1, 1))
     np.testing.assert_allclose(probs, ctx["v2"].predict_proba(gold), atol=1e-5, rtol=0)
+
+
+def test_a_slow_xgboost_build_is_rolled_back_with_no_client_error(ctx):
+    """v1's booster trained on for 10,000 more rounds at learning rate 0: 30,000 more trees whose
+    leaves are all 0, so v1's answers exactly (checked below) at ~16x its model time (onnxruntime,
+    one row: 281 against 17 us a call, 2.4 MB against 11 KB, 2026-11-30). Exported as a user would
+    export a new booster; promote's latency gate stops it at its first step."""
+    xi, yi = load_iris(return_X_y=True)
+    slow = xgb.XGBClassifier(n_estimators=10_000, max_depth=3, learning_rate=0.0).fit(
+        xi[::2], yi[::2], xgb_model=ctx["iris"].get_booster())
+    gold = ctx["iris_gold"]
+    np.testing.assert_array_equal(slow.predict_proba(gold), ctx["iris"].predict_proba(gold))
+    slow.save_model(ctx["base"] / "iris_slow.json")
+    v = export_source(str(ctx["base"] / "iris_slow.json"), name="iris", repository=ctx["repo"],
+                      inputs=ctx["base"] / "iris.npz", register=False).version
+    r, served, errors = promote_under_traffic(ctx, "iris", v, gold)
+    assert r.returncode == 1, r.stdout + r.stderr
+    progress = json.loads((ctx["repo"] / "iris" / "rollout_controller.json").read_text())
+    assert progress["status"] == "rolled_back", progress["reason"]
+    assert progress["reason"].startswith("gate failed at 50%") and "latency FAIL" in progress["reason"], progress["reason"]
+    assert not errors, errors[:3]
+    assert served.get(f"iris_raw:{v}", 0) > 0, served  # judged on traffic it served
+    state = json.loads((ctx["repo"] / "iris" / "rollout_state.json").read_text())
+    assert state["primary"]["version"] == 1 and state["candidate"] is None
+
+
+def test_a_retrained_xgboost_model_is_promoted_with_no_client_error(ctx):
+    """Another booster on the same rows (60 shallower trees, another learning rate): its
+    probabilities differ from v1's, its labels on the held-out rows do not."""
+    xi, yi = load_iris(return_X_y=True)
+    retrain = xgb.XGBClassifier(n_estimators=60, max_depth=2, learning_rate=0.2).fit(xi[::2], yi[::2])
+    retrain.save_model(ctx["base"] / "iris_retrain.json")
+    v = export_source(str(ctx["base"] / "iris_retrain.json"), name="iris", repository=ctx["repo"],
+                      inputs=ctx["base"] / "iris.npz", register=False).version
+    gold = ctx["iris_gold"]
+    r, served, errors = promote_under_traffic(ctx, "iris", v, gold)
+    assert r.returncode == 0, r.stdout + r.stderr
+    state = json.loads((ctx["repo"] / "iris" / "rollout_state.json").read_text())
+    assert state["primary"]["version"] == v and state["candidate"] is None
+    assert not errors, errors[:3]
+    assert served.get(f"iris_raw:{v}", 0) > 0, served
+    probs, labels, who = infer(ctx["client"], "iris", gold[:64])
+    assert who == f"iris_raw:{v}"
+    np.testing.assert_array_equal(labels, retrain.predict(gold[:64]).reshape(-1, 1))
+    np.testing.assert_allclose(probs, retrain.predict_proba(gold[:64]), atol=1e-5, rtol=0)
