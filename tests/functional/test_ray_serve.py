@@ -2,7 +2,8 @@
 Ray Serve's HTTP proxy on a loopback port, serving the exported digits model from a repository
 laid out as the exporter writes it (the guard ``digits`` fronting the versions of ``digits_raw``),
 spoken to over HTTP (issue 44 item 2). Then `exporter promote` on a two-replica application of a
-scikit-learn pipeline, and one promote of a model served by Ray Serve and a tritonserver at once.
+scikit-learn pipeline, and one promote of a model served by Ray Serve and a tritonserver at once;
+and an XGBoost booster's retrain promoted and its slow build rolled back.
 
 A functional module (Ray's processes, the proxy, a tritonserver): `make unit` leaves it out. The
 lanes run it in the lane of tests/functional/test_batch.py, never beside another Ray."""
@@ -119,9 +120,9 @@ def served(tmp_path_factory):
         # from the environment the raylet (so the controller) inherits; serve.start's own wait for
         # the proxy is a fixed 60 s in ray 2.60 (ray.serve._private.api.HTTP_PROXY_TIMEOUT).
         mp.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
-        # logical CPUs: each replica reserves one (Ray Serve's default), and the module runs four
-        # (digits, echo, and the two of the rollout's application)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # logical CPUs: each replica reserves one (Ray Serve's default), and the module runs five
+        # (digits, echo, the two of the rollout's application and the booster's one)
+        ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("ray.serve._private.api.HTTP_PROXY_TIMEOUT", 300)
@@ -413,12 +414,52 @@ def nan_build(src: Path, dst: Path, above: float) -> Path:
 def promote(ctx, version: int, *extra: str) -> tuple[subprocess.CompletedProcess, Traffic]:
     """`python -m exporter promote` as a user runs it, its gates reading the application's metrics
     route (no --server: nothing to load on Triton), under traffic."""
-    url = f"http://127.0.0.1:{ctx['port']}{ROLLOUT}/metrics"
-    with Traffic(ctx["port"], ctx["traffic"]) as traffic:
-        r = subprocess.run([sys.executable, "-m", "exporter", "promote", SCORER, "--version", str(version), *GATES,
+    model, prefix = ctx.get("model", SCORER), ctx.get("prefix", ROLLOUT)
+    url = f"http://127.0.0.1:{ctx['port']}{prefix}/metrics"
+    with Traffic(ctx["port"], ctx["traffic"], prefix=prefix) as traffic:
+        r = subprocess.run([sys.executable, "-m", "exporter", "promote", model, "--version", str(version), *GATES,
                             "--metrics-url", url, "--repository", str(ctx["repo"]), *extra],
                            cwd=ROOT, capture_output=True, text=True, timeout=240)
     return r, traffic
+
+
+@pytest.fixture(scope="module")
+def boosters(served, tmp_path_factory):
+    """A third application: an XGBoost booster (iris) exported from its `save_model` JSON into a
+    private repository and deployed with one replica; then, exported after the deployment, a
+    genuine retrain (60 shallower trees) and a slow build (v1 trained on for 10,000 rounds at
+    learning rate 0: v1's answers, 30,000 more trees), as tests/functional/test_classical.py
+    rolls them out on Triton."""
+    import xgboost as xgb  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+    from sklearn.datasets import load_iris  # noqa: PLC0415
+
+    from exporter.build.export import export_source  # noqa: PLC0415
+    from tritonguard.hosts.ray_serve import guarded  # noqa: PLC0415
+
+    base = tmp_path_factory.mktemp("ray_iris")
+    repo = base / "repo"
+    xi, yi = load_iris(return_X_y=True)
+    gold = xi[1::2].astype(np.float32)  # 75 rows no booster was trained on
+    np.savez(base / "iris.npz", features=gold)
+
+    def export(model, name: str) -> int:
+        model.save_model(base / f"{name}.json")
+        return export_source(str(base / f"{name}.json"), name="iris", repository=repo, inputs=base / "iris.npz",
+                             register=False).version
+
+    v1 = xgb.XGBClassifier(n_estimators=25, max_depth=3).fit(xi[::2], yi[::2])
+    export(v1, "v1")
+    serve.run(guarded("iris", repository=repo, config={"routing.poll_interval_s": 0}), name="iris",
+              route_prefix="/iris", blocking=False)
+    slow = xgb.XGBClassifier(n_estimators=10_000, max_depth=3, learning_rate=0.0).fit(
+        xi[::2], yi[::2], xgb_model=v1.get_booster())
+    np.testing.assert_array_equal(slow.predict_proba(gold), v1.predict_proba(gold))
+    retrain = xgb.XGBClassifier(n_estimators=60, max_depth=2, learning_rate=0.2).fit(xi[::2], yi[::2])
+    v = {"slow": export(slow, "slow"), "retrain": export(retrain, "retrain")}
+    yield {"repo": repo, "v": v, "port": served["port"], "traffic": gold, "model": "iris", "prefix": "/iris",
+           "retrain": retrain}
+    serve.delete("iris")
 
 
 @pytest.fixture()
@@ -521,3 +562,32 @@ def test_one_promote_rolls_out_a_genuine_retrain_served_by_ray_serve_and_triton(
     # the gates judged the canary's comparisons, which the host counts as the Triton guard does
     text = metrics(rollout["port"], ROLLOUT)
     assert f'tritonguard_compared_total{{kind="canary",model="{SCORER}",target_version="{v}",verdict="AGREE"}}' in text
+
+
+def test_promote_rolls_back_a_slow_booster_served_by_ray_serve(boosters):
+    v = boosters["v"]["slow"]
+    r, traffic = promote(boosters, v)
+    assert r.returncode == 1, r.stdout + r.stderr
+    progress = json.loads((boosters["repo"] / "iris" / "rollout_controller.json").read_text())
+    assert progress["status"] == "rolled_back", progress["reason"]
+    assert progress["reason"].startswith("gate failed at 50%") and "latency FAIL" in progress["reason"], progress["reason"]
+    assert traffic.errors == []
+    assert traffic.served.get(f"iris_raw:{v}", 0) > 0  # judged on traffic it served
+    state = open_store("iris", boosters["repo"]).load()
+    assert state.primary == 1 and state.candidate is None
+
+
+def test_promote_rolls_out_a_retrained_booster_served_by_ray_serve(boosters):
+    v = boosters["v"]["retrain"]
+    r, traffic = promote(boosters, v)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert open_store("iris", boosters["repo"]).load().primary == v
+    assert traffic.errors == [] and traffic.served.get(f"iris_raw:{v}", 0) > 0, (traffic.errors[:3], traffic.served)
+    x = boosters["traffic"][:8]
+    status, headers, doc = infer(boosters["port"], {"inputs": [{"name": "FEATURES", "shape": list(x.shape),
+                                                                "datatype": "FP32", "data": x.ravel().tolist()}]},
+                                 prefix="/iris")
+    assert status == 200 and headers["x-tritonguard-served-by"] == f"iris_raw:{v}", (status, headers, doc)
+    out = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in doc["outputs"]}
+    np.testing.assert_allclose(out["PROBS"], boosters["retrain"].predict_proba(x), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(out["LABEL"].ravel(), boosters["retrain"].predict(x))
