@@ -122,18 +122,6 @@ TOGETHER = (
     ("tests/functional/test_batch.py", "tests/functional/test_ray_serve.py"),
 )
 
-# modules run last in their lane, once the timed phase (and so the lanes' SCHED_IDLE) is long
-# over: their set-up starts a third-party runtime whose start-up deadlines are fixed in its code.
-# Ray's: ray.init gives the raylet 30 s to register, Serve's controller kills a proxy not ready
-# after three 5 s checks, serve.start waits 60 s for the proxy. Dealt second in its lane, after
-# test_batch, test_ray_serve started in the timed phase's last minute: its setup took 58-79 s in
-# full runs, and in stop 54's CI run the controller killed the proxy, every test of the module
-# failing at setup. Under two normal-priority loops at 97 % of both cores, ray.init timed out (2 of
-# 2 runs) and serve.start failed with the proxy killed (2 of 2); after the timed phase the lanes
-# run at the normal policy (2026-11-29). The module's fixture also sets Serve's two proxy
-# deadlines for a loaded machine (it passed 2 of 2 that way under the same loops).
-LAST = ("tests/functional/test_ray_serve.py",)
-
 # wall seconds per module in the last full run (clean clone at ccb145f, 2 cores, 2026-11-29: the
 # untimed modules in lanes at once, the timed ones alone; modules under 8 s left to the default);
 # only what balances the lanes: a stale figure makes a lane longer, never a test wrong. Dealt by
@@ -205,8 +193,7 @@ def weight(module: str) -> float:
 
 def split(mods: list[str], lanes: int = 2) -> tuple[list[list[str]], list[str]]:
     """``(lanes, timed)``: the untimed modules dealt heaviest first to the lane with less work
-    (each lane runs its modules in the order dealt, the :data:`LAST` ones at its end; a
-    :data:`TOGETHER` group is dealt as one), the
+    (each lane runs its modules in the order dealt; a :data:`TOGETHER` group is dealt as one), the
     :data:`WAITING` ones (when there are two lanes or more) in one more lane of their own, and the
     timed ones, run after the lanes."""
     waiting = [m for m in mods if m in WAITING and m not in TIMED] if lanes > 1 else []
@@ -224,7 +211,6 @@ def split(mods: list[str], lanes: int = 2) -> tuple[list[list[str]], list[str]]:
         i = min(range(lanes), key=lambda k: (load[k], k))
         out[i].extend(unit)
         load[i] += sum(weight(m) for m in unit)
-    out = [[m for m in lane if m not in LAST] + [m for m in lane if m in LAST] for lane in out]
     if waiting:
         out.append(sorted(waiting, key=lambda m: (-weight(m), m)))
     return out, [m for m in mods if m in TIMED]

@@ -108,17 +108,18 @@ def served(tmp_path_factory):
         # the replicas' runtime files (latency log, quota buckets) where this module's tests and
         # the CLI they start look (the module's _tritonguard_home sets it per test)
         mp.setenv("TRITONGUARD_HOME", str(tmp_path_factory.getbasetemp() / "tritonguard-home"))
-        # Ray Serve's start-up deadlines, set for a machine whose cores are taken: this module ran in
+        # Ray Serve's start-up deadlines, set for a machine whose cores are taken: this module runs in
         # a lane under SCHED_IDLE beside the timed modules (tests/lanes.py), where its setup took
         # 58-79 s (full runs, 2026-11-29; 8.8 s alone). The controller declares a proxy that is not
         # ready within 5 s unhealthy, and kills it after three such checks. Stop 54's CI run failed in
         # serve.start's wait for the proxy, every test of the module at setup (the exception itself
         # was cut from the log). Reproduced with two normal-priority loops taking 97 % of both cores
         # from the end of ray.init: serve.start failed with ActorDiedError (the proxy killed) in
-        # 54-64 s, 2 of 2, and passed in 94-97 s, 2 of 2, with these two settings; the lanes now run
-        # this module after their SCHED_IDLE ends. The readiness check's timeout comes
-        # from the environment the raylet (so the controller) inherits; serve.start's own wait for
-        # the proxy is a fixed 60 s in ray 2.60 (ray.serve._private.api.HTTP_PROXY_TIMEOUT).
+        # 54-64 s, 2 of 2, and passed in 94-97 s, 2 of 2, with these two settings. The readiness
+        # check's timeout comes from the environment the raylet (so the controller) inherits;
+        # serve.start's own wait for the proxy is a fixed 60 s in ray 2.60
+        # (ray.serve._private.api.HTTP_PROXY_TIMEOUT). ray.init's 30 s for the raylet to register is
+        # fixed in Ray's code: under the same loops from pytest's start it timed out, 2 of 2.
         mp.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
         # logical CPUs: each replica reserves one (Ray Serve's default), and the module runs five
         # (digits, echo, the two of the rollout's application and the booster's one)
