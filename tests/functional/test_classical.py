@@ -21,18 +21,19 @@ import joblib
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from sklearn.datasets import load_breast_cancer, load_iris
+from sklearn.datasets import load_breast_cancer
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
+from examples import boosters
 from exporter.build.export import export_source
 from tests.functional.test_promote import GATES, ROOT, cli, server_args
 from tritonguard.core.repository import read_config, write_config
 from tritonguard.ops.server import Server
 
 pytestmark = pytest.mark.functional
-xgb = pytest.importorskip("xgboost")
+pytest.importorskip("xgboost")
 
 
 def export_cli(repo, source, name, goldens) -> None:
@@ -55,10 +56,9 @@ def ctx(tmp_path_factory):
     v2 = Pipeline([("scale", StandardScaler()), ("clf", LogisticRegression(C=1.0, max_iter=2000))]).fit(x[:450], y[:450])
     joblib.dump(v1, base / "v1.joblib")
     joblib.dump(v2, base / "v2.joblib")
-    xi, yi = load_iris(return_X_y=True)
-    iris = xgb.XGBClassifier(n_estimators=25, max_depth=3).fit(xi[::2], yi[::2])
+    iris = boosters.v1()
     iris.save_model(base / "iris.json")
-    iris_gold = xi[1::2].astype(np.float32)
+    iris_gold = boosters.data()[2]
     np.savez(base / "iris.npz", features=iris_gold)
     export_cli(repo, base / "v1.joblib", "cancer", base / "cancer.npz")  # as a user runs it
     # in-process: the same code path, without a second interpreter start (seconds of wall time)
@@ -152,13 +152,10 @@ def test_a_retrained_pipeline_is_promoted_with_no_client_error(ctx):
 
 
 def test_a_slow_xgboost_build_is_rolled_back_with_no_client_error(ctx):
-    """v1's booster trained on for 10,000 more rounds at learning rate 0: 30,000 more trees whose
-    leaves are all 0, so v1's answers exactly (checked below) at ~16x its model time (onnxruntime,
-    one row: 281 against 17 us a call, 2.4 MB against 11 KB, 2026-11-30). Exported as a user would
-    export a new booster; promote's latency gate stops it at its first step."""
-    xi, yi = load_iris(return_X_y=True)
-    slow = xgb.XGBClassifier(n_estimators=10_000, max_depth=3, learning_rate=0.0).fit(
-        xi[::2], yi[::2], xgb_model=ctx["iris"].get_booster())
+    """v1's booster trained on for 10,000 more rounds at learning rate 0 (examples.boosters.slow):
+    v1's answers exactly (checked below) at ~16x its model time. Exported as a user would export a
+    new booster; promote's latency gate stops it at its first step."""
+    slow = boosters.slow(ctx["iris"])
     gold = ctx["iris_gold"]
     np.testing.assert_array_equal(slow.predict_proba(gold), ctx["iris"].predict_proba(gold))
     slow.save_model(ctx["base"] / "iris_slow.json")
@@ -178,8 +175,7 @@ def test_a_slow_xgboost_build_is_rolled_back_with_no_client_error(ctx):
 def test_a_retrained_xgboost_model_is_promoted_with_no_client_error(ctx):
     """Another booster on the same rows (60 shallower trees, another learning rate): its
     probabilities differ from v1's, its labels on the held-out rows do not."""
-    xi, yi = load_iris(return_X_y=True)
-    retrain = xgb.XGBClassifier(n_estimators=60, max_depth=2, learning_rate=0.2).fit(xi[::2], yi[::2])
+    retrain = boosters.retrain()
     retrain.save_model(ctx["base"] / "iris_retrain.json")
     v = export_source(str(ctx["base"] / "iris_retrain.json"), name="iris", repository=ctx["repo"],
                       inputs=ctx["base"] / "iris.npz", register=False).version

@@ -431,17 +431,15 @@ def boosters(served, tmp_path_factory):
     genuine retrain (60 shallower trees) and a slow build (v1 trained on for 10,000 rounds at
     learning rate 0: v1's answers, 30,000 more trees), as tests/functional/test_classical.py
     rolls them out on Triton."""
-    import xgboost as xgb  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
-    from sklearn.datasets import load_iris  # noqa: PLC0415
 
+    from examples import boosters as recipes  # noqa: PLC0415
     from exporter.build.export import export_source  # noqa: PLC0415
     from tritonguard.hosts.ray_serve import guarded  # noqa: PLC0415
 
     base = tmp_path_factory.mktemp("ray_iris")
     repo = base / "repo"
-    xi, yi = load_iris(return_X_y=True)
-    gold = xi[1::2].astype(np.float32)  # 75 rows no booster was trained on
+    gold = recipes.data()[2]  # 75 rows no booster was trained on
     np.savez(base / "iris.npz", features=gold)
 
     def export(model, name: str) -> int:
@@ -449,14 +447,13 @@ def boosters(served, tmp_path_factory):
         return export_source(str(base / f"{name}.json"), name="iris", repository=repo, inputs=base / "iris.npz",
                              register=False).version
 
-    v1 = xgb.XGBClassifier(n_estimators=25, max_depth=3).fit(xi[::2], yi[::2])
+    v1 = recipes.v1()
     export(v1, "v1")
     serve.run(guarded("iris", repository=repo, config={"routing.poll_interval_s": 0}), name="iris",
               route_prefix="/iris", blocking=False)
-    slow = xgb.XGBClassifier(n_estimators=10_000, max_depth=3, learning_rate=0.0).fit(
-        xi[::2], yi[::2], xgb_model=v1.get_booster())
+    slow = recipes.slow(v1)
     np.testing.assert_array_equal(slow.predict_proba(gold), v1.predict_proba(gold))
-    retrain = xgb.XGBClassifier(n_estimators=60, max_depth=2, learning_rate=0.2).fit(xi[::2], yi[::2])
+    retrain = recipes.retrain()
     v = {"slow": export(slow, "slow"), "retrain": export(retrain, "retrain")}
     yield {"repo": repo, "v": v, "port": served["port"], "traffic": gold, "model": "iris", "prefix": "/iris",
            "retrain": retrain}
