@@ -4,6 +4,7 @@ never in two lanes, and two lanes never hand out the same loopback port."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,34 @@ def test_a_run_in_lanes_names_its_folders_without_spaces(tmp_path, monkeypatch):
     monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in ("test_a.py", "test_b.py", "test_c.py")])
     monkeypatch.delenv("TRITONGUARD_HOME", raising=False)
     assert lanes.main([str(tmp_path), "-q"]) == 0
+
+
+def test_a_green_run_removes_its_folder_and_a_red_one_keeps_and_names_it(tmp_path, monkeypatch, capsys):
+    """Each run's folder (lane logs, basetemps with the servers' repositories) took up to 1.2 GB and
+    was never removed: a day of full runs filled this machine's disk (2026-11-30)."""
+    made: list[Path] = []
+    real = lanes.tempfile.mkdtemp
+
+    def mkdtemp(**kw):
+        made.append(Path(real(**kw)))
+        return str(made[-1])
+
+    monkeypatch.setattr(lanes.tempfile, "mkdtemp", mkdtemp)
+    (tmp_path / "test_a.py").write_text("def test_a():\n    pass\n")
+    (tmp_path / "test_b.py").write_text("import os\ndef test_b():\n    assert os.environ.get('FAIL_B') != '1'\n")
+    monkeypatch.setattr(lanes, "TIMED", ())
+    monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in ("test_a.py", "test_b.py")])
+    monkeypatch.delenv("TRITONGUARD_HOME", raising=False)
+    assert lanes.main([str(tmp_path), "-q"]) == 0
+    assert len(made) == 1 and not made[0].exists()
+    monkeypatch.setenv("FAIL_B", "1")
+    capsys.readouterr()
+    assert lanes.main([str(tmp_path), "-q"]) == 1
+    assert len(made) == 2 and sorted(p.name for p in made[1].glob("*.log")) == ["lane0.log", "lane1.log"]
+    out = capsys.readouterr().out
+    assert f"the run's folder is kept for the failure (each lane's log, basetemp with the servers' logs " \
+           f"and repositories, TRITONGUARD_HOME): {made[1]}" in out, out[-500:]
+    shutil.rmtree(made[1])
 
 
 def test_the_lanes_yield_the_cores_to_the_timed_modules_until_these_end(tmp_path, monkeypatch):
