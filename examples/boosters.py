@@ -43,13 +43,10 @@ def retrain():
 
 
 def slow(base):
-    """``base`` trained on for :data:`SLOW_ROUNDS` rounds at learning rate 0; raises unless its
-    probabilities on the held-out rows are exactly ``base``'s."""
+    """``base`` trained on for :data:`SLOW_ROUNDS` rounds at learning rate 0 (the tests that roll
+    it out check that its held-out probabilities are exactly ``base``'s)."""
     import xgboost as xgb  # noqa: PLC0415
 
-    x, y, held = data()
-    model = xgb.XGBClassifier(n_estimators=SLOW_ROUNDS, max_depth=3, learning_rate=0.0).fit(
+    x, y, _ = data()
+    return xgb.XGBClassifier(n_estimators=SLOW_ROUNDS, max_depth=3, learning_rate=0.0).fit(
         x, y, xgb_model=base.get_booster())
-    if not np.array_equal(model.predict_proba(held), base.predict_proba(held)):
-        raise AssertionError("the slow booster's answers differ from its base's")
-    return model

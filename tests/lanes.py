@@ -37,8 +37,8 @@ other lane needs.
 Each process's output goes to a log that is printed whole at the end (with its own module time
 table and ``--durations``), after a progress line per process every minute. The exit status is
 the first non-zero one (5, "no tests collected", counts as 0). After a green run the run's folder
-(logs, basetemps, homes: up to ~1 GB) is removed; after a red one it is kept and named. ``TRITONGUARD_LANES=1`` runs
-everything in one process, as before.
+(logs, basetemps, homes: up to ~1 GB) is removed; after a red one it is kept and named.
+``TRITONGUARD_LANES=1`` runs everything in one process, as before.
 """
 
 from __future__ import annotations

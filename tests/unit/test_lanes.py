@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests import lanes
+from tests.conftest import REDIS_SERVER
 from tritonguard.ops.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,9 +165,9 @@ def test_back_to_normal_finds_a_server_that_wrote_its_title_over_its_environment
     """redis-server writes its title over its environment (/proc/PID/environ then holds no mark):
     found as the child of a marked process, so a Redis a lane started under SCHED_IDLE is back
     to the normal policy with the lane (run 19's fleet quota failure, tests/lanes.py:_marked)."""
-    server = shutil.which("redis-server") or "/usr/bin/redis-server"
-    if not os.path.exists(server):
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = REDIS_SERVER
+    if not server:
+        pytest.skip("redis-server is not installed (/usr/bin/redis-server; apt-get install redis-server)")
     mark = f"lane0@{tmp_path}"
     code = ("import subprocess, sys, time\n"
             f"p = subprocess.Popen([{server!r}, '--port', sys.argv[1], '--bind', '127.0.0.1', '--save', '',"
