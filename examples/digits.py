@@ -11,13 +11,17 @@ other seeds and weaker variants (fewer epochs) for
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from examples import training
 from exporter.build.sources.spec import ExportSpec, TensorDef
 
 log = logging.getLogger(__name__)
@@ -91,34 +95,62 @@ def _split() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarra
     return (x_tr, y_tr), (x_te, y_te)
 
 
+_TRAINED: dict[tuple[int, int], tuple[DigitsCNN, dict[str, float]]] = {}
+
+
 def train_with_metrics(seed: int = SEED, epochs: int = EPOCHS,
                        ) -> tuple[DigitsCNN, np.ndarray, np.ndarray, dict[str, float]]:
     """:func:`train`, plus final training loss/accuracy and held-out accuracy.
 
     ``seed`` seeds the initial weights and the batch order; the split is SPLIT_SEED's whatever
-    the seed. The defaults are the recipe ``examples.digits:build`` exports."""
-    _seed(seed)
-    (x_tr, y_tr), (x_te, y_te) = _split()
-    model = DigitsCNN()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    loss_fn = nn.CrossEntropyLoss()
-    xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr).long()
-    gen = torch.Generator().manual_seed(seed)
-    model.train()
-    for _ in range(epochs):
-        for idx in torch.randperm(len(xt), generator=gen).split(BATCH):
-            opt.zero_grad()
-            loss_fn(model.logits(xt[idx]), yt[idx]).backward()
-            opt.step()
-    model.eval()
-    with torch.inference_mode():
-        train_logits = model.logits(xt)
-        metrics = {"train_loss": float(loss_fn(train_logits, yt)),
-                   "train_accuracy": float((train_logits.argmax(-1) == yt).float().mean()),
-                   "heldout_accuracy": float((model(torch.from_numpy(x_te)).argmax(-1).numpy() == y_te).mean()),
-                   "n_train": float(len(y_tr)), "n_heldout": float(len(y_te))}
+    the seed. The defaults are the recipe ``examples.digits:build`` exports. Training is
+    deterministic for a seed and a number of epochs (on :data:`examples.training.THREADS`
+    threads), so a second call in this process gets a copy of the first result, and processes
+    that share ``$TRITONGUARD_TRAIN_CACHE`` train each one once (:func:`examples.training.shared`)."""
+    if (seed, epochs) not in _TRAINED:
+        cache = training.cache_folder()
+        _TRAINED[(seed, epochs)] = (_train_shared(cache, seed, epochs) if cache else _train(seed, epochs))
+    model, metrics = _TRAINED[(seed, epochs)]
+    (_, _), (x_te, y_te) = _split()
+    return copy.deepcopy(model), x_te, y_te, dict(metrics)
+
+
+def _train_shared(folder: Path, seed: int, epochs: int) -> tuple[DigitsCNN, dict[str, float]]:
+    def load(saved: dict[str, Any]) -> tuple[DigitsCNN, dict[str, float]]:
+        model = DigitsCNN()
+        model.load_state_dict(saved["state"])
+        model.eval()
+        return model, {k: float(v) for k, v in saved["metrics"].items()}
+
+    key = training.cache_key(Path(__file__), seed, epochs, data_version())
+    return training.shared(folder, "digits", key, lambda: _train(seed, epochs),
+                           lambda r: {"state": r[0].state_dict(), "metrics": r[1]}, load)
+
+
+def _train(seed: int, epochs: int) -> tuple[DigitsCNN, dict[str, float]]:
+    with training.pinned_threads():
+        _seed(seed)
+        (x_tr, y_tr), (x_te, y_te) = _split()
+        model = DigitsCNN()
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        loss_fn = nn.CrossEntropyLoss()
+        xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr).long()
+        gen = torch.Generator().manual_seed(seed)
+        model.train()
+        for _ in range(epochs):
+            for idx in torch.randperm(len(xt), generator=gen).split(BATCH):
+                opt.zero_grad()
+                loss_fn(model.logits(xt[idx]), yt[idx]).backward()
+                opt.step()
+        model.eval()
+        with torch.inference_mode():
+            train_logits = model.logits(xt)
+            metrics = {"train_loss": float(loss_fn(train_logits, yt)),
+                       "train_accuracy": float((train_logits.argmax(-1) == yt).float().mean()),
+                       "heldout_accuracy": float((model(torch.from_numpy(x_te)).argmax(-1).numpy() == y_te).mean()),
+                       "n_train": float(len(y_tr)), "n_heldout": float(len(y_te))}
     log.info("digits CNN: held-out accuracy %.4f on %d images", metrics["heldout_accuracy"], len(y_te))
-    return model, x_te, y_te, metrics
+    return model, metrics
 
 
 def export_spec(module: nn.Module, golden: np.ndarray, *, eval_set: bool = True, **fields) -> ExportSpec:

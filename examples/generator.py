@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from examples import training
 from tritonguard.core import repository as repo_mod
 from tritonguard.core.files import atomic_write
 from tritonguard.core.repository import write_config
@@ -54,7 +55,7 @@ from tritonguard.generation.decoder import CharTokenizer, Decoder, StepModel
 log = logging.getLogger(__name__)
 
 SEED = 0
-THREADS = 2  # training results depend on torch's thread count: pinned for reproducibility
+THREADS = training.THREADS  # training results depend on torch's thread count: pinned
 EMBED = 48
 HIDDEN = 128
 SEQ = 64
@@ -181,7 +182,7 @@ class CharGRU(nn.Module):
 
 
 _TRAINED: dict[tuple[int, int], tuple[CharGRU, CharTokenizer, dict[str, float]]] = {}
-TRAIN_CACHE_ENV = "TRITONGUARD_TRAIN_CACHE"  # a folder shared by processes: see _train_shared
+TRAIN_CACHE_ENV = training.TRAIN_CACHE_ENV  # a folder shared by processes: see _train_shared
 
 
 def train(seed: int = SEED, steps: int = STEPS) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
@@ -192,42 +193,37 @@ def train(seed: int = SEED, steps: int = STEPS) -> tuple[CharGRU, CharTokenizer,
     if (seed, steps) in _TRAINED:
         model, tok, figures = _TRAINED[(seed, steps)]
         return copy.deepcopy(model), tok, dict(figures)
-    cache = os.environ.get(TRAIN_CACHE_ENV)
-    model, tok, figures = _train_shared(Path(cache), seed, steps) if cache else _train(seed, steps)
+    cache = training.cache_folder()
+    model, tok, figures = _train_shared(cache, seed, steps) if cache else _train(seed, steps)
     _TRAINED[(seed, steps)] = (copy.deepcopy(model), tok, dict(figures))
     return model, tok, figures
 
 
 def _train_shared(folder: Path, seed: int, steps: int) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
     """:func:`_train`, once for every process that names the same ``folder`` in
-    ``$TRITONGUARD_TRAIN_CACHE`` (the test lanes share one per run): the first trains and saves
-    the weights, the others wait on its lock and load them. The key holds everything the result
-    depends on (seed, steps, this file, the thread count, torch's and Python's versions), and
-    ``state_dict`` round-trips the tensors bit for bit, so the exported file is the same."""
-    from filelock import FileLock  # noqa: PLC0415 - only where the cache is asked for
+    ``$TRITONGUARD_TRAIN_CACHE`` (:func:`examples.training.shared`); the key holds the seed, the
+    steps and this file (the corpus is read by it from the running interpreter's modules)."""
 
-    key = hashlib.sha256(f"{seed}/{steps}/{THREADS}/{torch.__version__}/{sys.version}\n".encode()
-                         + Path(__file__).read_bytes()).hexdigest()[:20]
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"tinylm-{key}.pt"
-    with FileLock(str(path) + ".lock"):
-        if path.exists():
-            saved = torch.load(path, weights_only=True)
-            tok = CharTokenizer()
-            model = CharGRU(tok.vocab_size)
-            model.load_state_dict(saved["state"])
-            model.eval()
-            return model, tok, {k: float(v) for k, v in saved["figures"].items()}
-        model, tok, figures = _train(seed, steps)
-        buf = io.BytesIO()
-        torch.save({"state": model.state_dict(), "figures": figures}, buf)
-        atomic_write(path, buf.getvalue())
-    return model, tok, figures
+    def load(saved: dict[str, Any]) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
+        tok = CharTokenizer()
+        model = CharGRU(tok.vocab_size)
+        model.load_state_dict(saved["state"])
+        model.eval()
+        return model, tok, {k: float(v) for k, v in saved["figures"].items()}
+
+    return training.shared(folder, "tinylm", training.cache_key(Path(__file__), seed, steps),
+                           lambda: _train(seed, steps),
+                           lambda r: {"state": r[0].state_dict(), "figures": r[2]}, load)
 
 
 def _train(seed: int, steps: int) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
+    """:func:`_train_pinned` on :data:`THREADS` threads; the caller's thread count is restored."""
+    with training.pinned_threads(THREADS):
+        return _train_pinned(seed, steps)
+
+
+def _train_pinned(seed: int, steps: int) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
     t0 = time.perf_counter()
-    torch.set_num_threads(THREADS)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     tok = CharTokenizer()

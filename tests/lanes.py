@@ -234,9 +234,10 @@ def _env(run_dir: Path, name: str, port_lane: str | None) -> dict[str, str]:
     # 82 s that way against 9.8 s passive, with bit-identical weights (same thread count, the
     # same work split; load average 6-10, 2026-11-28)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # tinylm's trainings (examples.generator: 200 steps, ~20 s of CPU each) are shared by every
-    # lane of the run: fourteen builds in seven modules, five distinct weights (the name is
-    # examples.generator.TRAIN_CACHE_ENV, not imported here: that module loads torch)
+    # tinylm's trainings (examples.generator: 200 steps, ~13 s of CPU each) and the digits CNN's
+    # (examples.digits: ~6 s each) are shared by every lane of the run: tinylm's fourteen builds
+    # in seven modules are five distinct weights (the name is examples.training.TRAIN_CACHE_ENV,
+    # not imported here: that module loads torch)
     env.setdefault("TRITONGUARD_TRAIN_CACHE", str(run_dir / "train-cache"))
     return env
 
