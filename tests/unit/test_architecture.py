@@ -6,6 +6,7 @@ no mlflow. docs/architecture.md draws the same planes."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -39,11 +40,18 @@ def modules(root: Path = ROOT) -> dict[str, Path]:
     return out
 
 
+@functools.cache
+def parsed(text: str) -> ast.Module:
+    """A module's syntax tree, parsed once per text: the checks below read the tree (and copies of
+    it, where one file changes) several times."""
+    return ast.parse(text)
+
+
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The project modules ``name`` imports (a name imported from a package that is a module of
     its own counts as that module)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parsed(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
@@ -210,7 +218,7 @@ def test_only_the_triton_plane_touches_python_backend_and_nothing_below_imports_
                 rel = p.relative_to(root).as_posix()
                 if rel.startswith(("tritonguard/triton/", "backends/")):
                     continue
-                for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+                for node in ast.walk(parsed(p.read_text(encoding="utf-8"))):
                     names = []
                     if isinstance(node, ast.Import):
                         names = [a.name for a in node.names]
