@@ -245,6 +245,8 @@ def train(steps: int = STEPS, seed: int = SEED, *, shuffled: bool = False,
     summary, by ``seed``): a broken fine-tune, trained as hard on data that teaches nothing."""
     import torch  # noqa: PLC0415
 
+    from . import training  # noqa: PLC0415 - loads torch
+
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     module = minilm.build().module
@@ -268,7 +270,8 @@ def train(steps: int = STEPS, seed: int = SEED, *, shuffled: bool = False,
     losses = []
     t0 = time.perf_counter()
     module.train()
-    with torch.random.fork_rng(devices=[]):  # dropout: seeded, and the caller's RNG untouched
+    # dropout: seeded, and the caller's RNG untouched; on examples.training's pinned threads
+    with torch.random.fork_rng(devices=[]), training.pinned_threads():
         torch.manual_seed(seed)
         for idx in batches[:steps]:
             a = _encode(module, [pairs[i][0] for i in idx], TRAIN_MAX_LENGTH)
@@ -394,9 +397,6 @@ def report(steps: int = STEPS, seed: int = SEED, *, shuffled: bool = False) -> d
 
 
 if __name__ == "__main__":  # python -m examples.minilm_candidates [steps] [shuffled]
-    import torch
-
-    torch.set_num_threads(1)
     for key, value in report(int(sys.argv[1]) if len(sys.argv) > 1 else STEPS,
                              shuffled=len(sys.argv) > 2 and sys.argv[2] == "shuffled").items():
         sys.stdout.write(f"{key}: {value:.4f}\n")

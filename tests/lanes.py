@@ -32,7 +32,8 @@ Each lane has its own ``--basetemp``, ``$TRITONGUARD_HOME`` and a share of the l
 (``$TRITONGUARD_PORT_LANE``, see :func:`tritonguard.ops.server.free_port`), so their servers never
 pick the same port; session fixtures (Redis, moto, the shared tritonserver) are started once per
 process that needs them. ``OMP_WAIT_POLICY=PASSIVE`` keeps torch's idle threads off the cores the
-other lane needs.
+other lane needs, and ``OMP_NUM_THREADS=1`` (:data:`LANE_THREADS`) keeps a lane's torch work on
+one thread.
 
 Each process's output goes to a log that is printed whole at the end (with its own module time
 table and ``--durations``), after a progress line per process every minute. The exit status is
@@ -242,6 +243,14 @@ def _env(run_dir: Path, name: str, port_lane: str | None) -> dict[str, str]:
     return env
 
 
+# torch's (and OpenBLAS's) threads in each process a lane starts (its pytest, the exporter's CLI
+# runs, its servers' stubs) when lanes run at once; the timed and alone processes keep the
+# default. Lanes already fill both cores, so a second thread per operation only costs CPU:
+# tinylm's training took 21.1 s of CPU on two threads against 12.7 s on one for 1.3 s less wall,
+# the digits CNN's 7.8 s against 5.8 s (2026-11-30). The servers' own engines set their threads
+# in their configs (intra_op_threads, 1 by default) and are not changed by this.
+LANE_THREADS = "1"
+
 # the mark every process of a lane inherits (``<name>@<run folder>``): after the timed modules,
 # the processes it finds in /proc go back to the normal policy, also those that Ray or a
 # supervisor moved out of the lane's process tree; with them their descendants, which finds the
@@ -368,6 +377,8 @@ def _run_phase(jobs: list[tuple[str, list[str], str | None, bool]], opts: list[s
         print(f"{name}: {len(mods)} modules, about {est / 60:.0f} min by the last run's times"
               f"{' (SCHED_IDLE while the timed modules run)' if idle else ''}; log {log}", flush=True)
         env = {**_env(run_dir, name, port_lane), LANE_MARK: f"{name}@{run_dir}"}
+        if name.startswith("lane") and len(jobs) > 1:
+            env.setdefault("OMP_NUM_THREADS", LANE_THREADS)
         procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                                              preexec_fn=_idle if idle else _normal), log, time.monotonic()))
     idle_names = {name for name, *_rest, idle in jobs if idle}

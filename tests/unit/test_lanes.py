@@ -142,6 +142,25 @@ def test_the_lanes_yield_the_cores_to_the_timed_modules_until_these_end(tmp_path
     assert lanes.main([str(tmp_path), "-q"]) == 0
 
 
+def test_the_lanes_run_torch_on_one_thread_and_the_timed_modules_on_the_default(tmp_path, monkeypatch):
+    """OMP_NUM_THREADS=1 for every process of a lane (lanes.LANE_THREADS), unless the caller set
+    it; the timed process gets the caller's environment as it is."""
+    for name in ("a", "b", "c"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import os, pathlib\n"
+            f"def test_{name}():\n"
+            f"    pathlib.Path({str(tmp_path / f'{name}.txt')!r}).write_text(os.environ.get('OMP_NUM_THREADS', '-'))\n")
+    monkeypatch.setattr(lanes, "TIMED", (str(tmp_path / "test_c.py"),))
+    monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in ("test_a.py", "test_b.py", "test_c.py")])
+    monkeypatch.delenv("TRITONGUARD_TIMED_AFTER", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert lanes.main([str(tmp_path), "-q"]) == 0
+    assert [(tmp_path / f"{n}.txt").read_text() for n in "abc"] == [lanes.LANE_THREADS, lanes.LANE_THREADS, "-"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert lanes.main([str(tmp_path), "-q"]) == 0
+    assert [(tmp_path / f"{n}.txt").read_text() for n in "abc"] == ["3", "3", "3"]
+
+
 def test_back_to_normal_finds_a_lane_process_outside_its_tree(tmp_path):
     """A process that left the lane's tree (a new session, as Ray's and the supervisor's do) is
     found by the mark in its environment; one without the mark is left as it is."""
