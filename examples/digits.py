@@ -127,28 +127,28 @@ def _train_shared(folder: Path, seed: int, epochs: int) -> tuple[DigitsCNN, dict
                            lambda r: {"state": r[0].state_dict(), "metrics": r[1]}, load)
 
 
+@training.pinned_threads()  # the result depends on torch's thread count; the caller's is restored
 def _train(seed: int, epochs: int) -> tuple[DigitsCNN, dict[str, float]]:
-    with training.pinned_threads():
-        _seed(seed)
-        (x_tr, y_tr), (x_te, y_te) = _split()
-        model = DigitsCNN()
-        opt = torch.optim.Adam(model.parameters(), lr=LR)
-        loss_fn = nn.CrossEntropyLoss()
-        xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr).long()
-        gen = torch.Generator().manual_seed(seed)
-        model.train()
-        for _ in range(epochs):
-            for idx in torch.randperm(len(xt), generator=gen).split(BATCH):
-                opt.zero_grad()
-                loss_fn(model.logits(xt[idx]), yt[idx]).backward()
-                opt.step()
-        model.eval()
-        with torch.inference_mode():
-            train_logits = model.logits(xt)
-            metrics = {"train_loss": float(loss_fn(train_logits, yt)),
-                       "train_accuracy": float((train_logits.argmax(-1) == yt).float().mean()),
-                       "heldout_accuracy": float((model(torch.from_numpy(x_te)).argmax(-1).numpy() == y_te).mean()),
-                       "n_train": float(len(y_tr)), "n_heldout": float(len(y_te))}
+    _seed(seed)
+    (x_tr, y_tr), (x_te, y_te) = _split()
+    model = DigitsCNN()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    loss_fn = nn.CrossEntropyLoss()
+    xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr).long()
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(xt), generator=gen).split(BATCH):
+            opt.zero_grad()
+            loss_fn(model.logits(xt[idx]), yt[idx]).backward()
+            opt.step()
+    model.eval()
+    with torch.inference_mode():
+        train_logits = model.logits(xt)
+        metrics = {"train_loss": float(loss_fn(train_logits, yt)),
+                   "train_accuracy": float((train_logits.argmax(-1) == yt).float().mean()),
+                   "heldout_accuracy": float((model(torch.from_numpy(x_te)).argmax(-1).numpy() == y_te).mean()),
+                   "n_train": float(len(y_tr)), "n_heldout": float(len(y_te))}
     log.info("digits CNN: held-out accuracy %.4f on %d images", metrics["heldout_accuracy"], len(y_te))
     return model, metrics
 

@@ -55,7 +55,6 @@ from tritonguard.generation.decoder import CharTokenizer, Decoder, StepModel
 log = logging.getLogger(__name__)
 
 SEED = 0
-THREADS = training.THREADS  # training results depend on torch's thread count: pinned
 EMBED = 48
 HIDDEN = 128
 SEQ = 64
@@ -182,7 +181,6 @@ class CharGRU(nn.Module):
 
 
 _TRAINED: dict[tuple[int, int], tuple[CharGRU, CharTokenizer, dict[str, float]]] = {}
-TRAIN_CACHE_ENV = training.TRAIN_CACHE_ENV  # a folder shared by processes: see _train_shared
 
 
 def train(seed: int = SEED, steps: int = STEPS) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
@@ -216,13 +214,8 @@ def _train_shared(folder: Path, seed: int, steps: int) -> tuple[CharGRU, CharTok
                            lambda r: {"state": r[0].state_dict(), "figures": r[2]}, load)
 
 
+@training.pinned_threads()  # the result depends on torch's thread count; the caller's is restored
 def _train(seed: int, steps: int) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
-    """:func:`_train_pinned` on :data:`THREADS` threads; the caller's thread count is restored."""
-    with training.pinned_threads(THREADS):
-        return _train_pinned(seed, steps)
-
-
-def _train_pinned(seed: int, steps: int) -> tuple[CharGRU, CharTokenizer, dict[str, float]]:
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
