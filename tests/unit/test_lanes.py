@@ -267,3 +267,29 @@ def test_the_alone_phase_starts_once_the_lanes_leftovers_are_gone(tmp_path, monk
                 os.kill(int(pid_file.read_text()), 9)
             except OSError:
                 pass
+
+
+def test_the_projects_bytecode_is_written_once_and_read_where_no_process_writes_any(tmp_path):
+    """lanes.precompile: the packages' modules get their __pycache__ file (the tests' own modules
+    do not: pytest compiles them with its assert rewriting); a second call writes nothing, an
+    edited module is compiled again; a process under PYTHONDONTWRITEBYTECODE=1 loads the cached
+    code instead of compiling the source."""
+    (tmp_path / "tritonguard").mkdir()
+    (tmp_path / "tritonguard" / "mod.py").write_text("VALUE = 1\n")
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    for name in ("helper.py", "conftest.py", "unit/test_x.py"):
+        (tmp_path / "tests" / name).write_text("X = 1\n")
+    assert lanes.precompile(tmp_path) == 2
+    cached = {p.relative_to(tmp_path).parts[0] + "/" + p.name.split(".")[0] for p in tmp_path.rglob("*.pyc")}
+    assert cached == {"tritonguard/mod", "tests/helper"}
+    assert lanes.precompile(tmp_path) == 0
+    mod = tmp_path / "tritonguard" / "mod.py"
+    mod.write_text("VALUE = 22\n")
+    os.utime(mod, (time.time() + 2, time.time() + 2))  # compileall compares whole seconds of mtime
+    assert lanes.precompile(tmp_path) == 1
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(tmp_path)}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    res = subprocess.run([sys.executable, "-v", "-c", "import tritonguard.mod as m; print(m.VALUE)"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60, check=True)
+    assert res.stdout == "22\n"
+    assert f"code object from '{tmp_path / 'tritonguard' / '__pycache__'}" in res.stderr, res.stderr[-2000:]
