@@ -13,6 +13,9 @@ How the modules are run:
    Within a lane pytest runs them in the order dealt. The rollout modules whose gates compare a
    candidate with its primary (:data:`RELATIVE`) run here too. The modules that only wait
    (:data:`WAITING`) get one more lane of their own; the :data:`TOGETHER` groups share a lane.
+   The lightest unit modules (:data:`TAIL_SHARE` of the work) are dealt to no lane: every lane
+   collects them after its own and runs each one it claims first (:mod:`tests.tail`), so the
+   lanes end within about one module of each other whatever the recorded times said.
 2. **The timed modules** (:data:`TIMED`: a p99 bound, a restart deadline, a rate), one after
    another in one process, **at once with the lanes but first in line for the cores**: the lanes
    (and every process they start: tritonservers, stubs, Ray, Redis) run under ``SCHED_IDLE``, the
@@ -184,7 +187,9 @@ SECONDS = {
     "tests/unit/core/test_objectstore.py": 4, "tests/unit/examples/test_faults.py": 4,
     "tests/unit/rollout/test_replicas.py": 4,
 }
-DEFAULT_SECONDS = {"functional": 30.0, "deploy": 5.0, "unit": 3.3}
+# a module not listed above: the 77 unlisted unit modules took 63.4 s in all in `make unit` (0.8 s
+# each; 3.3 until 2026-11-30, which dealt the unit tier's lanes by their count of small modules)
+DEFAULT_SECONDS = {"functional": 30.0, "deploy": 5.0, "unit": 1.0}
 
 
 def modules(paths: list[str]) -> list[str]:
@@ -208,11 +213,22 @@ def weight(module: str) -> float:
     return DEFAULT_SECONDS.get(tier, 2.0)
 
 
-def split(mods: list[str], lanes: int = 2) -> tuple[list[list[str]], list[str]]:
-    """``(lanes, timed)``: the untimed modules dealt heaviest first to the lane with less work
+# the share of the lanes' work (by :func:`weight`) left to a shared tail (:mod:`tests.tail`): the
+# lightest modules of :data:`TAIL_PREFIX`, run by whichever lane gets to each first. Dealt ahead by
+# the recorded times alone, the lanes of one run ended 26-29 s apart (the unit tier's 209 and 183
+# s, a full run's 1,199 and 1,170 s; 2026-11-30): the recorded times are right to about 10 %
+TAIL_SHARE = 0.12
+# only unit modules go to the tail: they start no tritonserver, so the lane that claims one never
+# starts a session server for it (~40 s) that the other lane already had running
+TAIL_PREFIX = "tests/unit/"
+
+
+def split(mods: list[str], lanes: int = 2, tail_share: float = 0.0) -> tuple[list[list[str]], list[str], list[str]]:
+    """``(lanes, tail, timed)``: the untimed modules dealt heaviest first to the lane with less work
     (each lane runs its modules in the order dealt; a :data:`TOGETHER` group is dealt as one), the
-    :data:`WAITING` ones (when there are two lanes or more) in one more lane of their own, and the
-    timed ones, run after the lanes."""
+    :data:`WAITING` ones (when there are two lanes or more) in one more lane of their own; the
+    lightest :data:`TAIL_PREFIX` modules, up to ``tail_share`` of the dealt work, left out of the
+    lanes for the shared tail (heaviest first); and the timed ones."""
     waiting = [m for m in mods if m in WAITING and m not in TIMED] if lanes > 1 else []
     rest = [m for m in mods if m not in TIMED and m not in waiting]
     units: list[list[str]] = []
@@ -221,7 +237,16 @@ def split(mods: list[str], lanes: int = 2) -> tuple[list[list[str]], list[str]]:
         if unit:
             units.append(unit)
     grouped = {m for unit in units for m in unit}
-    units += [[m] for m in rest if m not in grouped]
+    tail: list[str] = []
+    if lanes > 1 and tail_share > 0:
+        budget = tail_share * sum(weight(m) for m in rest)
+        for m in sorted((m for m in rest if m.startswith(TAIL_PREFIX) and m not in grouped), key=lambda m: (weight(m), m)):
+            if weight(m) > budget:
+                break
+            tail.append(m)
+            budget -= weight(m)
+        tail.sort(key=lambda m: (-weight(m), m))
+    units += [[m] for m in rest if m not in grouped and m not in tail]
     out: list[list[str]] = [[] for _ in range(lanes)]
     load = [0.0] * lanes
     for unit in sorted(units, key=lambda u: (-sum(weight(m) for m in u), u)):
@@ -230,7 +255,7 @@ def split(mods: list[str], lanes: int = 2) -> tuple[list[list[str]], list[str]]:
         load[i] += sum(weight(m) for m in unit)
     if waiting:
         out.append(sorted(waiting, key=lambda m: (-weight(m), m)))
-    return out, [m for m in mods if m in TIMED]
+    return out, tail, [m for m in mods if m in TIMED]
 
 
 def _env(run_dir: Path, name: str, port_lane: str | None) -> dict[str, str]:
@@ -264,6 +289,7 @@ LANE_THREADS = "1"
 # supervisor moved out of the lane's process tree; with them their descendants, which finds the
 # servers that write their title over their environment (see _marked)
 LANE_MARK = "TRITONGUARD_LANE"
+TAIL_ENV = "TRITONGUARD_TAIL"  # tests.tail.TAIL_ENV (not imported here: that module loads pytest)
 
 
 def _idle() -> None:
@@ -394,22 +420,36 @@ def precompile(root: Path = ROOT) -> int:
 
 
 def _run_phase(jobs: list[tuple[str, list[str], str | None, bool]], opts: list[str], run_dir: Path,
-               started: float) -> list[tuple[str, int, float, Path]]:
+               started: float, tail: list[str] | None = None) -> list[tuple[str, int, float, Path]]:
     """Run ``(name, modules, port lane, idle)`` jobs at once, one pytest process each; a progress
     line per job every minute; returns ``(name, exit status, seconds, log)`` per job. The ``idle``
-    ones run under SCHED_IDLE until every other job has ended, then under the normal policy."""
+    ones run under SCHED_IDLE until every other job has ended, then under the normal policy. The
+    ``lane<i>`` jobs also take the ``tail`` modules that no other lane has claimed yet (:mod:`tests.tail`)."""
     procs = []
+    tail = tail or []
+    tail_dir = run_dir / "tail"
+    if tail:
+        tail_dir.mkdir(exist_ok=True)
+        (tail_dir / "modules.txt").write_text("".join(f"{(ROOT / m).resolve()}\n" for m in tail))
+    # the lanes of real work take the tail; not the lane of the modules that wait, nor the timed
+    takers = {name for name, mods, *_ in jobs if tail and name.startswith("lane") and not set(mods) & set(WAITING)}
     for name, mods, port_lane, idle in jobs:
+        own, extra = len(mods), []
+        if name in takers:
+            mods, extra = [*mods, *tail], ["-p", "tests.tail"]
         # the name goes into paths (basetemp, TRITONGUARD_HOME): a space there broke every
         # tritonserver the lane started (its Python stubs are launched through a shell)
         assert name.isidentifier(), name
         log = run_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "pytest", *mods, *opts, f"--basetemp={run_dir / f'tmp-{name}'}",
-               "-p", "no:cacheprovider"]
-        est = sum(weight(m) for m in mods)
-        print(f"{name}: {len(mods)} modules, about {est / 60:.0f} min by the last run's times"
+               "-p", "no:cacheprovider", *extra]
+        est = sum(weight(m) for m in mods[:own]) + (sum(weight(m) for m in tail) / len(takers) if name in takers else 0)
+        print(f"{name}: {own} modules{f' and a share of the tail of {len(tail)}' if name in takers else ''}, "
+              f"about {est / 60:.0f} min by the last run's times"
               f"{' (SCHED_IDLE while the timed modules run)' if idle else ''}; log {log}", flush=True)
         env = {**_env(run_dir, name, port_lane), LANE_MARK: f"{name}@{run_dir}"}
+        if name in takers:
+            env[TAIL_ENV] = str(tail_dir)
         if name.startswith("lane") and len(jobs) > 1:
             env.setdefault("OMP_NUM_THREADS", LANE_THREADS)
         procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
@@ -458,10 +498,11 @@ def main(argv: list[str]) -> int:
     written = precompile()
     print(f"bytecode: {written} project modules compiled in {time.monotonic() - started:.1f} s "
           f"(tests.lanes.precompile)", flush=True)
+    tail: list[str] = []
     if n == 1:
         phases = [[("lane0", mods, None, False)]]
     else:
-        lanes, timed = split(mods, n)
+        lanes, tail, timed = split(mods, n, TAIL_SHARE)
         lanes = [lane for lane in lanes if lane]
         after = os.environ.get("TRITONGUARD_TIMED_AFTER", "") not in ("", "0") or not hasattr(os, "SCHED_IDLE")
         beside = [m for m in timed if m not in ALONE]
@@ -480,7 +521,7 @@ def main(argv: list[str]) -> int:
     for k, jobs in enumerate(phases):
         if k:  # a later phase (the alone modules): the machine to itself
             quiet({f"{name}@{run_dir}" for earlier in phases[:k] for name, *_ in earlier})
-        results += _run_phase(jobs, opts, run_dir, started)
+        results += _run_phase(jobs, opts, run_dir, started, None if k else tail)
     rc = 0
     for name, code, seconds, log in results:
         print(f"\n{'=' * 30} {name} ({seconds:.0f} s, exit {code}) {'=' * 30}", flush=True)

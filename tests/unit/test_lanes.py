@@ -23,8 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_module_runs_once_and_the_timed_ones_after_the_lanes():
     mods = lanes.modules(["tests"])
     assert "tests/unit/test_lanes.py" in mods and "tests/functional/test_promote.py" in mods
-    plan, timed = lanes.split(mods, 2)
-    assert sorted([m for lane in plan for m in lane] + timed) == mods
+    plan, tail, timed = lanes.split(mods, 2, lanes.TAIL_SHARE)
+    assert sorted([m for lane in plan for m in lane] + tail + timed) == mods
+    # the shared tail: the lightest unit modules, within its share of the dealt work, heaviest first
+    dealt = sum(lanes.weight(m) for lane in plan for m in lane) + sum(lanes.weight(m) for m in tail)
+    assert tail and all(m.startswith("tests/unit/") for m in tail)
+    assert sum(lanes.weight(m) for m in tail) <= lanes.TAIL_SHARE * dealt
+    assert max(lanes.weight(m) for m in tail) <= min(lanes.weight(m) for lane in plan[:2] for m in lane
+                                                    if m.startswith("tests/unit/"))
+    assert [lanes.weight(m) for m in tail] == sorted((lanes.weight(m) for m in tail), reverse=True)
     assert sorted(timed) == sorted(lanes.TIMED) and not {m for lane in plan for m in lane} & set(lanes.TIMED)
     # the lanes are balanced by the recorded times: neither holds more than 60 % of their work
     loads = [sum(lanes.weight(m) for m in lane) for lane in plan]
@@ -38,7 +45,8 @@ def test_every_module_runs_once_and_the_timed_ones_after_the_lanes():
         assert sum(1 for lane in plan if set(group) & set(lane)) == 1, group
         for m in group:
             assert (ROOT / m).is_file(), m
-    one, _ = lanes.split(mods, 1)
+    one, no_tail, _ = lanes.split(mods, 1, lanes.TAIL_SHARE)
+    assert no_tail == []
     assert len(one) == 1 and sorted(one[0]) == sorted(m for m in mods if m not in lanes.TIMED)
     # the rollout modules with relative gates run in the lanes, not in the timed phase
     assert set(lanes.RELATIVE) <= {m for lane in plan for m in lane} and not set(lanes.RELATIVE) & set(lanes.TIMED)
@@ -293,3 +301,73 @@ def test_the_projects_bytecode_is_written_once_and_read_where_no_process_writes_
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60, check=True)
     assert res.stdout == "22\n"
     assert f"code object from '{tmp_path / 'tritonguard' / '__pycache__'}" in res.stderr, res.stderr[-2000:]
+
+
+def test_the_lane_that_is_free_takes_the_shared_tail_and_each_tail_module_runs_once(tmp_path, monkeypatch):
+    """tests.tail: both lanes collect the tail, each tail module runs in the lane that claims it
+    first, all its tests there. Real processes: lane 0's own module waits until the tail has run
+    (a minute at most), so only lane 1 can take it; each tail test records the lane that ran it."""
+    record = (
+        "import os, pathlib\n"
+        "def _record(name):\n"
+        f"    with open({str(tmp_path / 'ran.txt')!r}, 'a') as f:\n"
+        "        f.write(name + ' ' + os.environ['TRITONGUARD_LANE'].split('@')[0] + '\\n')\n")
+    (tmp_path / "test_a.py").write_text(
+        record + "import time\n"
+        "def test_a():\n"
+        f"    ran = pathlib.Path({str(tmp_path / 'ran.txt')!r})\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while not ran.exists() or len(ran.read_text().splitlines()) < 6:  # b's test and the tail's five\n"
+        "        assert time.monotonic() < deadline, 'the tail did not run beside this module'\n"
+        "        time.sleep(0.05)\n"
+        "    _record('a')\n")
+    (tmp_path / "test_b.py").write_text(record + "def test_b():\n    _record('b')\n")
+    for k in range(1, 5):
+        tests = "".join(f"def test_t{k}_{j}():\n    _record('t{k}_{j}')\n" for j in range(2 if k == 1 else 1))
+        (tmp_path / f"test_t{k}.py").write_text(record + tests)
+    names = ["test_a.py", "test_b.py", *(f"test_t{k}.py" for k in range(1, 5))]
+    monkeypatch.setattr(lanes, "TIMED", ())
+    monkeypatch.setattr(lanes, "WAITING", ())
+    monkeypatch.setattr(lanes, "TAIL_PREFIX", str(tmp_path / "test_t"))
+    monkeypatch.setattr(lanes, "TAIL_SHARE", 0.3)
+    monkeypatch.setattr(lanes, "weight", lambda m: 10.0 if m.endswith(("test_a.py", "test_b.py")) else 1.0)
+    monkeypatch.setattr(lanes, "modules", lambda paths: [str(tmp_path / n) for n in names])
+    assert lanes.main([str(tmp_path), "-q"]) == 0
+    ran = dict(line.split() for line in (tmp_path / "ran.txt").read_text().splitlines())
+    tail = ["t1_0", "t1_1", "t2_0", "t3_0", "t4_0"]
+    assert sorted(ran) == sorted(["a", "b", *tail]) and len((tmp_path / "ran.txt").read_text().splitlines()) == 7
+    assert {ran["a"], ran["b"]} == {"lane0", "lane1"}
+    assert {ran[t] for t in tail} == {ran["b"]}, ran  # the free lane took all of it, each test once
+
+
+def test_a_tail_module_another_lane_claimed_meanwhile_is_passed_over_cleanly(tmp_path):
+    """tests.tail tells pytest which test comes next before it claims that test's module (a lane
+    holds no claim while its own module runs); when another lane claims that module in between,
+    this lane tears down what the module it really runs next does not share (here a folder)
+    and runs it. The other lane is this lane's own test, which claims the module as it runs."""
+    folder = tmp_path / "tail"
+    folder.mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    t1, t2 = tmp_path / "a" / "test_t1.py", tmp_path / "b" / "test_t2.py"
+    (folder / "modules.txt").write_text(f"{t1}\n{t2}\n")
+    own = tmp_path / "a" / "test_own.py"
+    own.write_text(
+        "import pytest\n"
+        "@pytest.fixture(scope='module')\n"
+        "def held():\n"
+        "    yield 1\n"
+        "def test_first(held):\n    pass\n"
+        "def test_last(held):\n"
+        "    from pathlib import Path\n"
+        "    from tests.tail import claim\n"
+        f"    assert claim(Path({str(folder)!r}), Path({str(t1)!r}))  # the other lane, after the peek\n")
+    t1.write_text("def test_t1():\n    raise AssertionError('claimed by the other lane: never run here')\n")
+    t2.write_text("def test_t2():\n    pass\n")
+    res = subprocess.run([sys.executable, "-m", "pytest", str(own), str(t1), str(t2), "-p", "tests.tail", "-q",
+                          "-p", "no:cacheprovider", "-rA"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TRITONGUARD_TAIL": str(folder)})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    passed = sorted(line.split("::")[-1] for line in res.stdout.splitlines() if line.startswith("PASSED"))
+    assert passed == ["test_first", "test_last", "test_t2"], res.stdout[-3000:]
+    assert (folder / f"{str(t2).strip('/').replace('/', '__')}.claim").read_text().strip() != ""
