@@ -46,7 +46,7 @@ the first non-zero one (5, "no tests collected", counts as 0). After a green run
 
 Before any process starts, the project's own modules are compiled to bytecode once
 (:func:`precompile`): a machine that sets ``PYTHONDONTWRITEBYTECODE=1`` (this one, CI's) would
-otherwise compile them again in every process of the run.
+otherwise compile them again in every Python process of the run.
 """
 
 from __future__ import annotations
@@ -402,11 +402,12 @@ PRECOMPILED = ("tritonguard", "exporter", "examples", "tests")
 def precompile(root: Path = ROOT) -> int:
     """Compile :data:`PRECOMPILED` to ``__pycache__`` (ignored by git), once, before the run; the
     number of files (re)written. With ``PYTHONDONTWRITEBYTECODE=1`` set, as on this machine and CI's,
-    no process of the run writes bytecode, so each one compiled every project module it imported:
-    each lane's pytest, each exporter CLI run, each Ray worker, each Triton stub (importing the
-    guard's entry took 0.46 s, 0.31 s with its bytecode cached; 2026-11-30). A cached file is
-    only read, and only while its source is unchanged (Python checks the source's mtime and
-    size), so the variable still holds in every process: none of them writes."""
+    no Python process of the run writes bytecode, so each one compiled every project module it
+    imported: each lane's pytest, each exporter CLI run, each Ray worker (importing the guard's
+    entry took 0.46 s, 0.31 s with its bytecode cached; 2026-11-30). Triton's Python stubs write
+    theirs whatever the variable says, so there only the first server's stubs compiled, all at
+    once. A cached file is only read, and only while its source is unchanged (Python checks the
+    source's mtime and size)."""
     def cached() -> dict[Path, int]:
         return {pyc: pyc.stat().st_mtime_ns for top in PRECOMPILED for pyc in (root / top).rglob("__pycache__/*.pyc")}
 
