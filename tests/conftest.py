@@ -98,11 +98,22 @@ def redis_server(tmp_path_factory):
         srv.stop()
 
 
+# moto_server's own app, answering one request at a time (moto_server runs it threaded). moto
+# checks a put's If-None-Match and stores the object in two steps, so two threads putting one key
+# at once can both succeed: the second overwrites the first. S3 (since 2024-11) and MinIO make
+# the check and the write one step; one request at a time makes moto do the same
+MOTO_SERIAL = ("import sys; from werkzeug.serving import run_simple; "
+               "from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app; "
+               "run_simple(sys.argv[1], int(sys.argv[2]), DomainDispatcherApplication(create_backend_app), "
+               "threaded=False)")
+
+
 class MotoS3:
     """moto's S3 server (``moto_server``), an S3 stand-in, as a subprocess on a free loopback
     port: the object-store tests talk real HTTP to it through boto3, as Triton would."""
 
-    def __init__(self):
+    def __init__(self, serial: bool = False):
+        self.serial = serial
         self.port = _free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -114,8 +125,10 @@ class MotoS3:
         import urllib.request  # noqa: PLC0415
 
         binary = Path(sys.executable).parent / "moto_server"
-        self.proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cmd = [str(binary), "-H", "127.0.0.1", "-p", str(self.port)]
+        if self.serial:
+            cmd = [sys.executable, "-c", MOTO_SERIAL, "127.0.0.1", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
             try:
