@@ -158,9 +158,11 @@ class StoreHistory:
 
     Two writers: a record is created with a conditional put (``If-None-Match: *``), so of two
     exporters appending the same ``seq`` one wins and the other re-reads the tail and chains on
-    after it; the chain never forks. This needs a store that honours conditional writes (AWS S3
-    since 2024-11, MinIO, moto); on one that ignores the header two simultaneous appends can
-    leave one record, and :func:`verify` would not see the loss.
+    after it; the chain never forks. This needs a store that honours conditional writes
+    atomically (AWS S3 since 2024-11, MinIO); on one that ignores the header, or checks it and
+    writes in two steps (moto's threaded server: two puts of one key at once both succeeded, 4
+    of 100 keys with a 1 µs switch interval), two simultaneous appends can leave one record, and
+    :func:`verify` would not see the loss.
 
     ``mirror`` is this machine's copy of the chain (a JSON Lines file the audit ``verify``
     checks, and ``<mirror>.index.json``: the ETag of each object copied), brought up to date
