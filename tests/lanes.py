@@ -289,7 +289,7 @@ LANE_THREADS = "1"
 # supervisor moved out of the lane's process tree; with them their descendants, which finds the
 # servers that write their title over their environment (see _marked)
 LANE_MARK = "TRITONGUARD_LANE"
-TAIL_ENV = "TRITONGUARD_TAIL"  # tests.tail.TAIL_ENV (not imported here: that module loads pytest)
+TAIL_ENV = "TRITONGUARD_TAIL"  # the folder of the run's shared tail (read by tests.tail)
 
 
 def _idle() -> None:

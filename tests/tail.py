@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-TAIL_ENV = "TRITONGUARD_TAIL"
+from tests.lanes import TAIL_ENV
 
 
 def _mark(folder: Path, module: Path) -> Path:
@@ -49,7 +49,7 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
             groups[-1][1].append(item)
         else:
             groups.append((path, [item]))
-    decided: dict[Path, bool] = {}  # a module whose tests come in more than one run: one decision
+    decided: dict[Path, bool] = {}  # one decision per module, should its tests not come together
 
     def runs(module: Path) -> bool:  # claims a tail module
         if module not in decided:

@@ -105,29 +105,10 @@ def test_the_cli_keeps_the_history_of_a_store_through_a_failed_command_and_shows
     assert "history: 2 records, chain intact" in res.output and "DRAFT → PRODUCTION" in res.output
 
 
-@pytest.fixture
-def atomic_s3(moto_s3, monkeypatch):
-    """A moto S3 of its own that answers one request at a time, so that a conditional put is
-    atomic as on S3 (tests/conftest.MOTO_SERIAL). On the shared, threaded moto, three writers at
-    once left 14 records of 15 twice (2026-11-29, and run 34 on 2026-11-30): two puts of one seq
-    both passed moto's If-None-Match check and the second overwrote the first."""
-    from tests.conftest import MotoS3
-
-    srv = MotoS3(serial=True)
-    srv.start()
-    try:
-        for k, v in srv.env.items():
-            monkeypatch.setenv(k, v)
-        monkeypatch.setenv("AWS_ENDPOINT_URL", srv.endpoint)
-        yield srv
-    finally:
-        srv.stop()
-
-
-def test_two_writers_chain_on_one_after_the_other(atomic_s3, tmp_path):
+def test_two_writers_chain_on_one_after_the_other(atomic_aws_env, tmp_path):
     """Two machines append: one that read a stale tail finds its seq taken (a conditional put),
     re-reads and chains after the other's record; nobody's record is overwritten, no fork."""
-    bucket = atomic_s3.bucket("history-writers")
+    bucket = atomic_aws_env.bucket("history-writers")
     spec = objectstore.parse(f"s3://{bucket}/repo")
     a = StoreHistory(spec, tmp_path / "a" / "h.jsonl")
     b = StoreHistory(spec, tmp_path / "b" / "h.jsonl")
