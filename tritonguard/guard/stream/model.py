@@ -318,15 +318,21 @@ class StreamGuardModel:
             self.router.after_served(version, gen.draw, gen.prompt, sampling, text, deterministic=gen.deterministic)
 
     def finalize(self) -> None:
+        # logged at both ends: an unload that stalls then shows whether Triton called finalize
+        # (it does only once every request of the model was released) and which step took long
+        t0 = time.monotonic()
+        log.info("stream guard %s: unloading (%d generations in flight)", self.name, self.in_flight)
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if getattr(self, "heartbeat", None) is not None:
-            self.heartbeat.stop()
-        self.router.close()
-        if self.local is not None:
-            self.local.close()
-        if getattr(self, "remote", None) is not None:
-            self.remote.close()
-        self.source.close()  # the object-store fetcher thread, when there is one
-        self.services.close()
-        self.metrics.close()
-        log.info("stream guard %s: %s", self.name, json.dumps(self.stats))
+        steps = [("heartbeat", getattr(self, "heartbeat", None), "stop"), ("router", self.router, "close"),
+                 ("in-process target", self.local, "close"), ("URL versions", getattr(self, "remote", None), "close"),
+                 ("source", self.source, "close"),  # the object-store fetcher thread, when there is one
+                 ("services", self.services, "close"), ("metrics", self.metrics, "close")]
+        for what, obj, method in steps:
+            if obj is None:
+                continue
+            t = time.monotonic()
+            getattr(obj, method)()
+            took = time.monotonic() - t
+            if took > 1.0:
+                log.warning("stream guard %s: closing the %s took %.1f s", self.name, what, took)
+        log.info("stream guard %s: %s; unloaded in %.1f s", self.name, json.dumps(self.stats), time.monotonic() - t0)
