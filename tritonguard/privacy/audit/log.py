@@ -429,13 +429,21 @@ class AuditLog:
             self._lose(len(unserialisable), "unserialisable", min(unserialisable), max(unserialisable))
         start, rotated = self._size, False
         try:
+            # one write per file of the batch, not one per record: at 2,000 records/s the writes
+            # per line were most of the writer thread's time, taken from the serving thread's GIL
+            pending: list[bytes] = []
             for line in lines:
                 if self._size and self._size + len(line) > self.config.max_bytes:
+                    if pending:
+                        _write_all(self._fd, b"".join(pending))
+                        pending.clear()
                     os.fsync(self._fd)
                     self._rotate()
                     rotated = True
-                _write_all(self._fd, line)
+                pending.append(line)
                 self._size += len(line)
+            if pending:
+                _write_all(self._fd, b"".join(pending))
             os.fsync(self._fd)
         except OSError as exc:
             self.write_errors += 1
