@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import openai
@@ -77,7 +78,31 @@ def stack(tmp_path_factory):
             front.wait(10)
         except subprocess.TimeoutExpired:
             front.kill()
-        srv.stop()
+        stop_noting_a_slow_unload(srv)
+
+
+def stop_noting_a_slow_unload(srv: Server, slow_s: float = 10.0) -> None:
+    """Stop the server. In about one full run in nine (runs 26-30 each time, then run 39 of
+    2026-11-30), this teardown waited for Triton's 30 s exit timeout: one stream guard never
+    unloaded, cause unknown. A green run's logs are deleted, so a stop slower than ``slow_s``
+    puts the server's account of it in the warnings summary: the guards' lines and Triton's
+    model lines from before the shutdown, and the whole shutdown with its countdown shortened
+    (the guard logs when its finalize begins and ends)."""
+    t0 = time.monotonic()
+    srv.stop()
+    took = time.monotonic() - t0
+    if took <= slow_s:
+        return
+    try:
+        lines = srv.log_path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        lines = [f"(the log could not be read: {exc})"]
+    cut = next((i for i, line in enumerate(lines) if "All models are stopped" in line), len(lines))
+    before = [line for line in lines[max(cut - 400, 0):cut] if "tritonguard" in line or "model_lifecycle" in line]
+    countdown = [i for i, line in enumerate(lines) if i >= cut and "live models" in line]
+    after = [line for i, line in enumerate(lines) if i >= cut and (i not in countdown[1:-1])]
+    warnings.warn(f"tritonserver took {took:.1f} s to stop (log {srv.log_path}); before the shutdown:\n"
+                  + "\n".join(before[-40:]) + "\nthe shutdown:\n" + "\n".join(after[:60]), stacklevel=1)
 
 
 def client(stack, key: str = "unused") -> openai.OpenAI:
