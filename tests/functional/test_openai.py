@@ -82,9 +82,11 @@ def stack(tmp_path_factory):
 
 
 def stop_noting_a_slow_unload(srv: Server, slow_s: float = 10.0) -> None:
-    """Stop the server. In about one full run in nine (runs 26-30 each time, then run 39 of
-    2026-11-30), this teardown waited for Triton's 30 s exit timeout: one stream guard never
-    unloaded, cause unknown. A green run's logs are deleted, so a stop slower than ``slow_s``
+    """Stop the server. In runs 26-30 each time, then in run 39 of 2026-11-30, this teardown
+    waited for Triton's 30 s exit timeout: ``tinylm_guard``'s finalize was never called. Under
+    load it came in 3 of 18 runs with the stop-sequence test (the front cancels its gRPC stream
+    while the guard still answers) and in 0 of 8 without it; not yet fixed. A green run's logs
+    are deleted, so a stop slower than ``slow_s``
     puts the server's account of it in the warnings summary: the guards' lines and Triton's
     model lines from before the shutdown, and the whole shutdown with its countdown shortened
     (the guard logs when its finalize begins and ends)."""
@@ -100,7 +102,8 @@ def stop_noting_a_slow_unload(srv: Server, slow_s: float = 10.0) -> None:
     cut = next((i for i, line in enumerate(lines) if "All models are stopped" in line), len(lines))
     before = [line for line in lines[max(cut - 400, 0):cut] if "tritonguard" in line or "model_lifecycle" in line]
     countdown = [i for i, line in enumerate(lines) if i >= cut and "live models" in line]
-    after = [line for i, line in enumerate(lines) if i >= cut and (i not in countdown[1:-1])]
+    elided = set(countdown[1:-1])  # the first and last second of the countdown are enough
+    after = [line for i, line in enumerate(lines) if i >= cut and i not in elided]
     warnings.warn(f"tritonserver took {took:.1f} s to stop (log {srv.log_path}); before the shutdown:\n"
                   + "\n".join(before[-40:]) + "\nthe shutdown:\n" + "\n".join(after[:60]), stacklevel=1)
 
