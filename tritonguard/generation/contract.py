@@ -22,8 +22,12 @@ from tritonguard.core.errors import InvalidInput
 
 INPUTS = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output")
 OUTPUT = "text_output"
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop")
 SEED_LIMIT = 2**63
+# ``stop``: a string or a list of strings, as vLLM's SamplingParams takes it; the answer ends
+# before the first one, which is never sent (vLLM's default, include_stop_str_in_output false)
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 # A request whose id is this prefix and another request's id stops that generation (its stream
 # ends with a plain final response): how a BLS caller on python_backend 24.10, whose response
 # iterator has no cancel(), tells a ``generator`` target to stop (the stream guard's output rails)
@@ -73,6 +77,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
     given: tuple[str, ...] = field(default=(), compare=False)  # the keys the request set
 
     @property
@@ -110,6 +115,75 @@ def _as_float(key: str, value: Any, rule: str) -> float:
     if not math.isfinite(f):
         raise _bad(key, rule, value)
     return f
+
+
+def _as_stops(value: Any) -> tuple[str, ...]:
+    rule = f"must be a string or a list of at most {MAX_STOPS} strings of 1..{MAX_STOP_CHARS} characters"
+    stops = [value] if isinstance(value, str) else value
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops)):
+        raise _bad("stop", rule, value)
+    return tuple(dict.fromkeys(stops))  # order kept, repeats dropped
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...] | list[str]) -> tuple[str, bool]:
+    """``text`` up to its first stop sequence (excluded), and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class StopScanner:
+    """Cuts a streamed answer at the first stop sequence. It holds back the newest tokens while
+    they may still begin one (the fewest whole tokens that cover the last ``len(longest) - 1``
+    characters), never more, and keeps token boundaries, so a hold-back counted in tokens after
+    it (the output rails') still counts tokens. Without stops every token passes unchanged."""
+
+    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+        self.stops = tuple(stops)
+        self.keep = max((len(s) for s in self.stops), default=1) - 1
+        self.held: list[str] = []
+        self.hit = False
+
+    def feed_tokens(self, tokens: list[str]) -> list[str]:
+        """The tokens that may go to the client now; at a stop sequence, those before it (the
+        last one cut where it begins), ``hit`` set, and nothing after."""
+        if not self.stops:
+            return tokens
+        if self.hit:
+            return []
+        self.held.extend(tokens)
+        text = "".join(self.held)
+        head, self.hit = cut_at_stop(text, self.stops)
+        out: list[str] = []
+        if self.hit:
+            n = 0
+            for t in self.held:
+                if n + len(t) > len(head):
+                    if len(head) > n:
+                        out.append(head[n:])
+                    break
+                out.append(t)
+                n += len(t)
+            self.held = []
+            return out
+        rest = len(text)
+        while self.held and rest - len(self.held[0]) >= self.keep:
+            t = self.held.pop(0)
+            rest -= len(t)
+            out.append(t)
+        return out
+
+    def feed(self, piece: str) -> str:
+        """:meth:`feed_tokens` for one piece of text, joined."""
+        return "".join(self.feed_tokens([piece]))
+
+    def flush_tokens(self) -> list[str]:
+        """What is still held back, at the answer's end (it began no stop sequence)."""
+        out, self.held = self.held, []
+        return out
+
+    def flush(self) -> str:
+        return "".join(self.flush_tokens())
 
 
 def parse_sampling(raw: str | bytes | None, *, max_tokens_cap: int, default_max_tokens: int = 16,
@@ -161,6 +235,10 @@ def parse_sampling(raw: str | bytes | None, *, max_tokens_cap: int, default_max_
         if not 0 <= s < SEED_LIMIT:
             raise _bad("seed", rule, obj["seed"])
         kw["seed"] = s
+    if obj.get("stop") is not None:
+        stops = _as_stops(obj["stop"])
+        if stops:
+            kw["stop"] = stops
     return SamplingParams(**{**default.__dict__, **kw, "given": tuple(k for k in SAMPLING_KEYS if k in kw)})
 
 

@@ -16,7 +16,12 @@ from typing import Any
 import numpy as np
 
 from tritonguard.core.errors import ConfigError
-from tritonguard.generation.contract import NON_FINITE_LOGITS, SamplingParams
+from tritonguard.generation.contract import (
+    NON_FINITE_LOGITS,
+    SamplingParams,
+    StopScanner,
+    cut_at_stop,
+)
 
 
 class CharTokenizer:
@@ -125,15 +130,32 @@ class Sequence:
     ended: bool = False  # counted in the metrics (and answered)
     request_id: str = ""  # the Triton request's id (a caller's stop request names it)
     stopped: bool = False  # its caller asked to stop it (contract.STOP_PREFIX)
+    # the streamed pieces on their way out, cut at the first stop sequence (sampling ``stop``)
+    stops: StopScanner = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.rng is None:
             seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little")
             self.rng = np.random.default_rng(seed)
+        self.stops = StopScanner(self.params.stop)
 
     @property
     def text(self) -> str:
+        """Every token generated (a stop sequence included)."""
         return "".join(self.pieces)
+
+    @property
+    def answer(self) -> str:
+        """The answer: the text before the first stop sequence."""
+        return cut_at_stop(self.text, self.params.stop)[0] if self.params.stop else self.text
+
+    def reached_stop(self, piece: str) -> bool:
+        """Whether the token ``piece`` just added completed a stop sequence."""
+        stops = self.params.stop
+        if not stops:
+            return False
+        window = self.text[-(len(piece) + max(len(s) for s in stops) - 1):]
+        return any(s in window for s in stops)
 
 
 class Decoder:
@@ -168,7 +190,7 @@ class Decoder:
             piece = self.tok.piece(token)
             seq.pieces.append(piece)
             out.append((seq, piece))
-            if len(seq.pieces) >= seq.params.max_tokens:
+            if len(seq.pieces) >= seq.params.max_tokens or seq.reached_stop(piece):
                 seq.done = True
             else:
                 going.append((seq, token))
@@ -190,7 +212,7 @@ class Decoder:
         while active:
             self.advance(active)
             active = [s for s in active if not s.done]
-        return [s.text for s in seqs]
+        return [s.answer for s in seqs]
 
     def generate(self, prompt: str, params: SamplingParams) -> str:
         """One sequence alone, start to end (tests and offline use)."""
@@ -200,4 +222,4 @@ class Decoder:
             self.advance([seq])
         if seq.error is not None:
             raise ValueError(seq.error)
-        return seq.text
+        return seq.answer

@@ -202,14 +202,19 @@ class Engine:
                     if piece is not None:
                         self.tokens += 1
                         if seq.stream:
-                            send_safely(seq.sink.piece, piece)
+                            out = seq.stops.feed(piece)  # held back while it may become a stop sequence
+                            if out:
+                                send_safely(seq.sink.piece, out)
                         self._token_timing(seq)
                     if seq.done and seq.error is not None:
                         log.warning("generation stopped: %s", seq.error)
                         self._ended(seq, "error")
                         send_safely(seq.sink.fail, f"generation failed: the model produced {seq.error}", "INTERNAL")
                     elif seq.done:
-                        text = None if seq.stream else (seq.prompt if seq.prepend_prompt else "") + seq.text
+                        tail = seq.stops.flush() if seq.stream else ""  # held back and no stop after all
+                        if tail:
+                            send_safely(seq.sink.piece, tail)
+                        text = None if seq.stream else (seq.prompt if seq.prepend_prompt else "") + seq.answer
                         self._ended(seq, "ok")
                         send_safely(seq.sink.finish, text)
                 self.active = [s for s in live if not s.done]

@@ -9,12 +9,13 @@ the response starts, so a refusal (bad field, authentication, quota, no version)
 error with its status; an error after the first piece is an ``{"error": ...}`` event. A client
 that disconnects cancels the guard's stream.
 
-``finish_reason``: ``stop`` (the model ended, or a ``stop`` sequence), ``length`` (the answer
-reached ``max_tokens``, the guard's ``validation.default_max_tokens`` when none was sent, or the
-tenant's token budget cut it), ``content_filter`` (the guard blocked the answer). A guard that
-declares the output ``finish_reason`` says which on its final response, and the front passes that
-on (only the guard knows of a budget's cut); for one without it the front counts the answer
-against ``max_tokens``.
+``finish_reason``: ``stop`` (the model ended, or a ``stop`` sequence: the guard cuts the answer
+before it and stops the target, so the front reads the stream to its end and never cancels it),
+``length`` (the answer reached ``max_tokens``, the guard's ``validation.default_max_tokens`` when
+none was sent, or the tenant's token budget cut it), ``content_filter`` (the guard blocked the
+answer). A guard that declares the output ``finish_reason`` says which on its final response, and
+the front passes that on (only the guard knows of a budget's cut); for one without it the front
+counts the answer against ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tritonguard.llm.errors import OpenAIError, bad_request
-from tritonguard.llm.protocol import Ask, StopScanner, chunk, new_id, parse, response, usage
+from tritonguard.llm.protocol import Ask, chunk, new_id, parse, response, usage
 from tritonguard.llm.template import ChatTemplate
 from tritonguard.llm.upstream import ContentFiltered, Ending, GuardInfo, Upstream
 from tritonguard.privacy.tenancy.auth import ApiKeys
@@ -146,10 +147,8 @@ class Front:
             params = self.parameters(request, info)
             if chat:
                 ask.prompt = self.config.template.render(ask.messages)
-            # streamed from the guard when the client streams, or to cut at a stop sequence
             ending = Ending() if info.reasons else None
-            pieces = up.generate(ask.model, ask.prompt, ask.stream or bool(ask.stop), ask.sampling, params,
-                                 chat=chat, ending=ending)
+            pieces = up.generate(ask.model, ask.prompt, ask.stream, ask.sampling, params, chat=chat, ending=ending)
             limit = ask.max_tokens or info.default_max_tokens
             if not ask.stream:
                 return await self._whole(ask, pieces, limit, ending)
@@ -159,9 +158,7 @@ class Front:
                 log.warning("openai front: %d %s", exc.status, exc.message)
             return _error(exc)
 
-    def _finish(self, raw: str, limit: int, scanner: StopScanner, ending: Ending | None) -> str:
-        if scanner.hit:
-            return "stop"
+    def _finish(self, raw: str, limit: int, ending: Ending | None) -> str:
         if ending is not None and ending.reason is not None:  # the guard's own reason
             return ending.reason
         return "length" if self.config.template.count(raw) >= limit else "stop"
@@ -171,21 +168,16 @@ class Front:
         return usage(count(ask.prompt), count(text))
 
     async def _whole(self, ask: Ask, pieces: AsyncIterator[str], limit: int, ending: Ending | None) -> Response:
-        scanner, raw, out, finish = StopScanner(ask.stop), [], [], None
+        out, finish = [], None
         try:
             async for piece in pieces:
-                raw.append(piece)
-                out.append(scanner.feed(piece))
-                if scanner.hit:
-                    break
+                out.append(piece)
         except ContentFiltered:
             finish = "content_filter"
         finally:
             await pieces.aclose()  # type: ignore[attr-defined]
-        if not scanner.hit:
-            out.append(scanner.flush())
         text = "".join(out)
-        finish = finish or self._finish("".join(raw), limit, scanner, ending)
+        finish = finish or self._finish(text, limit, ending)
         body = response(ask, new_id(ask.chat), (ask.prompt + text) if ask.echo else text, finish,
                         self._usage(ask, text))
         return JSONResponse(body)
@@ -204,7 +196,7 @@ class Front:
         rid, created = new_id(ask.chat), int(time.time())
 
         async def events() -> AsyncIterator[str]:
-            scanner, raw, sent = StopScanner(ask.stop), [], []
+            sent: list[str] = []
             finish = "content_filter" if filtered else None
             try:
                 if ask.chat:
@@ -221,13 +213,9 @@ class Front:
 
                 try:
                     async for piece in rest():
-                        raw.append(piece)
-                        out = scanner.feed(piece)
-                        if out:
-                            sent.append(out)
-                            yield _sse(chunk(ask, rid, created, out))
-                        if scanner.hit:
-                            break
+                        if piece:
+                            sent.append(piece)
+                            yield _sse(chunk(ask, rid, created, piece))
                 except ContentFiltered:
                     finish = "content_filter"
                 except OpenAIError as exc:  # after the first piece: an error event ends the stream
@@ -235,12 +223,7 @@ class Front:
                     yield _sse(exc.body())
                     yield "data: [DONE]\n\n"
                     return
-                if not scanner.hit:
-                    tail = scanner.flush()
-                    if tail:
-                        sent.append(tail)
-                        yield _sse(chunk(ask, rid, created, tail))
-                finish = finish or self._finish("".join(raw), limit, scanner, ending)
+                finish = finish or self._finish("".join(sent), limit, ending)
                 use = self._usage(ask, "".join(sent))
                 yield _sse(chunk(ask, rid, created, None if ask.chat else "", finish, use=use))
                 if ask.include_usage:

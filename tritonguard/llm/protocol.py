@@ -4,10 +4,10 @@ bodies and stream chunks built back.
 What the guard's contract can do is served; what it cannot is refused with a 400 naming the field
 (``n`` other than 1, ``logprobs``, tools, a ``response_format`` other than text, penalties or a
 ``logit_bias``), never silently ignored. The sampling keys are the guard's (``max_tokens``,
-``temperature``, ``top_p``, ``seed``); the guard itself checks their caps (its ``validation.*``)
-and its refusals come back as 400s naming the same fields (:mod:`tritonguard.llm.errors`).
-``stop`` sequences are applied here (:class:`StopScanner`), since the contract has none: the
-answer is cut at the first one and the guard's stream cancelled.
+``temperature``, ``top_p``, ``seed``, ``stop``); the guard itself checks their caps (its
+``validation.*``) and its refusals come back as 400s naming the same fields
+(:mod:`tritonguard.llm.errors`). The guard applies ``stop``: it cuts the answer before the first
+stop sequence and stops its target, so the front never has to cancel a stream for one.
 """
 
 from __future__ import annotations
@@ -186,36 +186,10 @@ def parse(body: Any, *, chat: bool) -> Ask:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise bad_request(f"'seed' must be an integer, got {seed!r}", "seed", "invalid_type")
         sampling["seed"] = seed
+    if ask.stop:
+        sampling["stop"] = ask.stop
     ask.sampling = sampling
     return ask
-
-
-class StopScanner:
-    """Cuts a streamed answer at the first stop sequence: holds back the last ``len(longest) - 1``
-    characters (what may still become a stop), never more."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.keep = max((len(s) for s in stops), default=1) - 1
-        self.buf = ""
-        self.hit = False
-
-    def feed(self, piece: str) -> str:
-        """What of ``piece`` may go to the client now (``hit`` is set once a stop appeared)."""
-        if not self.stops:
-            return piece
-        self.buf += piece
-        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.buf, self.hit = self.buf[:cut], "", True
-            return out
-        n = len(self.buf) - self.keep
-        out, self.buf = (self.buf[:n], self.buf[n:]) if n > 0 else ("", self.buf)
-        return out
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
 
 
 def new_id(chat: bool) -> str:

@@ -74,6 +74,14 @@ def test_sampling_accepts_numbers_and_numeric_strings():
     assert parse_sampling('{"temperature": 0, "seed": null}', max_tokens_cap=CAP).greedy
 
 
+def test_sampling_stop_is_a_string_or_a_list_as_vllm_takes_it():
+    assert parse_sampling('{"stop": "END"}', max_tokens_cap=CAP).stop == ("END",)
+    p = parse_sampling('{"stop": ["a", "bc", "a"], "max_tokens": 4}', max_tokens_cap=CAP)
+    assert p.stop == ("a", "bc") and p.given == ("max_tokens", "stop")  # repeats dropped, order kept
+    assert parse_sampling('{"stop": []}', max_tokens_cap=CAP) == SamplingParams()
+    assert parse_sampling('{"stop": null}', max_tokens_cap=CAP) == SamplingParams()
+
+
 @pytest.mark.parametrize(("raw", "needle"), [
     ("{max_tokens: 3}", "JSON"),
     ("[1, 2]", "JSON object"),
@@ -90,6 +98,11 @@ def test_sampling_accepts_numbers_and_numeric_strings():
     ('{"top_p": 1.5}', "(0, 1]"),
     ('{"seed": -1}', "'seed'"),
     ('{"seed": "x"}', "'seed'"),
+    ('{"stop": ""}', "'stop'"),
+    ('{"stop": ["a", 3]}', "'stop'"),
+    ('{"stop": {"a": 1}}', "'stop'"),
+    (json.dumps({"stop": [f"s{i}" for i in range(17)]}), "at most 16"),
+    (json.dumps({"stop": "x" * 257}), "1..256 characters"),
     (b"\xff{}", "UTF-8"),
 ])
 def test_sampling_rejects_with_key_and_rule(raw, needle):
@@ -226,6 +239,29 @@ def test_engine_streams_what_it_would_return_whole(decoder):
         assert whole.final == decoder.generate("Return the", params)
         assert streamed.final is None and "".join(streamed.pieces) == whole.final
         assert prefixed.final == "Return the" + whole.final
+    finally:
+        engine.stop()
+
+
+def test_engine_ends_at_a_stop_sequence_without_sending_it(decoder):
+    params = SamplingParams(max_tokens=80, temperature=0)
+    full = decoder.generate("Return the", params)
+    stop = full[12:14]
+    cut = full[:full.find(stop)]
+    stopping = SamplingParams(max_tokens=80, temperature=0, stop=(stop, "never appears"))
+    assert decoder.generate("Return the", stopping) == cut
+    engine = Engine(decoder, cancel_poll_s=0)
+    try:
+        whole, streamed = ListSink(), ListSink()
+        seqs = [Sequence("Return the", stopping, sink=whole), Sequence("Return the", stopping, stream=True, sink=streamed)]
+        for seq in seqs:
+            engine.submit(seq)
+        for sink in (whole, streamed):
+            assert sink.closed.wait(10)
+        assert whole.final == cut and whole.error is None
+        assert streamed.final is None and "".join(streamed.pieces) == cut
+        for seq in seqs:  # decoding ended at the stop, not at max_tokens
+            assert len(seq.pieces) == full.find(stop) + len(stop) < 80
     finally:
         engine.stop()
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from tritonguard.llm.errors import OpenAIError
-from tritonguard.llm.protocol import StopScanner, chunk, parse
+from tritonguard.llm.protocol import chunk, parse
 
 
 def test_a_chat_request_keeps_the_guards_sampling_keys_only():
@@ -52,20 +50,10 @@ def test_a_bad_message_is_named(messages, param):
     assert info.value.param == param
 
 
-def test_stop_sequences_cut_at_the_first_one_on_any_split():
-    text = "the string of the stop here and more STOP after"
-    rng = random.Random(0)
-    for _ in range(200):
-        cuts = sorted(rng.sample(range(1, len(text)), 6))
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        scanner, out = StopScanner(["STOP", "here"]), ""
-        for p in pieces:
-            out += scanner.feed(p)
-            if scanner.hit:
-                break
-        assert scanner.hit and out == "the string of the stop ", pieces
-    scanner = StopScanner(["zz"])
-    assert scanner.feed("abz") == "ab" and scanner.flush() == "z" and not scanner.hit
+def test_stop_sequences_go_to_the_guard_with_the_sampling_keys():
+    ask = parse({"model": "g", "prompt": "x", "stop": "END", "max_tokens": 5}, chat=False)
+    assert ask.sampling == {"max_tokens": 5, "stop": ["END"]}
+    assert "stop" not in parse({"model": "g", "prompt": "x"}, chat=False).sampling
 
 
 def test_the_last_chunk_carries_finish_reason_and_usage():

@@ -199,8 +199,11 @@ def generation_key(guard: str, fingerprint: str, gen: Generation) -> bytes | Non
     p = gen.params
     if not gen.deterministic:
         return None
-    material = json.dumps([gen.tenant, guard, fingerprint, gen.prompt, p.max_tokens, p.temperature, p.top_p,
-                           p.seed, gen.stream, gen.exclude], separators=(",", ":"))
+    fields = [gen.tenant, guard, fingerprint, gen.prompt, p.max_tokens, p.temperature, p.top_p, p.seed,
+              gen.stream, gen.exclude]
+    if p.stop:  # only when given: the keys of answers without stop sequences stay what they were
+        fields.append(list(p.stop))
+    material = json.dumps(fields, separators=(",", ":"))
     return hashlib.sha256(b"tritonguard-stream\0" + material.encode()).digest()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from tritonguard.core.errors import TritonGuardError
+from tritonguard.generation.contract import StopScanner, cut_at_stop
 from tritonguard.guard.pipeline import Generation, StreamPipeline
 from tritonguard.guard.stream.rails import CONTENT_FILTER, Blocked, Rails
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed, TargetStalled, text_of
@@ -141,6 +142,9 @@ class StreamForwarder:
         draining = False  # reading the target's rest to drop it: no wake-ups for held text
         hold = self.rails.holdback() if self.rails is not None and gen.stream else None
         blocked: Blocked | None = None
+        # sampling ``stop``: the target gets it too, but one that ignores it is cut here and
+        # stopped, so the stop sequence never reaches the client whatever the target does
+        stops = StopScanner(gen.params.stop)
 
         def due() -> float | None:
             """Seconds until the held text is due (None: nothing held): the reader's next wake-up."""
@@ -178,9 +182,10 @@ class StreamForwarder:
                             # target that ignores it): not one token more reaches the client
                             texts = texts[:max(max_tokens - tokens, 0)]
                         tokens += len(texts)
-                        piece = "".join(texts)
                         if keep:
-                            raw.append(piece)
+                            raw.append("".join(texts))
+                        texts = stops.feed_tokens(texts)
+                        piece = "".join(texts)
                         if hold is not None:
                             try:
                                 piece = hold.feed(texts)
@@ -214,6 +219,10 @@ class StreamForwarder:
                         except TargetStalled:
                             pass
                         raise TargetFailed(code, message, f"target '{self.target}' failed: {message}", first, tokens)
+                    if stops.hit:  # the answer ends here; the target, if it ignored ``stop``, is stopped
+                        draining = True
+                        self.calls.stop(responses, it, "stop sequence reached")
+                        break
                 now = time.monotonic()
                 if now >= next_poll:
                     next_poll = now + self.cancel_poll_s
@@ -240,22 +249,28 @@ class StreamForwarder:
         call_s = time.perf_counter() - t0  # to the target's last response
         generated: str | None = None
         if gen.stream:
+            tail = stops.flush_tokens()  # held back as the start of a stop sequence that never came
             if hold is not None:
                 try:
-                    last = hold.finish()
+                    last = hold.feed(tail) + hold.finish()
                 except Blocked as exc:
                     self.block(exc, tokens)  # the target already ended
                     return None
-                if filtered and last:
-                    last = pipeline.piece(gen, last)
-                held += last
+            else:
+                last = "".join(tail)
+            if filtered and last:
+                last = pipeline.piece(gen, last)
+            held += last
             rest = held + pipeline.finish(gen, "")
             if keep:
-                generated = "".join(raw)
+                generated = cut_at_stop("".join(raw), stops.stops)[0]
         else:
             text = "".join(whole)
             prompt_first = not gen.exclude and text.startswith(gen.prompt)  # the prompt comes first unless excluded
             generated = text[len(gen.prompt):] if prompt_first else text
+            if stops.stops:  # a target that ignored ``stop``: its answer is cut here
+                generated = cut_at_stop(generated, stops.stops)[0]
+                text = gen.prompt + generated if prompt_first else generated
             tokens = len(generated)  # one token per character: exact for tinylm, an estimate otherwise
             if self.rails is not None:
                 try:
@@ -268,7 +283,7 @@ class StreamForwarder:
                 generated = None
         gen.tokens_out += tokens
         if getattr(sender, "reasons", False):
-            sender.reason = "length" if tokens >= max_tokens else "stop"
+            sender.reason = "length" if tokens >= max_tokens and not stops.hit else "stop"
         if rest:
             self.sent(rest)
         if gen.keep_text:
