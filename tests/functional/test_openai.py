@@ -82,14 +82,16 @@ def stack(tmp_path_factory):
 
 
 def stop_noting_a_slow_unload(srv: Server, slow_s: float = 10.0) -> None:
-    """Stop the server. In runs 26-30 each time, then in run 39 of 2026-11-30, this teardown
-    waited for Triton's 30 s exit timeout: ``tinylm_guard``'s finalize was never called. Under
-    load it came in 3 of 18 runs with the stop-sequence test (the front cancels its gRPC stream
-    while the guard still answers) and in 0 of 8 without it; not yet fixed. A green run's logs
-    are deleted, so a stop slower than ``slow_s``
-    puts the server's account of it in the warnings summary: the guards' lines and Triton's
-    model lines from before the shutdown, and the whole shutdown with its countdown shortened
-    (the guard logs when its finalize begins and ends)."""
+    """Stop the server. In runs 26-30, then in run 39 of 2026-11-30, this teardown waited for
+    Triton's 30 s exit timeout: the front cancelled its gRPC stream at a stop sequence while the
+    guard still answered, and Triton 2.51 can keep a model whose cancelled stream was finished
+    anyway counted live (docs/stream-guard.md; ``tools/repro_cancel_stall.py`` shows it on a model
+    that is not ours). The guard now applies ``stop`` itself and the front never cancels for one:
+    0 of 10 runs under load waited, against 2 of 10 before. Should a stop be slow again, a green
+    run's logs being deleted, one slower than ``slow_s`` puts the server's account of it in the
+    warnings summary: the guards' lines and Triton's model lines from before the shutdown, and
+    the whole shutdown with its countdown shortened (the guard logs when its finalize begins and
+    ends)."""
     t0 = time.monotonic()
     srv.stop()
     took = time.monotonic() - t0
