@@ -106,6 +106,22 @@ def test_seeded_sampling_over_http(server):
     assert len(texts) == 1
 
 
+def test_a_stop_sequence_ends_the_answer_before_it(server):
+    """vLLM's ``stop``: the answer ends before the first stop sequence, which is never sent,
+    whole and streamed (the last pieces held back while they may still begin one)."""
+    whole = generate(server, exclude_input_in_output=True)["text_output"]
+    stop = whole[10:12]
+    cut = whole[:whole.find(stop)]
+    params = {**GREEDY, "stop": [stop, "never in it"]}
+    assert generate(server, params=params, exclude_input_in_output=True)["text_output"] == cut
+    assert generate(server, params=params)["text_output"] == PROMPT + cut
+    status, raw = post(server, "/v2/models/tinylm/generate_stream",
+                       {"text_input": PROMPT, "stream": True, "sampling_parameters": json.dumps(params)})
+    events = sse(raw)
+    assert status == 200 and all("error" not in e for e in events), events
+    assert "".join(e["text_output"] for e in events) == cut
+
+
 def test_grpc_stream(server):
     whole = generate(server, exclude_input_in_output=True)["text_output"]
     results: queue.Queue = queue.Queue()
@@ -141,6 +157,7 @@ def test_grpc_stream(server):
     ({"text_input": PROMPT, "sampling_parameters": "{max_tokens: 3"}, "'sampling_parameters' violates JSON"),
     ({"text_input": PROMPT, "sampling_parameters": '{"max_tokens": 257}'}, "1..256"),
     ({"text_input": PROMPT, "sampling_parameters": '{"top_k": 5}'}, "unknown key 'top_k'"),
+    ({"text_input": PROMPT, "sampling_parameters": '{"stop": ["", "x"]}'}, "violates key 'stop'"),
     ({"text_input": "", "sampling_parameters": "{}"}, "'text_input' violates non-empty"),
 ])
 def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(server, body, needle):
