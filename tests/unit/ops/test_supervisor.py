@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -134,6 +135,61 @@ def test_a_server_that_dies_while_a_reload_waits_is_seen_at_once(stopping):
         release.set()
         if sup.proc.poll() is None:
             sup.proc.kill()
+
+
+def test_the_server_starts_clean_in_a_process_holding_a_grpc_channel():
+    """CI run 41 (2026-11-30): the restart test below saw a start die of SIGABRT in a lane that
+    had used gRPC. A ``preexec_fn`` made CPython run gRPC's at-fork hook in the child, whose
+    restarted poller aborted once the child closed its fds (8 of 300 children). The shim starts
+    the server without one: every start runs its program (with the preexec_fn this test failed in
+    both of two runs, one start of 300 each time)."""
+    import grpc
+
+    channel = grpc.insecure_channel("127.0.0.1:1")  # a live channel: gRPC's poller runs
+    try:
+        with pytest.raises(grpc.FutureTimeoutError):
+            grpc.channel_ready_future(channel).result(timeout=0.2)
+        sup = Supervisor("/bin/false", ["false"], dict(os.environ), log=lambda _line: None)
+        codes = []
+        for _ in range(300):
+            sup._spawn()
+            codes.append(sup.proc.wait())
+    finally:
+        channel.close()
+    assert codes == [1] * 300, {c: codes.count(c) for c in set(codes)}
+
+
+def test_the_server_dies_with_its_supervisor(tmp_path):
+    """The shim's PR_SET_PDEATHSIG: a supervisor killed with SIGKILL (no handler runs) takes its
+    server with it."""
+    pidfile = tmp_path / "server.pid"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time; from tritonguard.ops.supervisor.control import shim_argv; "
+        f"p = subprocess.Popen(shim_argv('/bin/sleep', ['sleep', '60'])); open({str(pidfile)!r}, 'w').write(str(p.pid)); "
+        "time.sleep(60)")])
+    try:
+        deadline = time.monotonic() + 20
+        while not (pidfile.exists() and pidfile.read_text()):
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.05)
+        child = int(pidfile.read_text())
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":  # exec'd
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    break  # dead, not reaped yet
+        except FileNotFoundError:
+            break  # dead and reaped
+        assert time.monotonic() < deadline, "the server outlived its supervisor"
+        time.sleep(0.05)
 
 
 def test_a_restarted_server_advertises_a_new_start_time(tmp_path):

@@ -55,8 +55,22 @@ def _log(message: str) -> None:
     sys.stderr.write(f"tritonguard supervisor: {message}\n")
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+# The server is started through this shim, which asks the kernel to SIGTERM it when the
+# supervisor dies (PR_SET_PDEATHSIG survives the exec) and then execs the server in place (the
+# same pid). Not a ``preexec_fn``: with one, CPython forks and runs the at-fork hooks in the child,
+# and a process that holds a gRPC channel (a test process, a user's own service embedding the
+# supervisor) has gRPC restart its poller there, which aborts once the child closes its fds:
+# 8 of 300 such children died of SIGABRT (2026-11-30; 0 of 300 without the preexec_fn), and a
+# CI run logged a restart its test did not expect. argv: the signal, the supervisor's pid (a
+# parent gone before the prctl is seen), the binary, the server's argv.
+_SHIM = (f"import ctypes, os, sys; ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, int(sys.argv[1]), 0, 0, 0); "
+         "os.getppid() == int(sys.argv[2]) or os._exit(70); os.execv(sys.argv[3], sys.argv[4:])")
+
+
+def shim_argv(binary: str, argv: Sequence[str]) -> list[str]:
+    """The command that runs ``binary`` with ``argv`` (its argv[0] included) as a child that dies
+    with this process."""
+    return [sys.executable, "-I", "-S", "-c", _SHIM, str(int(signal.SIGTERM)), str(os.getpid()), binary, *argv]
 
 
 def flag_value(args: Sequence[str], name: str) -> str | None:
@@ -188,8 +202,7 @@ class Supervisor:
             # a restarted server's counters start from zero: its replica record says so with a
             # new start time (the launcher's would hide the restart from the exporter's readers)
             self.env = {**self.env, ADVERTISED_START: f"{time.time():.3f}"}
-        self.proc = subprocess.Popen(list(self.argv), executable=self.binary, env=self.env,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(shim_argv(self.binary, self.argv), env=self.env)
         self.stubs = {}
         self.pending = {}
         self.stalls.reset()
