@@ -154,7 +154,14 @@ class Sequence:
         stops = self.params.stop
         if not stops:
             return False
-        window = self.text[-(len(piece) + max(len(s) for s in stops) - 1):]
+        need = len(piece) + max(len(s) for s in stops) - 1  # a stop ending in ``piece`` lies within
+        tail: list[str] = []
+        for p in reversed(self.pieces):  # the newest tokens only, not the whole text every step
+            tail.append(p)
+            need -= len(p)
+            if need <= 0:
+                break
+        window = "".join(reversed(tail))
         return any(s in window for s in stops)
 
 

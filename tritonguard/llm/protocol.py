@@ -40,7 +40,6 @@ class Ask:
     stream: bool = False
     include_usage: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # the guard's sampling keys, as given
-    stop: list[str] = field(default_factory=list)
     echo: bool = False
 
     @property
@@ -158,8 +157,8 @@ def parse(body: Any, *, chat: bool) -> Ask:
     if options is not None and (not isinstance(options, dict) or not stream):
         raise bad_request("'stream_options' is an object, and only allowed with stream: true", "stream_options",
                           "invalid_value")
-    ask = Ask(chat=chat, model=model, stream=stream, include_usage=bool((options or {}).get("include_usage")),
-              stop=_stops(body))
+    stops = _stops(body)
+    ask = Ask(chat=chat, model=model, stream=stream, include_usage=bool((options or {}).get("include_usage")))
     if chat:
         ask.messages = _messages(body)
         max_tokens = _integer(body, "max_completion_tokens", 1)
@@ -186,8 +185,8 @@ def parse(body: Any, *, chat: bool) -> Ask:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise bad_request(f"'seed' must be an integer, got {seed!r}", "seed", "invalid_type")
         sampling["seed"] = seed
-    if ask.stop:
-        sampling["stop"] = ask.stop
+    if stops:
+        sampling["stop"] = stops
     ask.sampling = sampling
     return ask
 
