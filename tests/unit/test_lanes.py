@@ -20,6 +20,13 @@ from tritonguard.ops.server import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# a process started under SCHED_IDLE by chrt(1) (util-linux), not by ``preexec_fn=lanes._idle``:
+# this test runs in a lane process that earlier modules may have given a live gRPC channel, and a
+# preexec_fn runs gRPC's at-fork hook in the child, which can abort it (8 of 300 starts;
+# tritonguard/ops/supervisor.py, run 41). The lanes runner itself never loads gRPC.
+IDLE = ["chrt", "--idle", "0"]
+
+
 def test_every_module_runs_once_and_the_timed_ones_after_the_lanes():
     mods = lanes.modules(["tests"])
     assert "tests/unit/test_lanes.py" in mods and "tests/functional/test_promote.py" in mods
@@ -174,7 +181,11 @@ def test_back_to_normal_finds_a_lane_process_outside_its_tree(tmp_path):
     found by the mark in its environment; one without the mark is left as it is."""
     def start(mark: str | None) -> subprocess.Popen:
         env = {**os.environ, **({lanes.LANE_MARK: mark} if mark else {})}
-        return subprocess.Popen(["sleep", "30"], env=env, start_new_session=True, preexec_fn=lanes._idle)
+        p = subprocess.Popen([*IDLE, "sleep", "30"], env=env, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{p.pid}/comm").read_text().strip() != "sleep" and time.monotonic() < deadline:
+            time.sleep(0.01)  # chrt has set the policy once it has exec'd sleep
+        return p
 
     marked, other, unmarked = start(f"lane0@{tmp_path}"), start(f"lane0@{tmp_path}-other"), start(None)
     try:
@@ -201,8 +212,9 @@ def test_back_to_normal_finds_a_server_that_wrote_its_title_over_its_environment
             " '--appendonly', 'no'], stdout=subprocess.DEVNULL)\n"
             "print(p.pid, flush=True)\n"
             "time.sleep(60)\n")
-    parent = subprocess.Popen([sys.executable, "-c", code, str(free_port())], env={**os.environ, lanes.LANE_MARK: mark},
-                              stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=lanes._idle)
+    parent = subprocess.Popen([*IDLE, sys.executable, "-c", code, str(free_port())],
+                              env={**os.environ, lanes.LANE_MARK: mark}, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
     redis_pid = int(parent.stdout.readline())
     try:
         deadline = time.monotonic() + 10
