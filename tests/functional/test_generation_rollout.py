@@ -405,11 +405,11 @@ def work_per_token(ctx, a: int, b: int, pairs: int = 60) -> float:
     versions, so it dilutes the fault (1.07x served in a full run, 2026-11-30, where this ratio
     read 1.40-1.59x alone and beside 3 busy loops on 2 cores)."""
     from tritonguard.generation.contract import SamplingParams
-    from tritonguard.generation.decoder import CharTokenizer, Decoder, StepModel
+    from tritonguard.generation.decoder import CharTokenizer
 
-    def decoder(v: int) -> Decoder:
+    def decoder(v: int):
         d = ctx["repo"] / "tinylm_raw" / str(v)
-        return Decoder(StepModel(d / "model.onnx"), CharTokenizer.from_dict(json.loads((d / "vocab.json").read_text())))
+        return example.decoder(d / example.ARTIFACT, CharTokenizer.from_dict(json.loads((d / example.VOCAB_FILE).read_text())))
 
     dec = {a: decoder(a), b: decoder(b)}
     rng = np.random.default_rng(7)

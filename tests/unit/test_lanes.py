@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # a process started under SCHED_IDLE by chrt(1) (util-linux), not by ``preexec_fn=lanes._idle``:
 # this test runs in a lane process that earlier modules may have given a live gRPC channel, and a
 # preexec_fn runs gRPC's at-fork hook in the child, which can abort it (8 of 300 starts;
-# tritonguard/ops/supervisor.py, run 41). The lanes runner itself never loads gRPC.
+# tritonguard/ops/supervisor/control.py, run 41). The lanes runner itself never loads gRPC.
 IDLE = ["chrt", "--idle", "0"]
 
 
