@@ -149,7 +149,11 @@ class LabelFeeder:
         self._thread.join(timeout=120)
 
     def _run(self) -> None:
-        folder = Path(tempfile.mkdtemp(prefix="labels-"))
+        # the label files are kept only as long as the feeder runs (they once piled up in /tmp)
+        with tempfile.TemporaryDirectory(prefix="labels-") as tmp:
+            self._feed(Path(tmp))
+
+    def _feed(self, folder: Path) -> None:
         k = 0
         while not self._stop.wait(self.interval_s):
             answered = self.traffic.take_answered()
