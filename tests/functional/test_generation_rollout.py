@@ -52,16 +52,17 @@ WORDS = ("Return the", "Create a new", "If the", "This module", "The default", "
          "Open the", "Set the", "Read the", "Write a", "Call the", "Get the", "When the", "Convert a")
 
 
-def graft(repo: Path, src: int, dest: int, edit: Callable[[Any], None], **manifest: Any) -> None:
-    """Version ``dest`` of tinylm_raw: version ``src`` whose graph ``edit`` changes (the node that
-    wrote LOGITS now writes LOGITS_clean; ``edit`` adds the nodes that write LOGITS), with its
-    vocabulary, goldens and evaluation texts, and its manifest updated by ``manifest`` (a None
-    value removes the key)."""
+def graft(repo: Path, src: int, dest: int, edit: Callable[[Any], None], *, name: str = "tinylm_raw",
+          into: str | None = None, **manifest: Any) -> None:
+    """Version ``dest`` of the generator ``name`` (of ``into`` when given): version ``src`` of
+    ``name`` whose graph ``edit`` changes (the node that wrote LOGITS now writes LOGITS_clean;
+    ``edit`` adds the nodes that write LOGITS), with its vocabulary, goldens and evaluation
+    texts, and its manifest updated by ``manifest`` (a None value removes the key)."""
     import hashlib
 
     import onnx
 
-    s, d = repo / "tinylm_raw" / str(src), repo / "tinylm_raw" / str(dest)
+    s, d = repo / name / str(src), repo / (into or name) / str(dest)
     d.mkdir(parents=True)
     model = onnx.load(str(s / "model.onnx"))
     for node in model.graph.node:
@@ -70,8 +71,8 @@ def graft(repo: Path, src: int, dest: int, edit: Callable[[Any], None], **manife
     onnx.checker.check_model(model)
     data = model.SerializeToString()
     (d / "model.onnx").write_bytes(data)
-    for name in ("vocab.json", "goldens.json", "eval.json"):
-        shutil.copy(s / name, d / name)
+    for file in ("vocab.json", "goldens.json", "eval.json"):
+        shutil.copy(s / file, d / file)
     doc = json.loads((s / "manifest.json").read_text())
     doc.update(version=dest, sha256=hashlib.sha256(data).hexdigest(), **manifest)
     for key in [k for k, v in manifest.items() if v is None]:
@@ -119,10 +120,11 @@ def poison(repo: Path, src: int, dest: int, char: str) -> None:
 SLOW_WIDTH = 512
 
 
-def slowed(repo: Path, src: int, dest: int, width: int = SLOW_WIDTH) -> None:
+def slowed(repo: Path, src: int, dest: int, width: int = SLOW_WIDTH, **where: str) -> None:
     """Version ``dest``: version ``src`` with input-dependent work added to every decode step
     that changes no logit (it is added at 1e-30): the same answers, slower. Judged for
-    equivalence, as a slower re-export of the same weights would be."""
+    equivalence, as a slower re-export of the same weights would be. ``where``: :func:`graft`'s
+    ``name`` and ``into``."""
     from onnx import helper, numpy_helper
 
     def edit(model) -> None:
@@ -147,7 +149,7 @@ def slowed(repo: Path, src: int, dest: int, width: int = SLOW_WIDTH) -> None:
         ])
 
     graft(repo, src, dest, edit, judge="equivalence", equivalent_to=src,
-          source=f"tests: v{src} with slower decode steps")
+          source=f"tests: v{src} with slower decode steps", **where)
 
 
 @pytest.fixture(scope="module")

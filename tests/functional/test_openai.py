@@ -5,9 +5,12 @@ and with curl. Its answers must be the guard's own answers, token for token."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import warnings
@@ -17,8 +20,9 @@ import openai
 import pytest
 
 from examples import generator as example
+from tests.functional.test_generation_rollout import slowed
 from tests.functional.test_generator import post
-from tritonguard.core.repository import write_config
+from tritonguard.core.repository import read_config, write_config
 from tritonguard.ops.server import Server, free_port
 from tritonguard.privacy.tenancy.auth import new_api_key
 
@@ -28,6 +32,7 @@ pytestmark = pytest.mark.functional
 
 PROMPT = "Return the"
 CHAT_PROMPT = "User: Return the\nAssistant:"  # the plain template of [{"role": "user", ...}]
+SLOWEST = 4096  # the slowed generator's extra work per decode step (slowed(): a 4096 x 4096 matmul)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +44,14 @@ def stack(tmp_path_factory):
     keys = repo / "keys.json"
     keys.write_text(json.dumps({"acme": [digest]}))
     common = {"placement": "inprocess", "validation__max_tokens": "256"}
+    # the same answers, each decode step ~100x slower (about 1.5 s for 256 tokens in place of
+    # 40 ms): an answer long enough to stop while it is being written
+    slowed(repo, 1, 1, SLOWEST, name="tinylm", into="tinylm_slow")
+    slow_cfg = json.loads(json.dumps(read_config(repo / "tinylm")))
+    slow_cfg["name"] = "tinylm_slow"
+    write_config(repo / "tinylm_slow", slow_cfg)
+    write_config(repo / "tinylm_slow_guard", example.stream_guard_config("tinylm_slow_guard", "tinylm_slow", **common))
+    (repo / "tinylm_slow_guard" / "1").mkdir()
     for name, params in (("tinylm_guard", {}),
                          ("tinylm_keyed", {"tenancy__auth": "api_key", "tenancy__keys_file": str(keys)}),
                          ("tinylm_budget", {"tokens__per_minute": "30"}),
@@ -52,11 +65,13 @@ def stack(tmp_path_factory):
         (repo / name / "1").mkdir()
     logs = tmp_path_factory.mktemp("openailogs")
     srv = Server(repository=repo, log_path=logs / "tritonserver.log")
-    srv.start(wait_models=("tinylm", "tinylm_guard", "tinylm_keyed", "tinylm_budget", "tinylm_rails"))
+    srv.start(wait_models=("tinylm", "tinylm_guard", "tinylm_keyed", "tinylm_budget", "tinylm_rails",
+                           "tinylm_slow", "tinylm_slow_guard"))
     port = free_port()
     front = subprocess.Popen(
         [sys.executable, "-m", "exporter", "openai", "--server", srv.grpc_url, "--port", str(port),
-         "--model", "tinylm_guard", "--model", "tinylm_keyed", "--model", "tinylm_budget", "--model", "tinylm_rails"],
+         "--model", "tinylm_guard", "--model", "tinylm_keyed", "--model", "tinylm_budget", "--model", "tinylm_rails",
+         "--model", "tinylm_slow_guard"],
         cwd=ROOT, stdout=open(logs / "front.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
     base = f"http://127.0.0.1:{port}"
     try:
@@ -125,7 +140,7 @@ def guard_text(srv, prompt: str, max_tokens: int, model: str = "tinylm_guard") -
 
 def test_models_lists_the_guards(stack):
     assert sorted(m.id for m in client(stack).models.list()) == ["tinylm_budget", "tinylm_guard", "tinylm_keyed",
-                                                                  "tinylm_rails"]
+                                                                  "tinylm_rails", "tinylm_slow_guard"]
     with pytest.raises(openai.NotFoundError):
         client(stack).completions.create(model="no_such_model", prompt=PROMPT, max_tokens=4)
 
@@ -232,6 +247,127 @@ def test_an_answer_a_rail_blocked_ends_with_content_filter(stack):
                                             max_tokens=40, temperature=0, stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ""
     assert chunks[-1].choices[0].finish_reason == "content_filter" and chunks[-1].usage.completion_tokens == 0
+
+
+def stream_tokens(srv, model: str) -> dict[str, float]:
+    """The guard's ``tritonguard_stream_tokens_total`` (out) and its cancelled requests."""
+    url = srv.metrics_url if "://" in srv.metrics_url else f"http://{srv.metrics_url}"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {"tokens_out": 0.0, "cancelled": 0.0}
+    for line in text.splitlines():
+        if f'model="{model}"' not in line:
+            continue
+        if line.startswith("tritonguard_stream_tokens_total{") and 'direction="out"' in line:
+            out["tokens_out"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("tritonguard_stream_requests_total{") and 'outcome="cancelled"' in line:
+            out["cancelled"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_generation_without_a_cancel(stack):
+    """The front's HTTP client goes away after the first piece of a 256-token answer (of the
+    slowed generator: one the guard is still writing). The front
+    does not cancel the guard's gRPC stream (on Triton 2.51 a cancel can hold the next server
+    stop for its exit timeout): it sends the guard a stop request, the guard ends the generation
+    at its next cancel poll with a plain final response and stops the target, and the front
+    reads the stream to its end."""
+    srv, base, _key = stack
+    start = stream_tokens(srv, "tinylm_slow_guard")
+    full = guard_text(srv, PROMPT, 256, "tinylm_slow_guard")
+    assert len(full) >= 200, f"the test needs a long answer to stop: {len(full)} tokens"
+    log_mark = srv.log_path.stat().st_size
+    deadline, before = time.monotonic() + 10, start
+    while before["tokens_out"] < start["tokens_out"] + len(full) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the guard's metrics are flushed about once a second
+        before = stream_tokens(srv, "tinylm_slow_guard")
+    host, port = base.split("//", 1)[1].split("/", 1)[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = {"model": "tinylm_slow_guard", "prompt": PROMPT, "max_tokens": 256, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = resp.readline()  # the first event of the answer; then the client leaves
+    assert first.startswith(b"data: "), first
+    conn.sock.shutdown(2)
+    conn.close()
+    deadline, said = time.monotonic() + 30, []
+    while not said and time.monotonic() < deadline:
+        time.sleep(0.2)
+        with open(srv.log_path, "rb") as f:
+            f.seek(log_mark)
+            tail = f.read().decode(errors="replace")
+        said = re.findall(r"stream guard tinylm_slow_guard: client asked to stop after (\d+) tokens", tail)
+    front = srv.log_path.parent / "front.log"
+    assert said, (f"the guard never logged the client's stop:\n{tail[-3000:]}\nthe front's log:\n"
+                  f"{front.read_text(errors='replace')[-3000:]}")
+    assert "client cancelled" not in tail, tail[-3000:]  # its stream was not cancelled
+    stopped_at = int(said[0])
+    assert stopped_at < len(full), "the answer ran to its end: nothing was stopped"
+    deadline, after = time.monotonic() + 10, stream_tokens(srv, "tinylm_slow_guard")
+    while after["cancelled"] == before["cancelled"] and time.monotonic() < deadline:  # metrics flush ~1/s
+        time.sleep(0.2)
+        after = stream_tokens(srv, "tinylm_slow_guard")
+    print(f"stopped after {stopped_at} of {len(full)} tokens; metrics {before} -> {after}")
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["tokens_out"] - before["tokens_out"] == stopped_at
+    said = front.read_text(errors="replace")
+    assert "is cancelled" not in said and "stop request" not in said, said[-3000:]
+
+
+def test_a_triton_client_stops_its_generation_with_a_stop_request(stack):
+    """docs/stream-guard.md, "Stopping a generation without a cancel", as written there: a
+    generation sent with an id over gRPC streaming, then a stop request naming it from another
+    client. The generation ends early with a plain final response (no error, nothing cancelled)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    srv = stack[0]
+    url = srv.grpc_url
+
+    def text(value: str):
+        t = grpcclient.InferInput("text_input", [1], "BYTES")
+        t.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+        return t
+
+    def flag(name: str, value: bool):
+        t = grpcclient.InferInput(name, [1], "BOOL")
+        t.set_data_from_numpy(np.array([value], dtype=bool))
+        return t
+
+    got: list = []
+    ended = threading.Event()
+
+    def on_response(result, error):
+        got.append((result, error))
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+            ended.set()
+
+    generation = grpcclient.InferenceServerClient(url)
+    generation.start_stream(callback=on_response)
+    sampling = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([json.dumps({"max_tokens": 256, "temperature": 0}).encode()], dtype=np.object_))
+    generation.async_stream_infer("tinylm_slow_guard", [text(PROMPT), flag("stream", True), sampling],
+                                  request_id="gen-42", parameters={"triton_enable_empty_final_response": True})
+    deadline = time.monotonic() + 30
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got, "no first response"
+    # the doc's snippet
+    asker = grpcclient.InferenceServerClient(url)
+    answers: list = []
+    asker.start_stream(callback=lambda result, error: answers.append((result, error)))
+    asker.async_stream_infer("tinylm_slow_guard", [text("")], request_id="tritonguard-stop:gen-42",
+                             parameters={"triton_enable_empty_final_response": True})
+    asker.stop_stream()  # returns once its one (final) response is in
+    assert ended.wait(30), "the generation did not end after its stop request"
+    generation.stop_stream()
+    assert len(answers) == 1 and answers[0][1] is None, answers
+    assert all(error is None for _r, error in got), [str(e) for _r, e in got if e is not None]
+    streamed = "".join(x.decode() for r, _e in got if r.as_numpy("text_output") is not None
+                       for x in r.as_numpy("text_output").reshape(-1))
+    tokens = len(streamed)  # tinylm: a token per character
+    print(f"stopped after {tokens} streamed tokens of 256")
+    assert 1 <= tokens < 200, tokens
 
 
 def test_curl_reads_the_sse_stream(stack):

@@ -7,7 +7,9 @@ Each completion is one generation of the guard (:mod:`tritonguard.llm.upstream`)
 with empty ``choices`` and the usage), then ``data: [DONE]``. The first piece is awaited before
 the response starts, so a refusal (bad field, authentication, quota, no version) is a plain JSON
 error with its status; an error after the first piece is an ``{"error": ...}`` event. A client
-that disconnects cancels the guard's stream.
+that disconnects stops the generation: the front sends the guard a stop request and reads the
+guard's stream to its end in the background, never cancelling it
+(:mod:`tritonguard.llm.upstream`).
 
 ``finish_reason``: ``stop`` (the model ended, or a ``stop`` sequence: the guard cuts the answer
 before it and stops the target, so the front reads the stream to its end and never cancels it),

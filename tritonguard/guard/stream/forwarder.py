@@ -27,6 +27,7 @@ from tritonguard.core.errors import TritonGuardError
 from tritonguard.generation.contract import StopScanner, cut_at_stop
 from tritonguard.guard.pipeline import Generation, StreamPipeline
 from tritonguard.guard.stream.rails import CONTENT_FILTER, Blocked, Rails
+from tritonguard.guard.stream.stops import ClientStops
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed, TargetStalled, text_of
 from tritonguard.triton.backend import response
 from tritonguard.triton.streams import ResponseSink, response_failure, send_safely
@@ -68,11 +69,13 @@ def replay_pieces(text: str) -> list[str]:
 class StreamForwarder:
     def __init__(self, gen: Generation, *, calls: TargetCalls, pipeline: StreamPipeline, name: str, target: str,
                  interval_s: float, cancel_poll_s: float, keep: bool,
-                 on_end: Callable[[Generation, str], None], rails: Rails | None = None) -> None:
+                 on_end: Callable[[Generation, str], None], rails: Rails | None = None,
+                 stops: ClientStops | None = None) -> None:
         """``keep``: the generated text is returned (a canary or shadow comparison wants it);
         ``on_end(gen, outcome)``: the guard's bookkeeping when the generation ends here;
-        ``rails``: the output rails (None: none)."""
+        ``rails``: the output rails (None: none); ``stops``: the client's stop requests."""
         self.gen, self.calls, self.pipeline, self.name, self.target = gen, calls, pipeline, name, target
+        self.stops = stops
         self.interval_s, self.cancel_poll_s, self.keep, self.on_end = interval_s, cancel_poll_s, keep, on_end
         self.rails = rails if rails is not None and rails.active else None
         self.blocked_after: tuple[int, int] | None = None  # (target tokens read at a block, tokens after it)
@@ -153,6 +156,8 @@ class StreamForwarder:
             return interval - (time.perf_counter() - gen.last_sent)
 
         it = self.calls.batches(responses, due if interval else None)
+        # the file a stop request of this client leaves (stops.py): looked for at each cancel poll
+        stop_file = self.stops.watch(request, gen.tenant) if self.stops is not None else None
         keep = self.keep  # the raw text, for a canary or shadow comparison
         raw: list[str] = []
         first: float | None = None
@@ -226,14 +231,20 @@ class StreamForwarder:
                 now = time.monotonic()
                 if now >= next_poll:
                     next_poll = now + self.cancel_poll_s
-                    if request.is_cancelled():
+                    asked = stop_file is not None and ClientStops.taken(stop_file)
+                    if asked or request.is_cancelled():
                         gen.tokens_out += tokens
-                        gen.error = TritonGuardError("the request was cancelled")
+                        gen.error = TritonGuardError("the client stopped the request" if asked
+                                                     else "the request was cancelled")
                         self.on_end(gen, "cancelled")
-                        log.info("stream guard %s: client cancelled after %d tokens", self.name, tokens)
-                        send_safely(sender.fail, "the request was cancelled", "CANCELLED")
+                        if asked:  # a plain end: the client reads its stream to the end, nothing cancelled
+                            log.info("stream guard %s: client asked to stop after %d tokens", self.name, tokens)
+                            send_safely(sender.finish, None)
+                        else:
+                            log.info("stream guard %s: client cancelled after %d tokens", self.name, tokens)
+                            send_safely(sender.fail, "the request was cancelled", "CANCELLED")
                         draining = True
-                        self.calls.stop(responses, it, "client cancelled")
+                        self.calls.stop(responses, it, "client stopped" if asked else "client cancelled")
                         return None
                 if gen.stream and tokens >= max_tokens:
                     # a target that ignores max_tokens: stop here

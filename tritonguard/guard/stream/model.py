@@ -21,6 +21,10 @@ redacts PII in the answer *across token boundaries*:
   URL in the target's ``endpoints.json``) and its answer forwarded
   (:class:`~tritonguard.guard.stream.forwarder.StreamForwarder`); while nothing reached the client
   a failing version falls back down the chain.
+- A client's stop request (its id ``tritonguard-stop:<id of the generation>``, the same
+  credential; :mod:`~tritonguard.guard.stream.stops`) ends that generation at the next cancel
+  poll with a plain final response and stops the target as below: how a client that went away
+  ends an answer without cancelling its stream (the OpenAI front does).
 - A client cancel (``request.is_cancelled()``, polled every ``cancel_poll_ms``) stops the
   forwarding and cancels the BLS stream where python_backend offers ``ResponseIterator.cancel()``
   (r25.04 and later, python_backend PR #398); on python_backend 24.10 (Triton 2.51) the worker
@@ -65,8 +69,10 @@ from tritonguard.guard.stream.forwarder import ReasonSink, StreamForwarder
 from tritonguard.guard.stream.openai_target import VersionTargets, openai_client
 from tritonguard.guard.stream.rails import Blocked, Rails, bls_classifier
 from tritonguard.guard.stream.services import StreamServices
+from tritonguard.guard.stream.stops import ClientStops, is_stop
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed
 from tritonguard.privacy.cache.semantic import SemanticCacheConfig
+from tritonguard.privacy.tenancy.auth import TenantResolver
 from tritonguard.rollout.latency import recorder_for
 from tritonguard.rollout.replicas import served_versions, start_heartbeat
 from tritonguard.rollout.stores import open_store
@@ -159,6 +165,9 @@ class StreamGuardModel:
         if self.source.remote:
             source.follow_rollout(self.source, self.router.view, self.target, self._present, guard=self.name)
         self.pipeline = self.services.pipeline(self.router, self.inputs)
+        # a client's stop of its own generation, by a stop request instead of a cancel
+        self.stops = ClientStops(self.name, TenantResolver(s.tenancy) if s.tenancy.enabled else None,
+                                 s.tenancy.default)
         # this replica in the shared store's registry (Redis only): the exporter finds it there
         self.heartbeat = start_heartbeat(self.name, lambda: served_versions(self.router.state))
         log.info("stream guard %s: stages %s", self.name, " -> ".join(self.pipeline.names()))
@@ -189,6 +198,9 @@ class StreamGuardModel:
     def execute(self, requests: list[Any]) -> None:
         self._served = True
         for request in requests:
+            if is_stop(triton.request_id(request)):  # a client stops one of its generations
+                self._stop_request(request)
+                continue
             try:
                 sender = ReasonSink(request, OUTPUT) if self.reasons else ResponseSink(request, OUTPUT)
             except Exception:  # noqa: BLE001
@@ -210,6 +222,22 @@ class StreamGuardModel:
                 self._release_worker()
                 send_safely(sender.fail, f"model '{self.name}' is unloading", "UNAVAILABLE")
         return None
+
+    def _stop_request(self, request: Any) -> None:
+        """A stop request (:mod:`~tritonguard.guard.stream.stops`): the stop file left for the
+        instance that holds the generation, and a plain final response at once (an error naming
+        why when it cannot be taken)."""
+        try:
+            sink = ResponseSink(request, OUTPUT)
+        except Exception:  # noqa: BLE001
+            log.exception("stream guard %s: no response sender", self.name)
+            return
+        try:
+            self.stops.ask(triton.request_id(request), triton.request_parameters(request))
+        except TritonGuardError as exc:
+            send_safely(sink.fail, str(exc), exc.code)
+            return
+        send_safely(sink.finish, None)
 
     def _release_worker(self) -> None:
         with self._lock:
@@ -241,7 +269,8 @@ class StreamGuardModel:
     def _forwarder(self, gen: Generation) -> StreamForwarder:
         return StreamForwarder(gen, calls=self.calls, pipeline=self.pipeline, name=self.name, target=self.target,
                                interval_s=self.interval_s, cancel_poll_s=self.cancel_poll_s,
-                               keep=self.router.experimenting, on_end=self._end, rails=self.rails)
+                               keep=self.router.experimenting, on_end=self._end, rails=self.rails,
+                               stops=self.stops)
 
     # -- worker threads: one generation each -----------------------------------------------
     def _run(self, gen: Generation) -> None:
