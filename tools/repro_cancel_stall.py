@@ -4,9 +4,10 @@ A decoupled model that finishes a stream (its last responses and the final flag)
 has cancelled it can stay counted live: the next server stop waits ``--exit-timeout-secs`` (30 s)
 with ``Found 1 live models``. This script starts a real tritonserver on loopback, opens
 ``--streams`` gRPC streams one after another, closes each after its first 1..``--cut-after``
-responses (``call.cancel()``, as the OpenAI front closes one), then stops the server and times the
-stop; ``--tries`` times. ``--load N`` runs N busy loops beside it (2: the machine's two cores
-taken, as the test lanes take them; stopped by PID at the end).
+responses (``call.cancel()``, as the OpenAI front closed one until 2026-11-30; ``--close stop``:
+a stop request, as it does now), then stops the server and times the stop; ``--tries`` times.
+``--load N`` runs N busy loops beside it (2: the machine's two cores taken, as the test lanes take
+them; stopped by PID at the end).
 
 Targets: ``minimal``, a 15-line decoupled python model that is not ours (``--max-tokens``
 responses, no cancel check); ``tinylm``, this project's ``generator`` backend; ``tinylm_guard``,
@@ -89,29 +90,68 @@ async def minimal_streams(url: str, n: int, responses: int, cut_after: int) -> N
                 await done.wait()
 
             call = client.stream_infer(requests())
+            final = False
             for _ in range(random.randint(1, cut_after)):
-                await call.__anext__()
+                result, error = await call.__anext__()
+                params = result.get_response().parameters if error is None else {}
+                if error is not None or ("triton_final_response" in params
+                                         and params["triton_final_response"].bool_param):
+                    final = True  # the answer ended first: nothing to cancel
+                    break
             done.set()
-            call.cancel()
+            if not final:
+                call.cancel()
     finally:
         await client.close()
 
 
-async def guard_streams(url: str, model: str, n: int, max_tokens: int, cut_after: int) -> None:
-    from tritonguard.llm.upstream import Upstream  # noqa: PLC0415
+async def guard_streams(url: str, model: str, n: int, max_tokens: int, cut_after: int, close: str) -> None:
+    """``n`` answers of ``model``, each left after its first 1..``cut_after`` pieces: ``cancel``
+    cancels the gRPC stream (what the OpenAI front did until 2026-11-30); ``stop`` is the front's
+    own client now (:class:`~tritonguard.llm.upstream.Upstream`: a stop request, the stream read
+    to its end)."""
+    from tritonguard.llm.upstream import Upstream, _inputs  # noqa: PLC0415
 
-    up = Upstream(url)
+    if close == "stop":
+        up = Upstream(url)
+        try:
+            for _ in range(n):
+                gen = up.generate(model, "Return the", True, {"max_tokens": max_tokens}, {})
+                k, got = random.randint(1, cut_after), 0
+                async for _piece in gen:
+                    got += 1
+                    if got >= k:
+                        break
+                await gen.aclose()  # an answer not over yet: the guard is asked to stop it
+        finally:
+            await up.close()
+        return
+    import tritonclient.grpc.aio as grpcclient  # noqa: PLC0415
+
+    client = grpcclient.InferenceServerClient(url)
     try:
         for _ in range(n):
-            gen = up.generate(model, "Return the", True, {"max_tokens": max_tokens}, {})
-            k, got = random.randint(1, cut_after), 0
-            async for _piece in gen:
-                got += 1
-                if got >= k:
+            done = asyncio.Event()
+
+            async def requests(done=done):
+                yield {"model_name": model, "inputs": _inputs("Return the", True, {"max_tokens": max_tokens}),
+                       "parameters": {"triton_enable_empty_final_response": True}}
+                await done.wait()
+
+            call = client.stream_infer(requests())
+            final = False
+            for _ in range(random.randint(1, cut_after)):
+                result, error = await call.__anext__()
+                params = result.get_response().parameters if error is None else {}
+                if error is not None or ("triton_final_response" in params
+                                         and params["triton_final_response"].bool_param):
+                    final = True  # the answer ended first: nothing to cancel
                     break
-            await gen.aclose()  # an answer not over yet: the stream is cancelled
+            done.set()
+            if not final:
+                call.cancel()
     finally:
-        await up.close()
+        await client.close()
 
 
 def say(line: str) -> None:
@@ -123,7 +163,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", choices=("minimal", "tinylm", "tinylm_guard"), default="minimal")
     ap.add_argument("--max-tokens", type=int, default=5, help="responses (minimal) or tokens per answer")
-    ap.add_argument("--cut-after", type=int, default=1, help="cancel after 1..N responses")
+    ap.add_argument("--cut-after", type=int, default=1, help="leave after 1..N responses")
+    ap.add_argument("--close", choices=("cancel", "stop"), default="cancel",
+                    help="how a guard's or tinylm's stream is left: cancelled, or a stop request (the OpenAI front's way)")
     ap.add_argument("--streams", type=int, default=80)
     ap.add_argument("--tries", type=int, default=3)
     ap.add_argument("--load", type=int, default=0, metavar="N", help="N busy loops beside the server")
@@ -144,15 +186,19 @@ def main() -> int:
                     asyncio.run(minimal_streams(srv.grpc_url, args.streams, args.max_tokens, args.cut_after))
                 else:
                     asyncio.run(guard_streams(srv.grpc_url, args.target, args.streams, args.max_tokens,
-                                              args.cut_after))
+                                              args.cut_after, args.close))
                 time.sleep(1)
             finally:
                 t0 = time.monotonic()
                 srv.stop()
                 took = time.monotonic() - t0
             slow += took > 20
-            say(f"try {t + 1}: {args.target}, {args.streams} streams cancelled after 1..{args.cut_after} "
-                f"responses: the server stopped in {took:.1f} s (log {srv.log_path})")
+            log = srv.log_path.read_text(errors="replace")
+            seen = (f"; the guard saw {log.count('client cancelled after')} cancels, "
+                    f"{log.count('client asked to stop after')} stops" if args.target == "tinylm_guard" else "")
+            how = "cancelled" if args.target == "minimal" or args.close == "cancel" else "stopped"
+            say(f"try {t + 1}: {args.target}, {args.streams} streams {how} after 1..{args.cut_after} "
+                f"responses: the server stopped in {took:.1f} s{seen} (log {srv.log_path})")
     finally:
         for p in busy:
             p.kill()
