@@ -201,6 +201,22 @@ def test_shared_in_flight_cap_counts_every_process_and_forgets_dead_ones(tmp_pat
     assert q.in_flight("pool") == 0
 
 
+def test_shared_quota_without_a_cap_counts_nothing_in_flight(tmp_path):
+    """A rate-only quota takes a token and nothing else: no pid kept in its slot, and its release
+    neither writes the file nor takes its lock (half the file work of a request, issue 44)."""
+    path = tmp_path / "quota_buckets.bin"
+    q = SharedQuotaManager(config(quotas=QUOTAS), path)
+    assert q.admit(["acme"] * 2, now=0.0) == [None, None]
+    assert q.in_flight("acme") == 0
+    before = path.read_bytes()
+    q._locked = None  # release must not take the file's lock for it
+    q.release(["acme"] * 2)
+    assert path.read_bytes() == before
+    del q._locked
+    assert _child(path, ["acme"] * 2, now=0.0) == [None, "tenant 'acme' is over its rate limit of 10 requests/s; "
+                                                         "retry after 100 ms"]  # still one bucket for every process
+
+
 def test_shared_slots_of_idle_tenants_are_reused(tmp_path):
     q = SharedQuotaManager(config(quotas={"*": {"rps": 1, "burst": 1}}), tmp_path / "q.bin", slots=8)
     for i in range(8):

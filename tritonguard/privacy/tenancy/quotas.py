@@ -128,6 +128,8 @@ _PROBE = 64  # slots probed per tenant; a tenant that finds none is limited by t
 _EMPTY = bytes(16)
 # tenant key, tokens, stamp, time the bucket is full again, then (pid, in-flight) pairs
 _SLOT = struct.Struct("<16sddd" + "ii" * _PIDS)
+_BUCKET = struct.Struct("<ddd")  # a slot's tokens, stamp and full-again time
+_BUCKET_AT = 16
 
 
 class SharedQuotaManager(QuotaManager):
@@ -135,8 +137,9 @@ class SharedQuotaManager(QuotaManager):
     of the guard on this host opens (each Triton instance is its own process), under an ``flock``.
 
     A slot per tenant: tokens, the last refill stamp (``time.monotonic`` is system-wide on Linux),
-    and each process's in-flight count, so a process that dies with requests in flight is
-    forgotten (its pid is checked when the cap would refuse). A slot whose bucket is full again
+    and, for a quota with an in-flight cap, each process's in-flight count, so a process that dies
+    with requests in flight is forgotten (its pid is checked when the cap would refuse). A quota
+    without a cap takes only a token: its release touches neither the file nor its lock. A slot whose bucket is full again
     with nothing in flight is as good as a new one and is reused. A tenant that finds no slot
     within a short probe (thousands of active tenants) falls back to this process's buckets.
     """
@@ -235,6 +238,9 @@ class SharedQuotaManager(QuotaManager):
                 if off is None:
                     local += positions
                     continue
+                if not quota.max_in_flight:  # a bucket only: the slot's pids are not read or kept
+                    self._take(quota, tenant, positions, out, off, now)
+                    continue
                 rec = list(_SLOT.unpack_from(self._mm, off))
                 tokens, pairs = rec[1], rec[4:]
                 limited = not math.isinf(quota.rps)
@@ -276,16 +282,45 @@ class SharedQuotaManager(QuotaManager):
                 out[pos] = why
         return out
 
+    def _take(self, quota: Quota, tenant: str, positions: list[int], out: list[str | None], off: int,
+              now: float) -> None:
+        """A token per request from the bucket at slot ``off`` (under the lock), for a quota with
+        no in-flight cap: nothing is counted in flight, so nothing is released later."""
+        tokens, stamp, _full_at = _BUCKET.unpack_from(self._mm, off + _BUCKET_AT)
+        limited = not math.isinf(quota.rps)
+        if math.isnan(tokens):  # a new slot: a full bucket
+            tokens = quota.capacity
+        elif limited:
+            tokens = min(quota.capacity, tokens + max(0.0, now - stamp) * quota.rps)
+        for pos in positions:
+            if not limited or tokens >= 1:
+                tokens -= limited
+            else:
+                retry = max(1, math.ceil((1 - tokens) / quota.rps * 1000))
+                out[pos] = (f"tenant '{tenant}' is over its rate limit of {quota.rps:g} requests/s; "
+                            f"retry after {retry} ms")
+        full_at = now + (quota.capacity - tokens) / quota.rps if limited else now
+        _BUCKET.pack_into(self._mm, off + _BUCKET_AT, tokens, now, full_at)
+
     def release(self, tenants: Sequence[str]) -> None:
-        counts: dict[str, int] = {}
+        # a quota without an in-flight cap counts nothing in flight in the file (_take): no lock
+        # to take; only a tenant this process's own buckets admitted (no slot) counts it there
+        capped, uncapped = [], []
         for tenant in tenants:
+            quota = self.quota(tenant)
+            if quota is not None:
+                (capped if quota.max_in_flight else uncapped).append(tenant)
+        if uncapped:
+            super().release(uncapped)
+        if not capped:
+            return
+        counts: dict[str, int] = {}
+        for tenant in capped:
             counts[tenant] = counts.get(tenant, 0) + 1
         rest: list[str] = []
         now = self.clock()
         with self._locked():
             for tenant, n in counts.items():
-                if self.quota(tenant) is None:
-                    continue
                 off = self._slot(self._key(tenant), now, create=False)
                 rec = None if off is None else list(_SLOT.unpack_from(self._mm, off))
                 j = None if rec is None else next((j for j in range(4, 4 + 2 * _PIDS, 2)
