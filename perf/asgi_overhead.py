@@ -14,7 +14,11 @@ first measurement), where the client's 8 threads share the server's GIL. With a 
 server's CPU time per request is read too (``/proc``, Linux): bare / guarded CPU per request
 is the throughput ratio a CPU-bound server reaches (it moves with the machine's load too).
 
+``--handler sklearn`` gives ``/predict`` a scikit-learn pipeline to run (what a scoring
+service's handler does) instead of a sum: the middleware's cost against a handler that does work.
+
     .venv/bin/python -m perf.asgi_overhead [--concurrency 8] [--seconds 5] [--rounds 2] [--topology process]
+                                           [--handler echo|sklearn]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -43,13 +48,36 @@ BODY = json.dumps({"text": "please score this for jane.doe@example.com", "featur
 FEATURES = ("quota", "redaction", "audit")
 
 
-def make_app(guarded: bool, workdir: Path, without: tuple[str, ...] = ()) -> FastAPI:
+HANDLERS = ("echo", "sklearn")
+
+
+def scorer() -> Any:
+    """What a scoring service's handler runs per request for ``--handler sklearn``: a
+    scikit-learn pipeline (scaler, logistic regression) fitted here on 3 features, seed 0."""
+    import numpy as np  # noqa: PLC0415
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
+    from sklearn.pipeline import make_pipeline  # noqa: PLC0415
+    from sklearn.preprocessing import StandardScaler  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(500, 3))
+    y = (x @ np.array([1.0, -2.0, 0.5]) + rng.normal(scale=0.5, size=500) > 0).astype(int)
+    return make_pipeline(StandardScaler(), LogisticRegression()).fit(x, y)
+
+
+def make_app(guarded: bool, workdir: Path, without: tuple[str, ...] = (), handler: str = "echo") -> FastAPI:
+    """The service: ``/predict`` sums the features (``echo``: the handler costs next to nothing,
+    so the middleware's share is the largest it can be) or scores them with a scikit-learn
+    pipeline (``sklearn``: what a scoring service's handler does)."""
     app = FastAPI()
+    model = scorer() if handler == "sklearn" else None
 
     @app.post("/predict")
     async def predict(request: Request):
         got = await request.json()
-        return {"score": sum(got["features"]), "echo": got["text"]}
+        if model is None:
+            return {"score": sum(got["features"]), "echo": got["text"]}
+        return {"score": float(model.predict_proba([got["features"]])[0, 1]), "echo": got["text"]}
 
     if guarded:
         config: dict[str, object] = {"target": "bench"}
@@ -62,19 +90,20 @@ def make_app(guarded: bool, workdir: Path, without: tuple[str, ...] = ()) -> Fas
     return app
 
 
-def _run_server(guarded: bool, workdir: str, port: int, without: tuple[str, ...]) -> None:
+def _run_server(guarded: bool, workdir: str, port: int, without: tuple[str, ...], handler: str) -> None:
     """The child process of ``--topology process``: one uvicorn, until it is terminated."""
-    uvicorn.run(make_app(guarded, Path(workdir), without), host="127.0.0.1", port=port, lifespan="on",
+    uvicorn.run(make_app(guarded, Path(workdir), without, handler), host="127.0.0.1", port=port, lifespan="on",
                 log_level="warning", access_log=False)
 
 
 class ServedProcess:
     """The app under uvicorn in a process of its own (spawned: nothing of the client's state)."""
 
-    def __init__(self, guarded: bool, workdir: Path, without: tuple[str, ...] = ()):
+    def __init__(self, guarded: bool, workdir: Path, without: tuple[str, ...] = (), handler: str = "echo"):
         self.port = free_port()
         ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(target=_run_server, args=(guarded, str(workdir), self.port, without), daemon=True)
+        self.proc = ctx.Process(target=_run_server, args=(guarded, str(workdir), self.port, without, handler),
+                                daemon=True)
 
     def __enter__(self) -> ServedProcess:
         self.proc.start()
@@ -163,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="uvicorn in a process of its own (default) or in a thread of the client's process")
     ap.add_argument("--without", default="", metavar="FEATURES",
                     help=f"guarded app without these (comma-separated: {', '.join(FEATURES)}), to see each one's share")
+    ap.add_argument("--handler", choices=HANDLERS, default="echo",
+                    help="what /predict does: sum the features (echo) or score them with a scikit-learn pipeline")
     args = ap.parse_args(argv)
     without = tuple(f for f in args.without.split(",") if f)
     unknown = [f for f in without if f not in FEATURES]
@@ -174,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for name in ("bare", "guarded"):
                 guarded = name == "guarded"
-                served = (ServedProcess(guarded, Path(tmp), without) if args.topology == "process"
-                          else Served(make_app(guarded, Path(tmp), without)))
+                served = (ServedProcess(guarded, Path(tmp), without, args.handler) if args.topology == "process"
+                          else Served(make_app(guarded, Path(tmp), without, args.handler)))
                 with served as s:
                     load(s.port, args.concurrency, 1.0)  # warm-up
                     before = s.cpu_s() if isinstance(s, ServedProcess) else None
@@ -192,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
     bare, guarded = max(results["bare"]), max(results["guarded"])
     sys.stdout.write(f"guarded / bare: {guarded / bare:.2f}  (best of {args.rounds} rounds each, "
-                     f"server in a {args.topology})\n")
+                     f"server in a {args.topology}, handler {args.handler})\n")
     if cpu["bare"] and cpu["guarded"]:
         b, g = min(cpu["bare"]), min(cpu["guarded"])
         sys.stdout.write(f"server CPU per request: bare {b * 1e6:.0f} us, guarded {g * 1e6:.0f} us, "

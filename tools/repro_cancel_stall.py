@@ -73,6 +73,28 @@ def build(repo: Path, target: str) -> tuple[str, ...]:
     return ("tinylm", "tinylm_guard")
 
 
+async def cut(client, request: dict, cut_after: int) -> None:
+    """One stream of ``request``, cancelled after its first 1..``cut_after`` responses (unless its
+    final response came first: then there is nothing to cancel)."""
+    done = asyncio.Event()
+
+    async def requests():
+        yield request
+        await done.wait()
+
+    call = client.stream_infer(requests())
+    final = False
+    for _ in range(random.randint(1, cut_after)):
+        result, error = await call.__anext__()
+        params = result.get_response().parameters if error is None else {}
+        if error is not None or ("triton_final_response" in params and params["triton_final_response"].bool_param):
+            final = True
+            break
+    done.set()
+    if not final:
+        call.cancel()
+
+
 async def minimal_streams(url: str, n: int, responses: int, cut_after: int) -> None:
     import numpy as np  # noqa: PLC0415
     import tritonclient.grpc.aio as grpcclient  # noqa: PLC0415
@@ -82,25 +104,8 @@ async def minimal_streams(url: str, n: int, responses: int, cut_after: int) -> N
         for _ in range(n):
             inp = grpcclient.InferInput("IN", [1], "INT32")
             inp.set_data_from_numpy(np.array([responses], dtype=np.int32))
-            done = asyncio.Event()
-
-            async def requests(inp=inp, done=done):
-                yield {"model_name": "minimal", "inputs": [inp],
-                       "parameters": {"triton_enable_empty_final_response": True}}
-                await done.wait()
-
-            call = client.stream_infer(requests())
-            final = False
-            for _ in range(random.randint(1, cut_after)):
-                result, error = await call.__anext__()
-                params = result.get_response().parameters if error is None else {}
-                if error is not None or ("triton_final_response" in params
-                                         and params["triton_final_response"].bool_param):
-                    final = True  # the answer ended first: nothing to cancel
-                    break
-            done.set()
-            if not final:
-                call.cancel()
+            await cut(client, {"model_name": "minimal", "inputs": [inp],
+                               "parameters": {"triton_enable_empty_final_response": True}}, cut_after)
     finally:
         await client.close()
 
@@ -131,25 +136,8 @@ async def guard_streams(url: str, model: str, n: int, max_tokens: int, cut_after
     client = grpcclient.InferenceServerClient(url)
     try:
         for _ in range(n):
-            done = asyncio.Event()
-
-            async def requests(done=done):
-                yield {"model_name": model, "inputs": _inputs("Return the", True, {"max_tokens": max_tokens}),
-                       "parameters": {"triton_enable_empty_final_response": True}}
-                await done.wait()
-
-            call = client.stream_infer(requests())
-            final = False
-            for _ in range(random.randint(1, cut_after)):
-                result, error = await call.__anext__()
-                params = result.get_response().parameters if error is None else {}
-                if error is not None or ("triton_final_response" in params
-                                         and params["triton_final_response"].bool_param):
-                    final = True  # the answer ended first: nothing to cancel
-                    break
-            done.set()
-            if not final:
-                call.cancel()
+            await cut(client, {"model_name": model, "inputs": _inputs("Return the", True, {"max_tokens": max_tokens}),
+                               "parameters": {"triton_enable_empty_final_response": True}}, cut_after)
     finally:
         await client.close()
 
