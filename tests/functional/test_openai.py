@@ -47,9 +47,7 @@ def stack(tmp_path_factory):
     # the same answers, each decode step ~100x slower (about 1.5 s for 256 tokens in place of
     # 40 ms): an answer long enough to stop while it is being written
     slowed(repo, 1, 1, SLOWEST, name="tinylm", into="tinylm_slow")
-    slow_cfg = json.loads(json.dumps(read_config(repo / "tinylm")))
-    slow_cfg["name"] = "tinylm_slow"
-    write_config(repo / "tinylm_slow", slow_cfg)
+    write_config(repo / "tinylm_slow", {**read_config(repo / "tinylm"), "name": "tinylm_slow"})
     write_config(repo / "tinylm_slow_guard", example.stream_guard_config("tinylm_slow_guard", "tinylm_slow", **common))
     (repo / "tinylm_slow_guard" / "1").mkdir()
     for name, params in (("tinylm_guard", {}),

@@ -311,8 +311,7 @@ def _stream_error(exc: BaseException) -> OpenAIError:
     name = getattr(code(), "name", "") if callable(code) else ""
     log.warning("openai front: the guard's stream failed: %s: %s", type(exc).__name__, exc)
     if name == "UNAVAILABLE":
-        return OpenAIError(503, "the inference server cannot be reached", "server_error", None,
-                           "service_unavailable", 1.0)
+        return _unreachable()
     return OpenAIError(502, f"the guard's stream failed ({name or type(exc).__name__})", "server_error")
 
 
@@ -338,6 +337,9 @@ def _grpc_error(exc: Any) -> OpenAIError:
     status = str(exc.status() or "")
     message = exc.message() or str(exc)
     if "UNAVAILABLE" in status and "model" not in message.lower():
-        return OpenAIError(503, "the inference server cannot be reached", "server_error", None,
-                           "service_unavailable", 1.0)
+        return _unreachable()
     return from_guard(message)
+
+
+def _unreachable() -> OpenAIError:
+    return OpenAIError(503, "the inference server cannot be reached", "server_error", None, "service_unavailable", 1.0)

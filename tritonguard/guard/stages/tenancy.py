@@ -79,14 +79,20 @@ class TenancyStage(Stage):
 
 
     # -- a generation (the stream half) --------------------------------------------------------
+    def tenant_of(self, params: Any) -> str:
+        """The tenant a request's parameters name (its credential checked); raises the refusal.
+        Also how a stop request is matched to its generation (guard/stream/stops.py)."""
+        if not self.on:
+            return self.default
+        tenants, errors = self.resolver.resolve_tenants([params or {}])
+        if errors[0] is not None:
+            raise errors[0]
+        return tenants[0] or self.default
+
     def admit(self, gen: Any) -> None:
         tenant = self.default
         if self.on:
-            params = gen.parameters if gen.request is None else triton.request_parameters(gen.request)
-            tenants, errors = self.resolver.resolve_tenants([params or {}])
-            if errors[0] is not None:
-                raise errors[0]
-            tenant = tenants[0] or self.default
+            tenant = self.tenant_of(gen.parameters if gen.request is None else triton.request_parameters(gen.request))
         gen.tenant = tenant
         if self.quotas is not None:
             why = self.quotas.admit([tenant])[0]

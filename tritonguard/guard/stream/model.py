@@ -63,6 +63,7 @@ from tritonguard.generation.local import LocalGenerator
 from tritonguard.guard import source
 from tritonguard.guard.pipeline import Generation
 from tritonguard.guard.routing.stream import NON_FINITE, StreamRouter, embedding_similarity
+from tritonguard.guard.stages.tenancy import TenancyStage
 from tritonguard.guard.stages.validate import target_sampling
 from tritonguard.guard.stream.config import SimilarityConfig, parse_settings
 from tritonguard.guard.stream.forwarder import ReasonSink, StreamForwarder
@@ -72,7 +73,6 @@ from tritonguard.guard.stream.services import StreamServices
 from tritonguard.guard.stream.stops import ClientStops, is_stop
 from tritonguard.guard.stream.target import TargetCalls, TargetFailed
 from tritonguard.privacy.cache.semantic import SemanticCacheConfig
-from tritonguard.privacy.tenancy.auth import TenantResolver
 from tritonguard.rollout.latency import recorder_for
 from tritonguard.rollout.replicas import served_versions, start_heartbeat
 from tritonguard.rollout.stores import open_store
@@ -166,8 +166,9 @@ class StreamGuardModel:
             source.follow_rollout(self.source, self.router.view, self.target, self._present, guard=self.name)
         self.pipeline = self.services.pipeline(self.router, self.inputs)
         # a client's stop of its own generation, by a stop request instead of a cancel
-        self.stops = ClientStops(self.name, TenantResolver(s.tenancy) if s.tenancy.enabled else None,
-                                 s.tenancy.default)
+        # matched to its generation by the tenant the pipeline's own tenancy stage resolves
+        tenancy = next(st for st in self.pipeline.stages if isinstance(st, TenancyStage))
+        self.stops = ClientStops(self.name, tenancy.tenant_of)
         # this replica in the shared store's registry (Redis only): the exporter finds it there
         self.heartbeat = start_heartbeat(self.name, lambda: served_versions(self.router.state))
         log.info("stream guard %s: stages %s", self.name, " -> ".join(self.pipeline.names()))

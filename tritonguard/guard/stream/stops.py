@@ -24,13 +24,13 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tritonguard.core.errors import InvalidInput, TritonGuardError
 from tritonguard.generation.contract import STOP_PREFIX, stop_dir, write_stop
 from tritonguard.generation.engine import STOP_TTL_S
-from tritonguard.privacy.tenancy.auth import TenantResolver
 from tritonguard.triton import backend as triton
 
 log = logging.getLogger(__name__)
@@ -49,27 +49,19 @@ def is_stop(request_id: str) -> bool:
 
 
 class ClientStops:
-    """Stop requests of one guard (``guard``: its name; ``resolver``: its tenancy's, None when
-    tenancy is off and every request is ``default``'s; ``directory``: the shared stop files)."""
+    """Stop requests of one guard (``guard``: its name; ``tenant_of(params)``: the tenant a
+    request names, as its tenancy stage admits it (:meth:`TenancyStage.tenant_of
+    <tritonguard.guard.stages.tenancy.TenancyStage.tenant_of>`), raising its refusal;
+    ``directory``: the shared stop files)."""
 
-    def __init__(self, guard: str, resolver: TenantResolver | None, default: str,
-                 directory: Path | None = None) -> None:
-        self.guard, self.resolver, self.default = guard, resolver, default
+    def __init__(self, guard: str, tenant_of: Callable[[dict[str, Any]], str], directory: Path | None = None) -> None:
+        self.guard, self.tenant = guard, tenant_of
         self.directory = stop_dir() if directory is None else directory
         self._pruned = 0.0
 
     def file_name(self, tenant: str, request_id: str) -> str:
         digest = hashlib.sha256(f"{self.guard}\0{tenant}\0{request_id}".encode()).hexdigest()[:40]
         return FILE_PREFIX + digest
-
-    def tenant(self, params: dict[str, Any]) -> str:
-        """The tenant the request's credential names (raises the tenancy's refusal)."""
-        if self.resolver is None:
-            return self.default
-        tenants, errors = self.resolver.resolve_tenants([params or {}])
-        if errors[0] is not None:
-            raise errors[0]
-        return tenants[0] or self.default
 
     def ask(self, request_id: str, params: dict[str, Any]) -> None:
         """A stop request (its own id ``STOP_PREFIX + <id>``): the stop file of generation

@@ -29,6 +29,21 @@ from typing import Any
 from tritonguard.privacy.tenancy.config import FALLBACK, MAX_TRACKED, Quota, TenancyConfig
 
 
+def _over_rate(tenant: str, quota: Quota, tokens: float) -> str:
+    """Why a request over ``quota``'s rate is refused, with when a token will be there."""
+    retry = max(1, math.ceil((1 - tokens) / quota.rps * 1000))
+    return f"tenant '{tenant}' is over its rate limit of {quota.rps:g} requests/s; retry after {retry} ms"
+
+
+def _slot_tokens(quota: Quota, tokens: float, stamp: float, now: float) -> float:
+    """A shared slot's tokens at ``now``: a new slot (NaN) is a full bucket."""
+    if math.isnan(tokens):
+        return quota.capacity
+    if math.isinf(quota.rps):
+        return tokens
+    return min(quota.capacity, tokens + max(0.0, now - stamp) * quota.rps)
+
+
 class _Bucket:
     __slots__ = ("quota", "tokens", "stamp", "in_flight")
 
@@ -100,9 +115,7 @@ class QuotaManager:
                     b.in_flight += 1
                     out.append(None)
                 else:
-                    retry = max(1, math.ceil((1 - b.tokens) / quota.rps * 1000))
-                    out.append(f"tenant '{tenant}' is over its rate limit of {quota.rps:g} requests/s; "
-                               f"retry after {retry} ms")
+                    out.append(_over_rate(tenant, quota, b.tokens))
         self.rejected += sum(1 for x in out if x is not None)
         return out
 
@@ -139,8 +152,8 @@ class SharedQuotaManager(QuotaManager):
     A slot per tenant: tokens, the last refill stamp (``time.monotonic`` is system-wide on Linux),
     and, for a quota with an in-flight cap, each process's in-flight count, so a process that dies
     with requests in flight is forgotten (its pid is checked when the cap would refuse). A quota
-    without a cap takes only a token: its release touches neither the file nor its lock. A slot whose bucket is full again
-    with nothing in flight is as good as a new one and is reused. A tenant that finds no slot
+    without a cap takes only a token: its release touches neither the file nor its lock. A slot
+    whose bucket is full again with nothing in flight is as good as a new one and is reused. A tenant that finds no slot
     within a short probe (thousands of active tenants) falls back to this process's buckets.
     """
 
@@ -242,12 +255,8 @@ class SharedQuotaManager(QuotaManager):
                     self._take(quota, tenant, positions, out, off, now)
                     continue
                 rec = list(_SLOT.unpack_from(self._mm, off))
-                tokens, pairs = rec[1], rec[4:]
+                tokens, pairs = _slot_tokens(quota, rec[1], rec[2], now), rec[4:]
                 limited = not math.isinf(quota.rps)
-                if math.isnan(tokens):  # a new slot: a full bucket
-                    tokens = quota.capacity
-                elif limited:
-                    tokens = min(quota.capacity, tokens + max(0.0, now - rec[2]) * quota.rps)
                 mine = next((j for j in range(0, 2 * _PIDS, 2) if pairs[j] == self.pid), None)
                 in_flight, swept = sum(pairs[1::2]), False
                 for pos in positions:
@@ -271,9 +280,7 @@ class SharedQuotaManager(QuotaManager):
                         pairs[mine], pairs[mine + 1] = self.pid, pairs[mine + 1] + 1
                         in_flight += 1
                     else:
-                        retry = max(1, math.ceil((1 - tokens) / quota.rps * 1000))
-                        out[pos] = (f"tenant '{tenant}' is over its rate limit of {quota.rps:g} requests/s; "
-                                    f"retry after {retry} ms")
+                        out[pos] = _over_rate(tenant, quota, tokens)
                 full_at = now + (quota.capacity - tokens) / quota.rps if limited else now
                 _SLOT.pack_into(self._mm, off, key, tokens, now, full_at, *pairs)
         self.rejected += sum(1 for x in out if x is not None)
@@ -287,18 +294,13 @@ class SharedQuotaManager(QuotaManager):
         """A token per request from the bucket at slot ``off`` (under the lock), for a quota with
         no in-flight cap: nothing is counted in flight, so nothing is released later."""
         tokens, stamp, _full_at = _BUCKET.unpack_from(self._mm, off + _BUCKET_AT)
+        tokens = _slot_tokens(quota, tokens, stamp, now)
         limited = not math.isinf(quota.rps)
-        if math.isnan(tokens):  # a new slot: a full bucket
-            tokens = quota.capacity
-        elif limited:
-            tokens = min(quota.capacity, tokens + max(0.0, now - stamp) * quota.rps)
         for pos in positions:
             if not limited or tokens >= 1:
                 tokens -= limited
             else:
-                retry = max(1, math.ceil((1 - tokens) / quota.rps * 1000))
-                out[pos] = (f"tenant '{tenant}' is over its rate limit of {quota.rps:g} requests/s; "
-                            f"retry after {retry} ms")
+                out[pos] = _over_rate(tenant, quota, tokens)
         full_at = now + (quota.capacity - tokens) / quota.rps if limited else now
         _BUCKET.pack_into(self._mm, off + _BUCKET_AT, tokens, now, full_at)
 

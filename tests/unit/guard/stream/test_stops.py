@@ -12,8 +12,9 @@ import pytest
 from tritonguard.core.errors import InvalidInput, TritonGuardError
 from tritonguard.generation.contract import STOP_PREFIX
 from tritonguard.generation.engine import STOP_TTL_S
+from tritonguard.guard.stages.tenancy import TenancyStage
 from tritonguard.guard.stream.stops import FILE_PREFIX, ClientStops, is_stop
-from tritonguard.privacy.tenancy.auth import TenantResolver, new_api_key
+from tritonguard.privacy.tenancy.auth import new_api_key
 from tritonguard.privacy.tenancy.config import TenancyConfig
 
 
@@ -27,9 +28,13 @@ class Request:
         return self.rid
 
 
+def tenant_of(**tenancy):
+    """The tenancy stage's own resolution, as the guard hands it to its stops."""
+    return TenancyStage(TenancyConfig(**tenancy), metrics=None, label=str).tenant_of
+
+
 def stops(tmp_path, **tenancy) -> ClientStops:
-    cfg = TenancyConfig(**tenancy)
-    return ClientStops("g", TenantResolver(cfg), cfg.default, directory=tmp_path)
+    return ClientStops("g", tenant_of(**tenancy), directory=tmp_path)
 
 
 def test_a_stop_reaches_the_generation_of_its_tenant_once(tmp_path):
@@ -43,7 +48,7 @@ def test_a_stop_reaches_the_generation_of_its_tenant_once(tmp_path):
     assert s.taken(acme) and not s.taken(acme), "a stop is taken once"
     # an instance of the guard that did not take the request sees the same file (each is its own process)
     s.ask(STOP_PREFIX + "oai-1", {"tenant": "acme"})
-    twin = ClientStops("g", TenantResolver(TenancyConfig()), "default", directory=tmp_path)
+    twin = ClientStops("g", tenant_of(), directory=tmp_path)
     assert twin.taken(twin.watch(Request("oai-1"), "acme"))
     # no client text in a file name
     s.ask(STOP_PREFIX + "../../etc/x y", {"tenant": "acme"})
@@ -52,7 +57,7 @@ def test_a_stop_reaches_the_generation_of_its_tenant_once(tmp_path):
 
 def test_a_generation_without_an_id_or_directory_cannot_be_stopped_this_way(tmp_path):
     assert stops(tmp_path).watch(Request(""), "acme") is None
-    nowhere = ClientStops("g", None, "default", directory=tmp_path)
+    nowhere = ClientStops("g", tenant_of(enabled=False), directory=tmp_path)
     nowhere.directory = None
     assert nowhere.watch(Request("oai-1"), "default") is None
     with pytest.raises(TritonGuardError, match="cannot be taken here") as info:
@@ -69,8 +74,7 @@ def test_a_stop_naming_no_id_or_with_a_bad_credential_is_refused(tmp_path):
     keys.write_text(json.dumps({"acme": [digest]}))
     folder = tmp_path / "stops"
     folder.mkdir()
-    cfg = TenancyConfig(auth="api_key", keys_file=str(keys))
-    keyed = ClientStops("g", TenantResolver(cfg), cfg.default, directory=folder)
+    keyed = ClientStops("g", tenant_of(auth="api_key", keys_file=str(keys)), directory=folder)
     with pytest.raises(InvalidInput) as refused:
         keyed.ask(STOP_PREFIX + "oai-1", {"x-tritonguard-api-key": "sk-not-a-key"})
     assert "sk-not-a-key" not in str(refused.value) and not os.listdir(folder)
