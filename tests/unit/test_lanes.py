@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 IDLE = ["chrt", "--idle", "0"]
 
 
+TAG = f"{sys.implementation.cache_tag}-pytest-{pytest.__version__}"  # pytest's cached test modules
+
+
 def test_every_module_runs_once_and_the_timed_ones_after_the_lanes():
     mods = lanes.modules(["tests"])
     assert "tests/unit/test_lanes.py" in mods and "tests/functional/test_promote.py" in mods
@@ -290,29 +293,47 @@ def test_the_alone_phase_starts_once_the_lanes_leftovers_are_gone(tmp_path, monk
 
 
 def test_the_projects_bytecode_is_written_once_and_read_where_no_process_writes_any(tmp_path):
-    """lanes.precompile: the packages' modules get their __pycache__ file (the tests' own modules
-    do not: pytest compiles them with its assert rewriting); a second call writes nothing, an
-    edited module is compiled again; a process under PYTHONDONTWRITEBYTECODE=1 loads the cached
-    code instead of compiling the source."""
+    """lanes.precompile: the packages' modules get their __pycache__ file, the tests' own modules
+    pytest's (the code of its assert rewriting); a second call writes nothing, an edited module
+    is compiled again; processes under PYTHONDONTWRITEBYTECODE=1 load the cached code instead of
+    compiling the source: Python the package's, pytest the test module's, whose failing assert
+    still says what pytest's rewriting says."""
     (tmp_path / "tritonguard").mkdir()
     (tmp_path / "tritonguard" / "mod.py").write_text("VALUE = 1\n")
     (tmp_path / "tests" / "unit").mkdir(parents=True)
-    for name in ("helper.py", "conftest.py", "unit/test_x.py"):
+    for name in ("helper.py", "conftest.py"):
         (tmp_path / "tests" / name).write_text("X = 1\n")
-    assert lanes.precompile(tmp_path) == 2
+    test_x = tmp_path / "tests" / "unit" / "test_x.py"
+    test_x.write_text("def test_x():\n    a, b = 1, 2\n    assert a == b\n")
+    more = [f"test_m{i}" for i in range(16)]  # enough to be rewritten by a pool of processes
+    for name in more:
+        (tmp_path / "tests" / "unit" / f"{name}.py").write_text(f"def {name}():\n    assert {name}\n")
+    assert lanes.precompile(tmp_path) == 2 + 2 + len(more)
     cached = {p.relative_to(tmp_path).parts[0] + "/" + p.name.split(".")[0] for p in tmp_path.rglob("*.pyc")}
-    assert cached == {"tritonguard/mod", "tests/helper"}
+    assert cached == {"tritonguard/mod", "tests/helper", "tests/conftest", "tests/test_x",
+                      *(f"tests/{name}" for name in more)}
+    rewritten = sorted(p.name for p in tmp_path.rglob("*-pytest-*.pyc"))
+    assert rewritten == sorted(f"{name}.{TAG}.pyc" for name in ("conftest", "test_x", *more)), rewritten
     assert lanes.precompile(tmp_path) == 0
     mod = tmp_path / "tritonguard" / "mod.py"
     mod.write_text("VALUE = 22\n")
     os.utime(mod, (time.time() + 2, time.time() + 2))  # compileall compares whole seconds of mtime
-    assert lanes.precompile(tmp_path) == 1
+    test_x.write_text("def test_x():\n    a, b = 1, 3\n    assert a == b\n")
+    assert lanes.precompile(tmp_path) == 2
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(tmp_path)}
     env.pop("PYTHONPYCACHEPREFIX", None)
     res = subprocess.run([sys.executable, "-v", "-c", "import tritonguard.mod as m; print(m.VALUE)"],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60, check=True)
     assert res.stdout == "22\n"
     assert f"code object from '{tmp_path / 'tritonguard' / '__pycache__'}" in res.stderr, res.stderr[-2000:]
+    # pytest's trace names the cached file it read; the assert's message is the rewritten one
+    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--debug=trace.log",
+                          "--rootdir", str(tmp_path), "tests/unit/test_x.py"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert res.returncode == 1 and "assert 1 == 3" in res.stdout, res.stdout[-2000:]
+    trace = (tmp_path / "trace.log").read_text()
+    assert f"found cached rewritten pyc for {test_x}" in trace, trace[-3000:]
+    assert f"rewriting {str(test_x)!r}" not in trace
 
 
 def test_the_lane_that_is_free_takes_the_shared_tail_and_each_tail_module_runs_once(tmp_path, monkeypatch):
