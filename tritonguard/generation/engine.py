@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tritonguard.core import catalogue
+from tritonguard.generation.contract import write_stop
 from tritonguard.generation.decoder import Decoder, Sequence
 from tritonguard.triton.metrics import Metrics
 from tritonguard.triton.streams import send_safely
@@ -95,6 +96,16 @@ class Engine:
                 if now - at > STOP_TTL_S:
                     self._stops.pop(rid, None)
         self._stops[request_id] = now
+
+    def relay_stop(self, request_id: str) -> None:
+        """A stop request (contract.STOP_PREFIX) for ``request_id``, wherever this server decodes
+        it: here at the next step (also if it comes within STOP_TTL_S), and, when it is not one
+        of this engine's, through a stop file (contract.write_stop) for the instance of the model
+        that holds it (each instance is a process of its own; the server's stubs share the
+        directory). A Triton client's stop request lands on any instance."""
+        self.request_stop(request_id)
+        if self.stop_dir is not None and request_id not in self._ids:
+            write_stop(self.stop_dir, request_id)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

@@ -110,7 +110,7 @@ class GeneratorModel:
             sink = ResponseSink(request, OUTPUT)
             rid = _request_id(request)
             if rid.startswith(STOP_PREFIX):  # a caller stops one of its generations: no text
-                self.engine.request_stop(rid[len(STOP_PREFIX):])
+                self.engine.relay_stop(rid[len(STOP_PREFIX):])
                 send_safely(sink.finish, None)
                 continue
             try:

@@ -324,6 +324,40 @@ def test_engine_stops_a_generation_named_by_a_stop_file_and_leaves_the_others(tm
             d.rmdir()
 
 
+def test_a_stop_request_taken_by_another_instance_reaches_the_one_decoding(tmp_path):
+    """The generator's own stop request (contract.STOP_PREFIX) lands on any instance of the model
+    (each a process; two engines here sharing the server's stop directory): the instance that
+    takes it and does not hold the generation leaves a stop file, and the one that decodes it
+    stops at its next scan. One that holds it stops at once, no file written."""
+    class Steady:
+        def prefill(self, seq):
+            seq.logits = np.zeros(4, np.float32)
+
+        def advance(self, seqs):
+            time.sleep(0.002)
+            return [(s, "a") for s in seqs]
+
+    taker = Engine(Steady(), cancel_poll_s=0.01, stop_dir=tmp_path)  # type: ignore[arg-type]
+    holder = Engine(Steady(), cancel_poll_s=0.01, stop_dir=tmp_path)  # type: ignore[arg-type]
+    try:
+        params = SamplingParams(max_tokens=5000, temperature=0)
+        far, near = ListSink(), ListSink()
+        holder.submit(Sequence("x", params, stream=True, sink=far, request_id="oai-far"))
+        taker.submit(Sequence("x", params, stream=True, sink=near, request_id="oai-near"))
+        while len(far.pieces) < 10 or len(near.pieces) < 10:
+            time.sleep(0.005)
+        taker.relay_stop("oai-far")
+        assert far.closed.wait(5) and far.final is None and far.error is None
+        assert len(far.pieces) < 5000 and not near.closed.is_set()
+        assert list(tmp_path.iterdir()) == []  # the holder took its file
+        taker.relay_stop("oai-near")
+        assert near.closed.wait(5) and near.error is None and len(near.pieces) < 5000
+        assert list(tmp_path.iterdir()) == []  # its own: stopped here, no file
+    finally:
+        taker.stop()
+        holder.stop()
+
+
 def test_engine_queue_full_and_unload():
     class Slow:
         def prefill(self, seq):
