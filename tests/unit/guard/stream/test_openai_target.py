@@ -219,14 +219,14 @@ def test_target_url_parameters_are_read_and_checked(monkeypatch, tmp_path):
     for params, needle in (
         ({"placement": "openai"}, "'target_url' is required"),
         ({"target_url": "ftp://h/v1"}, r"must be http\(s\)://"),
-        ({"target_url": "http://user:pw@h:1/v1"}, "must not carry credentials"),
+        ({"target_url": "http://user:Leaked-Pa55@h:1/v1"}, "must not carry credentials"),
         ({"target_url": "http://h:1/v1", "placement": "inprocess"}, "needs placement 'openai'"),
         ({"target_url": "http://h:1/v1", "target_api_key_env": "A", "target_api_key_file": "/k"}, "exclude each other"),
         ({"target_urls": "http://h:1/v1"}, "target_urls"),
     ):
         with pytest.raises(ConfigError, match=needle) as err:
             parse_settings({"target": "llm", **params})
-        assert "pw" not in str(err.value)
+        assert "Leaked-Pa55" not in str(err.value)
     monkeypatch.delenv("TG_TEST_UNSET_KEY", raising=False)
     with pytest.raises(ConfigError, match="'TG_TEST_UNSET_KEY', which is not set"):
         openai_client("http://h:1/v1", "", "TG_TEST_UNSET_KEY", "", guard="g", target="t", timeout_s=1)
