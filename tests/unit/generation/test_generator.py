@@ -279,6 +279,17 @@ def test_engine_cancel_stops_decoding(decoder):
         engine.stop()
 
 
+class Steady:
+    """A decoder whose every step is one "a" after 2 ms, for ever: a generation only a stop ends."""
+
+    def prefill(self, seq):
+        seq.logits = np.zeros(4, np.float32)
+
+    def advance(self, seqs):
+        time.sleep(0.002)
+        return [(s, "a") for s in seqs]
+
+
 def test_engine_stops_a_generation_named_by_a_stop_file_and_leaves_the_others(tmp_path):
     """The stream guard's stop (contract.write_stop): the decode thread lists the directory every
     cancel poll; a file naming one of its generations ends that one with a plain final response
@@ -286,14 +297,6 @@ def test_engine_stops_a_generation_named_by_a_stop_file_and_leaves_the_others(tm
     the server's directory), a stale one is pruned."""
     from tritonguard.generation import engine as engine_mod
     from tritonguard.generation.contract import stop_dir, write_stop
-
-    class Steady:
-        def prefill(self, seq):
-            seq.logits = np.zeros(4, np.float32)
-
-        def advance(self, seqs):
-            time.sleep(0.002)
-            return [(s, "a") for s in seqs]
 
     other = tmp_path / "tg-of-another-engine"
     other.touch()
@@ -329,14 +332,6 @@ def test_a_stop_request_taken_by_another_instance_reaches_the_one_decoding(tmp_p
     (each a process; two engines here sharing the server's stop directory): the instance that
     takes it and does not hold the generation leaves a stop file, and the one that decodes it
     stops at its next scan. One that holds it stops at once, no file written."""
-    class Steady:
-        def prefill(self, seq):
-            seq.logits = np.zeros(4, np.float32)
-
-        def advance(self, seqs):
-            time.sleep(0.002)
-            return [(s, "a") for s in seqs]
-
     taker = Engine(Steady(), cancel_poll_s=0.01, stop_dir=tmp_path)  # type: ignore[arg-type]
     holder = Engine(Steady(), cancel_poll_s=0.01, stop_dir=tmp_path)  # type: ignore[arg-type]
     try:
