@@ -15,8 +15,7 @@ How the modules are run:
    (:data:`WAITING`) get one more lane of their own; the :data:`TOGETHER` groups share a lane.
    The lightest unit modules (:data:`TAIL_SHARE` of the work) are dealt to no lane: every lane
    collects them after its own and runs each one it claims first (:mod:`tests.tail`), so the
-   lanes end within about one module of each other whatever the recorded times said. The lane of
-   the modules that wait takes them too, and, its own modules ending first, takes most of them.
+   lanes end within about one module of each other whatever the recorded times said.
 2. **The timed modules** (:data:`TIMED`: a p99 bound, a restart deadline, a rate), one after
    another in one process, **at once with the lanes but first in line for the cores**: the lanes
    (and every process they start: tritonservers, stubs, Ray, Redis) run under ``SCHED_IDLE``, the
@@ -498,12 +497,6 @@ def _assertion_pass_hook(root: Path) -> bool:
     return str(ini.get("enable_assertion_pass_hook", "false")).lower() in ("true", "1", "yes")
 
 
-def tail_takers(jobs: list[tuple[str, list[str], str | None, bool]]) -> set[str]:
-    """The jobs of a phase that take the shared tail: every lane (the one of the modules that wait
-    too), never the timed process."""
-    return {name for name, *_ in jobs if name.startswith("lane")}
-
-
 def _run_phase(jobs: list[tuple[str, list[str], str | None, bool]], opts: list[str], run_dir: Path,
                started: float, tail: list[str] | None = None) -> list[tuple[str, int, float, Path]]:
     """Run ``(name, modules, port lane, idle)`` jobs at once, one pytest process each; a progress
@@ -516,11 +509,8 @@ def _run_phase(jobs: list[tuple[str, list[str], str | None, bool]], opts: list[s
     if tail:
         tail_dir.mkdir(exist_ok=True)
         (tail_dir / "modules.txt").write_text("".join(f"{(ROOT / m).resolve()}\n" for m in tail))
-    # every lane takes the tail, the timed process does not. The lane of the modules that wait
-    # ends them in ~150 s while the others run for ~20 min, so most of the tail becomes its work,
-    # done while lane 0 waits on its servers (lane 0 used 720 s of CPU in 1,228 s, run 53); the
-    # tail is unit modules only, none holding an absolute time
-    takers = tail_takers(jobs) if tail else set()
+    # the lanes of real work take the tail; not the lane of the modules that wait, nor the timed
+    takers = {name for name, mods, *_ in jobs if tail and name.startswith("lane") and not set(mods) & set(WAITING)}
     for name, mods, port_lane, idle in jobs:
         own, extra = len(mods), []
         if name in takers:
