@@ -304,8 +304,9 @@ def test_the_fleet_rolls_out_through_a_replica_crash(fleet):
     assert len(doc["replicas"]) == 3
 
     # (d) failed client requests: only those in flight on the killed replica, i.e. sent before
-    # its process group was gone (a request sent on a kept-alive connection while the dying
-    # server's sockets still exist is lost with it) and not finished at the kill
+    # its process group was gone, every thread of it (a request sent on a kept-alive connection
+    # while the dying server's sockets still exist is lost with it; harness._group_alive) and
+    # not finished at the kill
     log = traffic.log
     failed = [x for x in log if x[3] is not None]
     in_flight = [x for x in failed if x[1] <= victim.dead_at and x[2] >= t_kill]

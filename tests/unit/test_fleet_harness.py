@@ -148,3 +148,44 @@ def test_stop_signals_restore_what_was_there():
     with StopSignals():
         assert all(signal.getsignal(s) is not before[s] for s in StopSignals.SIGNALS)
     assert {s: signal.getsignal(s) for s in StopSignals.SIGNALS} == before
+
+
+# a process whose main thread exits (a zombie: state Z) while another thread still runs and its
+# socket still listens, as a killed tritonserver (~117 threads) can be while its threads exit;
+# the other thread ends when its stdin is closed
+HALF_DEAD = """
+import ctypes, socket, sys, threading
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8)
+print(s.getsockname()[1], flush=True)
+threading.Thread(target=sys.stdin.read).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_process_is_alive_while_any_of_its_threads_is_even_when_its_main_thread_is_a_zombie():
+    """The fleet test allows a failed request only when it was sent before the killed replica's
+    process group was gone (``Replica.kill``'s ``dead_at``). The check looked at each process's
+    main thread only, and called a process gone while its socket still took connections."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.fleet.harness import _group_alive
+
+    proc = subprocess.Popen([sys.executable, "-c", HALF_DEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        port = int(proc.stdout.readline())
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the main thread never exited"
+            time.sleep(0.01)
+        # the main thread is a zombie; the other thread runs and the socket takes a connection
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        assert _group_alive(proc.pid)
+        proc.stdin.close()  # the last thread ends
+        proc.wait(timeout=30)
+        assert not _group_alive(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
