@@ -415,9 +415,7 @@ class Replica:
             if not entry.name.isdigit():
                 continue
             try:
-                stat = Path(f"/proc/{entry.name}/stat").read_text()
-                pgrp = int(stat[stat.rfind(")") + 2:].split()[2])
-                if pgrp != self.pid:
+                if _state(Path(f"/proc/{entry.name}/stat").read_text())[1] != self.pid:
                     continue
                 argv = [a.decode(errors="replace")
                         for a in Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")]
