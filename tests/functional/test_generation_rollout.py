@@ -48,6 +48,12 @@ pytestmark = pytest.mark.functional
 ROOT = Path(__file__).resolve().parents[2]
 GATES = ["--dwell-s", "2", "--interval-s", "1", "--min-requests", "60", "--max-error-rate", "0.05",
          "--min-compared", "40", "--min-latency-samples", "30", "--max-step-s", "120"]
+# requests a second per traffic thread (3 threads). Unpaced, the threads sent 22,325 generations
+# in this module's 195 s alone (304 s of CPU on 2 cores), most of them while no gate counted
+# (the CLI's start and offline judging, dwells, a server starting), and in a full run that CPU
+# was taken from the other lane. Paced, 7,769 (188 s of CPU): what the gates need, chiefly the
+# ~230 compared rows the equivalence SPRT takes at 10 % (2026-12-01)
+RATE = 10.0
 WORDS = ("Return the", "Create a new", "If the", "This module", "The default", "Raise an", "A list of",
          "Open the", "Set the", "Read the", "Write a", "Call the", "Get the", "When the", "Convert a")
 
@@ -219,10 +225,12 @@ def served_total(ctx) -> dict[str, float]:
 
 class Traffic:
     """Generations until stopped: 3 threads, each request a fresh prompt (no cache can answer
-    it), greedy 3 in 4, streamed 1 in 3; ``poison_share`` of the prompts hold the poison."""
+    it), greedy 3 in 4, streamed 1 in 3; ``poison_share`` of the prompts hold the poison. Each
+    thread sends at most ``rate`` requests a second (a thread behind its pace sends at once, and
+    is not owed the ones it missed)."""
 
-    def __init__(self, ctx, *, seed: int, poison_share: float = 0.0, max_s: float = 300.0):
-        self.ctx, self.seed, self.poison_share, self.max_s = ctx, seed, poison_share, max_s
+    def __init__(self, ctx, *, seed: int, poison_share: float = 0.0, max_s: float = 300.0, rate: float = RATE):
+        self.ctx, self.seed, self.poison_share, self.max_s, self.rate = ctx, seed, poison_share, max_s, rate
         self.sent = self.ok = 0
         self.errors: list[str] = []
         self._lock = threading.Lock()
@@ -245,7 +253,9 @@ class Traffic:
         base = f"http://{self.ctx['server'].http_url}"
         deadline = time.monotonic() + self.max_s
         n = 0
+        due = time.monotonic()
         while not self._stop.is_set() and time.monotonic() < deadline:
+            due = max(due + 1.0 / self.rate, time.monotonic())
             n += 1
             prompt = f"{WORDS[rng.integers(len(WORDS))]} {rng.integers(10**6)} "
             if rng.random() < self.poison_share:
@@ -274,6 +284,7 @@ class Traffic:
                     self.errors.append(err)
             if not ok:
                 time.sleep(0.05)  # a broken server must not turn this loop into a busy one
+            self._stop.wait(due - time.monotonic())
 
     def report(self) -> dict:
         return {"sent": self.sent, "ok": self.ok, "errors": len(self.errors), "first_errors": self.errors[:3]}
@@ -342,7 +353,16 @@ def test_nan_on_live_prompts_trips_the_breaker_and_falls_back(ctx):
     """v5 passes every offline check and its goldens; live prompts holding the poisoned character
     make it fail with non-finite logits before its first token: each such request is answered
     by the primary instead (fallback), the breaker trips, and the rollout rolls it back."""
-    r, traffic = promote_under_traffic(ctx, 5, "10,50,100", seed=5, poison_share=0.3)
+    # the breaker judges v5 once it has seen 20 of its requests (breaker.min_requests); the
+    # rollout's error-rate gate fails it at any look where its test is decisive (5 failures in 10
+    # did it), dwell or not. The breaker must see its 20 before the rollout's first look, or the
+    # gate rolls v5 back first and the breaker never trips: at 10 % of the traffic's 30 requests a
+    # second, with a look a second, the gate won (2026-12-01, when the traffic got its pace;
+    # unpaced, the breaker had won by speed alone). At 50 % of that pace v5 has its 20 in about
+    # 1.3 s, and the first look that can judge it comes 3 s after the split (the breaker then
+    # keeps v5 from any more traffic: the gate read 7 errors in 20 requests). The breaker wins
+    # while the traffic keeps above 14 requests a second
+    r, traffic = promote_under_traffic(ctx, 5, "50,100", "--interval-s", "3", seed=5, poison_share=0.3)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "rolled_back" in r.stdout
     st = state(ctx)
