@@ -43,12 +43,15 @@ class LabelledTraffic:
     """load_digits images in random order over HTTP from ``threads`` client threads (one request
     in flight each), every fourth request carrying its true label (request parameter ``label``),
     until stopped or ``max_s`` passed. Counts answers, errors, and per serving version the
-    answers whose top-1 was wrong."""
+    answers whose top-1 was wrong. With ``rate``, each thread sends at most that many requests a
+    second (a thread behind its pace sends at once and is not owed the ones it missed); without,
+    as fast as the server answers."""
 
     def __init__(self, url: str, images: np.ndarray, labels: np.ndarray, *, max_s: float = 900.0,
                  seed: int = 0, threads: int = 8, model: str = "digits", label_every: int = 4,
-                 ids: bool = False):
+                 ids: bool = False, rate: float | None = None):
         self.url, self.images, self.labels, self.max_s = url, images, labels, max_s
+        self.rate = rate
         self.model = model
         self.seed = seed
         # every label_every-th request carries its label (0: none); with ids, every request gets
@@ -84,9 +87,14 @@ class LabelledTraffic:
         client = httpclient.InferenceServerClient(self.url)
         outputs = [httpclient.InferRequestedOutput("PROBS"), httpclient.InferRequestedOutput("SERVED_BY")]
         n = 0
+        due = time.monotonic()
         try:
             deadline = time.monotonic() + self.max_s
             while not self._stop.is_set() and time.monotonic() < deadline:
+                if self.rate:
+                    if self._stop.wait(due - time.monotonic()):
+                        break
+                    due = max(due + 1.0 / self.rate, time.monotonic())
                 i = int(rng.integers(0, len(self.images)))
                 inp = httpclient.InferInput("IMAGE", [1, 8, 8], "FP32")
                 inp.set_data_from_numpy(self.images[i][None])

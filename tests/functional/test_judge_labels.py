@@ -10,7 +10,8 @@ to be promoted, held to its own measured difference) and the retrain promoted, o
 operator owns. With `--min-labels`, labels fed after the answers by `exporter feedback` decide:
 the worse model is rolled back by the labels gate, the retrain promoted on live labels. The
 guard's cache is on, so some answers come from it (their labels count for the version that
-computed them). Every rollout runs as a user runs it, with the default steps shortened to two.
+computed them). Every rollout runs as a user runs it, with the default steps shortened to two,
+under 8 client threads of :data:`RATE` requests a second each.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ pytestmark = pytest.mark.functional
 ROOT = Path(__file__).resolve().parents[2]
 GATES = ["--steps", "25,100", "--dwell-s", "2", "--interval-s", "1", "--min-requests", "60",
          "--max-error-rate", "0.05", "--min-compared", "60", "--min-latency-samples", "50", "--max-step-s", "150"]
+# requests a second per client thread (8 threads, see test_judge.RATE). Flat out they sent ~1,400
+# a second alone (most answered from the cache): 95 s and 146 s of CPU for the module, against 63 s
+# and 65 s at this pace, for the same verdicts (2026-12-01)
+RATE = 25.0
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +81,8 @@ def promote(ctx, version: int, *extra: str) -> subprocess.CompletedProcess:
 
 
 def traffic(ctx, seed: int, **kw) -> LabelledTraffic:
-    return LabelledTraffic(ctx["server"].http_url, ctx["images"], ctx["labels"], seed=seed, max_s=300, **kw)
+    return LabelledTraffic(ctx["server"].http_url, ctx["images"], ctx["labels"], seed=seed, max_s=300, rate=RATE,
+                           **kw)
 
 
 def progress(ctx) -> dict:
